@@ -1,0 +1,335 @@
+"""`RouteSpec`: the shape, storage dtype and Arrow type of one token's routes.
+
+Also the zero-copy conversions between numpy ``[rows, L, K]`` arrays and the
+per-token Arrow type ``fixed_size_list<fixed_size_list<dtype, K>, L>``, and the
+vectorised checks (shape, id range, duplicate experts) every entry point uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+
+from r3arrow.errors import (
+    DuplicateExpertError,
+    ExpertRangeError,
+    RouteDTypeError,
+    RouteShapeError,
+    SchemaError,
+)
+
+#: Schema/file metadata key under which the spec travels (JSON).
+SPEC_METADATA_KEY = b"r3arrow.spec"
+
+_STORAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32))
+_ARROW_OF = {
+    np.dtype(np.uint8): pa.uint8(),
+    np.dtype(np.uint16): pa.uint16(),
+    np.dtype(np.int32): pa.int32(),
+}
+
+
+def storage_dtype_for(num_ids: int) -> np.dtype[Any]:
+    """Smallest storage dtype that holds ids ``0 .. num_ids-1``: uint8, uint16 or int32."""
+    if num_ids <= 1 << 8:
+        return np.dtype(np.uint8)
+    if num_ids <= 1 << 16:
+        return np.dtype(np.uint16)
+    if num_ids <= np.iinfo(np.int32).max:
+        return np.dtype(np.int32)
+    raise ExpertRangeError(f"expected fewer than 2**31 experts, found {num_ids}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteSpec:
+    """Shape and dtype of one token's routes: ``[num_layers, topk]`` expert ids.
+
+    ``num_layers`` counts every layer the engine reports (dense ones included);
+    ``moe_layers`` lists the global indices of layers that have a router
+    (``None`` = all). ``num_experts=None`` means unknown: storage starts at
+    uint8 and traces widen when they see larger ids. ``id_dtype`` overrides the
+    storage dtype (it must hold ``num_experts`` ids).
+    """
+
+    num_layers: int
+    topk: int
+    num_experts: int | None
+    moe_layers: tuple[int, ...] | None = None
+    id_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+                raise RouteShapeError(f"RouteSpec.{name}: expected a positive int, found {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.num_experts is not None:
+            e = self.num_experts
+            if not isinstance(e, int | np.integer) or isinstance(e, bool) or e < 1:
+                raise ExpertRangeError(f"RouteSpec.num_experts: expected a positive int or None, found {e!r}")
+            object.__setattr__(self, "num_experts", int(e))
+            if self.topk > int(e):
+                raise RouteShapeError(f"RouteSpec: topk={self.topk} exceeds num_experts={e}")
+        if self.moe_layers is not None:
+            layers = tuple(sorted({int(i) for i in self.moe_layers}))
+            if len(layers) != len(tuple(self.moe_layers)):
+                raise RouteShapeError(f"RouteSpec.moe_layers: expected unique layer ids, found {list(self.moe_layers)}")
+            if not layers or layers[0] < 0 or layers[-1] >= self.num_layers:
+                raise RouteShapeError(
+                    f"RouteSpec.moe_layers: expected non-empty ids in [0, {self.num_layers}), found {list(layers)}"
+                )
+            object.__setattr__(self, "moe_layers", None if len(layers) == self.num_layers else layers)
+        if self.id_dtype is not None:
+            dt = np.dtype(self.id_dtype)
+            if dt not in _STORAGE_DTYPES:
+                raise RouteDTypeError(f"RouteSpec.id_dtype: expected uint8, uint16 or int32, found {dt}")
+            if self.num_experts is not None and storage_dtype_for(self.num_experts).itemsize > dt.itemsize:
+                raise RouteDTypeError(
+                    f"RouteSpec.id_dtype: {dt} cannot hold {self.num_experts} expert ids"
+                )
+            object.__setattr__(self, "id_dtype", dt.name)
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """Storage dtype of expert ids (numpy)."""
+        if self.id_dtype is not None:
+            return np.dtype(self.id_dtype)
+        return storage_dtype_for(self.num_experts if self.num_experts is not None else 1)
+
+    @property
+    def arrow_value_type(self) -> pa.DataType:
+        return _ARROW_OF[self.dtype]
+
+    @property
+    def arrow_type(self) -> pa.DataType:
+        """Per-token Arrow type: ``fixed_size_list<fixed_size_list<dtype, K>, L>``."""
+        return pa.list_(pa.list_(self.arrow_value_type, self.topk), self.num_layers)
+
+    @property
+    def routes_type(self) -> pa.DataType:
+        """Per-trajectory Arrow type: ``large_list<arrow_type>``."""
+        return pa.large_list(self.arrow_type)
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        return (self.num_layers, self.topk)
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one token's routes in storage dtype."""
+        return self.num_layers * self.topk * self.dtype.itemsize
+
+    @property
+    def router_layers(self) -> tuple[int, ...]:
+        """Global indices of the layers that have a router."""
+        return self.moe_layers if self.moe_layers is not None else tuple(range(self.num_layers))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        moe = set(self.router_layers)
+        return tuple(i for i in range(self.num_layers) if i not in moe)
+
+    def widened_for(self, max_id: int) -> RouteSpec:
+        """This spec, with a storage dtype wide enough for ``max_id`` (self if it already is)."""
+        need = storage_dtype_for(int(max_id) + 1)
+        if need.itemsize <= self.dtype.itemsize:
+            return self
+        return dataclasses.replace(self, id_dtype=need.name)
+
+    def same_shape(self, other: RouteSpec) -> bool:
+        return (self.num_layers, self.topk, self.router_layers) == (
+            other.num_layers,
+            other.topk,
+            other.router_layers,
+        )
+
+    # -------------------------------------------------------------- metadata
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {
+                "version": 1,
+                "num_layers": self.num_layers,
+                "topk": self.topk,
+                "num_experts": self.num_experts,
+                "moe_layers": list(self.moe_layers) if self.moe_layers is not None else None,
+                "dtype": self.dtype.name,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> RouteSpec:
+        try:
+            obj = orjson.loads(data)
+            return cls(
+                num_layers=obj["num_layers"],
+                topk=obj["topk"],
+                num_experts=obj["num_experts"],
+                moe_layers=tuple(obj["moe_layers"]) if obj.get("moe_layers") is not None else None,
+                id_dtype=obj.get("dtype"),
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+            raise SchemaError(f"invalid r3arrow.spec metadata: expected a RouteSpec JSON object, found {data!r:.200}") from exc
+
+    def to_metadata(self) -> dict[bytes, bytes]:
+        return {SPEC_METADATA_KEY: self.to_json()}
+
+    @classmethod
+    def from_schema(cls, schema: pa.Schema) -> RouteSpec:
+        """Read the spec from Arrow schema metadata; raises `SchemaError` if absent."""
+        meta = schema.metadata or {}
+        if SPEC_METADATA_KEY not in meta:
+            raise SchemaError(
+                f"expected schema metadata key {SPEC_METADATA_KEY.decode()!r}, found keys "
+                f"{sorted(k.decode(errors='replace') for k in meta)}"
+            )
+        return cls.from_json(meta[SPEC_METADATA_KEY])
+
+
+# ----------------------------------------------------------------- conversions
+def routes_to_numpy(routes: pa.Array | pa.ChunkedArray, spec: RouteSpec | None = None) -> np.ndarray:
+    """View an Arrow per-token routes array as numpy ``[rows, L, K]`` (zero-copy for one chunk).
+
+    Raises `RouteShapeError` / `RouteDTypeError` if the type is not a per-token
+    routes type (or not ``spec.arrow_type`` when a spec is given), and if any
+    token is null.
+    """
+    if isinstance(routes, pa.ChunkedArray):
+        routes = routes.combine_chunks() if routes.num_chunks != 1 else routes.chunk(0)
+    t = routes.type
+    if not (
+        pa.types.is_fixed_size_list(t)
+        and pa.types.is_fixed_size_list(t.value_type)
+        and pa.types.is_integer(t.value_type.value_type)
+    ):
+        raise RouteShapeError(
+            f"expected routes of type fixed_size_list<fixed_size_list<int, K>, L>, found {t}"
+        )
+    num_layers, topk = t.list_size, t.value_type.list_size
+    if spec is not None and (num_layers, topk) != spec.row_shape:
+        raise RouteShapeError(
+            f"expected routes [rows, {spec.num_layers}, {spec.topk}], found [rows, {num_layers}, {topk}]"
+        )
+    if routes.null_count:
+        raise RouteShapeError(f"expected no null tokens in routes, found {routes.null_count}")
+    leaf = routes.flatten().flatten()
+    if leaf.null_count:
+        raise RouteShapeError(f"expected no null expert ids, found {leaf.null_count}")
+    flat = leaf.to_numpy(zero_copy_only=True)
+    return flat.reshape(len(routes), num_layers, topk)
+
+
+def numpy_to_routes(arr: np.ndarray, spec: RouteSpec | None = None) -> pa.FixedSizeListArray:
+    """Wrap a C-contiguous ``[rows, L, K]`` array as the per-token Arrow type, zero-copy."""
+    if arr.ndim != 3:
+        raise RouteShapeError(f"expected routes [rows, L, K], found shape {arr.shape}")
+    if spec is not None and arr.shape[1:] != spec.row_shape:
+        raise RouteShapeError(
+            f"expected routes [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
+        )
+    if arr.dtype not in _ARROW_OF:
+        raise RouteDTypeError(f"expected routes stored as uint8, uint16 or int32, found {arr.dtype}")
+    arr = np.ascontiguousarray(arr)
+    leaf = pa.array(arr.reshape(-1), type=_ARROW_OF[arr.dtype])
+    inner = pa.FixedSizeListArray.from_arrays(leaf, arr.shape[2])
+    return pa.FixedSizeListArray.from_arrays(inner, arr.shape[1])
+
+
+def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.ndarray:
+    """Coerce numpy (any integer dtype) or Arrow per-token routes to numpy ``[rows, L, K]``.
+
+    Checks shape and dtype only; use `check_route_ids` for the id range.
+    """
+    if isinstance(routes, pa.Array | pa.ChunkedArray):
+        return routes_to_numpy(routes, spec)
+    arr = np.asarray(routes)
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":
+            arr = arr.astype(spec.dtype)
+        else:
+            raise RouteDTypeError(f"{what}: expected an integer array, found dtype {arr.dtype}")
+    if arr.ndim != 3 or arr.shape[1:] != spec.row_shape:
+        raise RouteShapeError(
+            f"{what}: expected shape [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
+        )
+    return arr
+
+
+def id_extent(arr: np.ndarray, spec: RouteSpec) -> tuple[int, int]:
+    """(min, max) expert id over the router layers of ``arr`` ``[rows, L, K]``; (0, -1) if empty."""
+    if arr.shape[0] == 0:
+        return 0, -1
+    layers = spec.moe_layers
+    if layers is None:
+        return int(arr.min()), int(arr.max())
+    # Reduce per layer in one pass, then pick router layers: no fancy-index copy.
+    return int(arr.min(axis=(0, 2))[list(layers)].min()), int(arr.max(axis=(0, 2))[list(layers)].max())
+
+
+def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
+    """Raise `ExpertRangeError` unless router-layer ids lie in ``[0, num_experts)``; return (min, max)."""
+    lo, hi = id_extent(arr, spec)
+    if arr.shape[0] == 0:
+        return lo, hi
+    if lo < 0:
+        row, layer, _ = np.argwhere(arr < 0)[0]
+        raise ExpertRangeError(f"{what}: expected expert ids >= 0, found {lo} (token {row}, layer {layer})")
+    if spec.num_experts is not None and hi >= spec.num_experts:
+        bad = np.argwhere(arr >= spec.num_experts)
+        bad = bad[np.isin(bad[:, 1], spec.router_layers)][0]
+        raise ExpertRangeError(
+            f"{what}: expected expert ids < num_experts={spec.num_experts}, found {hi} "
+            f"(token {bad[0]}, layer {bad[1]})"
+        )
+    return lo, hi
+
+
+def check_no_duplicate_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> None:
+    """Raise `DuplicateExpertError` if any router-layer top-k row repeats an expert."""
+    if arr.shape[0] == 0 or spec.topk == 1:
+        return
+    layers = list(spec.router_layers)
+    sub = arr if spec.moe_layers is None else arr[:, layers, :]
+    s = np.sort(sub, axis=-1)
+    dup = s[..., 1:] == s[..., :-1]
+    if dup.any():
+        row, layer, _ = np.argwhere(dup)[0]
+        raise DuplicateExpertError(
+            f"{what}: expected {spec.topk} distinct experts per token and layer, found "
+            f"{sub[row, layer].tolist()} at token {row}, layer {layers[layer]}"
+        )
+
+
+def dummy_route_row(spec: RouteSpec) -> np.ndarray:
+    """The padding row ``[0, 1, ..., K-1]`` on every layer, shape ``[L, K]``, storage dtype."""
+    return np.broadcast_to(np.arange(spec.topk, dtype=spec.dtype), spec.row_shape)
+
+
+def validate_layers(layers: Iterable[int], spec: RouteSpec) -> list[int]:
+    """Check that ``layers`` are router layers of ``spec``; return them as a list."""
+    out = [int(i) for i in layers]
+    known = set(spec.router_layers)
+    bad = [i for i in out if i not in known]
+    if bad:
+        raise RouteShapeError(f"expected router layers from {list(spec.router_layers)}, found {bad}")
+    return out
+
+
+__all__: Sequence[str] = [
+    "SPEC_METADATA_KEY",
+    "RouteSpec",
+    "as_route_rows",
+    "check_no_duplicate_experts",
+    "check_route_ids",
+    "dummy_route_row",
+    "id_extent",
+    "numpy_to_routes",
+    "routes_to_numpy",
+    "storage_dtype_for",
+    "validate_layers",
+]
