@@ -220,7 +220,7 @@ def routes_to_numpy(routes: pa.Array | pa.ChunkedArray, spec: RouteSpec | None =
     leaf = routes.flatten().flatten()
     if leaf.null_count:
         raise RouteShapeError(f"expected no null expert ids, found {leaf.null_count}")
-    flat = leaf.to_numpy(zero_copy_only=True)
+    flat: np.ndarray = leaf.to_numpy(zero_copy_only=True)
     return flat.reshape(len(routes), num_layers, topk)
 
 

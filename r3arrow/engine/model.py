@@ -1,0 +1,451 @@
+"""A tiny, deterministic Mixture-of-Experts language model that records its own routing.
+
+`TinyMoE` is a real causal transformer (embeddings, causal multi-head attention,
+dense MLP or softmax-top-k MoE per layer, LM head) with random weights drawn from
+a seed; nothing is downloaded. `ReferenceEngine` generates with it and returns
+routed experts with exactly vLLM's row semantics (see `ReferenceEngine.generate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from r3arrow.spec import RouteSpec
+
+FinishReason = Literal["length", "stop"]
+
+
+class EngineRequestError(ValueError):
+    """A generation request is invalid (the server answers HTTP 400 with this message)."""
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"TinyMoEConfig.{name}: expected a positive int, found {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyMoEConfig:
+    """Shape of `TinyMoE`. Layers in ``dense_layers`` have a dense MLP and no router.
+
+    ``dtype`` is the compute dtype. float64 is the default because routing must be
+    *causal to the bit*: the routes of token i may not change when later tokens are
+    appended, yet BLAS picks different kernels (different summation orders) for
+    different row counts; in float64 those last-bit differences cannot flip a top-k.
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 4
+    dense_layers: tuple[int, ...] = (0,)
+    num_experts: int = 8
+    topk: int = 2
+    seed: int = 0
+    eos_token_id: int | None = None
+    max_model_len: int = 4096
+    num_heads: int = 2
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    dtype: Literal["float32", "float64"] = "float64"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_experts",
+            "topk",
+            "max_model_len",
+            "num_heads",
+            "intermediate_size",
+            "moe_intermediate_size",
+        ):
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        dense = tuple(sorted({int(i) for i in self.dense_layers}))
+        if len(dense) != len(tuple(self.dense_layers)) or any(
+            not 0 <= i < self.num_layers for i in dense
+        ):
+            raise ValueError(
+                f"TinyMoEConfig.dense_layers: expected unique ids in [0, {self.num_layers}), "
+                f"found {list(self.dense_layers)}"
+            )
+        if len(dense) == self.num_layers:
+            raise ValueError(
+                f"TinyMoEConfig.dense_layers: expected at least one MoE layer, found all "
+                f"{self.num_layers} layers dense"
+            )
+        object.__setattr__(self, "dense_layers", dense)
+        if self.topk > self.num_experts:
+            raise ValueError(
+                f"TinyMoEConfig: expected topk <= num_experts={self.num_experts}, found {self.topk}"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"TinyMoEConfig: expected hidden_size divisible by num_heads={self.num_heads}, "
+                f"found {self.hidden_size}"
+            )
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise ValueError(
+                f"TinyMoEConfig.eos_token_id: expected None or an id in [0, {self.vocab_size}), "
+                f"found {self.eos_token_id}"
+            )
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"TinyMoEConfig.dtype: expected 'float32' or 'float64', found {self.dtype!r}")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global ids of the layers that have a router."""
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    def route_spec(self) -> RouteSpec:
+        """The `RouteSpec` of this model's routes (all layers, dense ones zero)."""
+        return RouteSpec(
+            num_layers=self.num_layers,
+            topk=self.topk,
+            num_experts=self.num_experts,
+            moe_layers=self.moe_layers,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == "float64" else torch.float32
+
+
+@dataclasses.dataclass
+class _KVCache:
+    """Keys and values ``[L, heads, capacity, head_dim]``; ``length`` tokens are filled."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k.shape[2])
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class TinyMoE(nn.Module):
+    """Causal MoE transformer on CPU; weights drawn from ``config.seed``.
+
+    ``forward(token_ids [T] int64) -> (logits [T, V], routes [T, L, K] int64)``:
+    router layers hold the top-k expert ids in `torch.topk` order (softmax over
+    experts, top-k, renormalised, like Qwen3-MoE); dense layers hold zeros.
+    Token i's outputs depend on tokens ``0..i`` only.
+    """
+
+    def __init__(self, config: TinyMoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        gen = torch.Generator().manual_seed(c.seed)
+        dt = c.torch_dtype
+
+        def rand(*shape: int, fan_in: int) -> nn.Parameter:
+            w = torch.randn(*shape, generator=gen, dtype=torch.float64) / math.sqrt(fan_in)
+            return nn.Parameter(w.to(dt), requires_grad=False)
+
+        h, nl, e = c.hidden_size, c.num_layers, c.num_experts
+        n_dense = len(c.dense_layers)
+        n_moe = nl - n_dense
+        self.embed = rand(c.vocab_size, h, fan_in=1)
+        self.wqkv = rand(nl, h, 3 * h, fan_in=h)
+        self.wo = rand(nl, h, h, fan_in=h)
+        self.dense_up = rand(max(n_dense, 1), h, c.intermediate_size, fan_in=h)
+        self.dense_down = rand(max(n_dense, 1), c.intermediate_size, h, fan_in=c.intermediate_size)
+        # Router logits are scaled up so that routing is confident and varied, like a trained router.
+        self.router = rand(max(n_moe, 1), h, e, fan_in=1)
+        self.expert_up = rand(max(n_moe, 1), e, h, c.moe_intermediate_size, fan_in=h)
+        self.expert_down = rand(
+            max(n_moe, 1), e, c.moe_intermediate_size, h, fan_in=c.moe_intermediate_size
+        )
+        self.lm_head = rand(h, c.vocab_size, fan_in=h)
+        pos = torch.arange(c.max_model_len, dtype=torch.float64)[:, None]
+        freq = torch.exp(-math.log(10000.0) * torch.arange(0, h, 2, dtype=torch.float64) / h)
+        pe = torch.zeros(c.max_model_len, h, dtype=torch.float64)
+        pe[:, 0::2] = torch.sin(pos * freq)
+        pe[:, 1::2] = torch.cos(pos * freq)
+        self.register_buffer("pos_embed", pe.to(dt), persistent=False)
+        # index of each layer within the dense or the MoE weight stacks
+        self._slot = [
+            (c.dense_layers.index(i) if i in c.dense_layers else c.moe_layers.index(i))
+            for i in range(nl)
+        ]
+        self.eval()
+
+    # ----------------------------------------------------------------- blocks
+    def _attention(self, x: torch.Tensor, layer: int, cache: _KVCache) -> torch.Tensor:
+        t, h = x.shape
+        nh = self.config.num_heads
+        hd = h // nh
+        start = cache.length
+        end = start + t
+        q, k, v = (x @ self.wqkv[layer]).view(t, 3, nh, hd).permute(1, 2, 0, 3)  # [nh, t, hd] each
+        cache.k[layer, :, start:end] = k
+        cache.v[layer, :, start:end] = v
+        keys, values = cache.k[layer, :, :end], cache.v[layer, :, :end]
+        scores = (q * (1.0 / math.sqrt(hd))) @ keys.transpose(1, 2)  # [nh, t, end]
+        if t > 1:
+            future = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+            scores.masked_fill_(future, float("-inf"))
+        return (scores.softmax(-1) @ values).transpose(0, 1).reshape(t, h) @ self.wo[layer]
+
+    def _dense(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        return F.silu(x @ self.dense_up[slot]) @ self.dense_down[slot]
+
+    def _moe(self, x: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, e = self.config.topk, self.config.num_experts
+        probs = (x @ self.router[slot]).softmax(-1)
+        weights, ids = torch.topk(probs, k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # Dispatch: group the (token, slot) pairs by expert, one matmul pair per expert.
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e).tolist()
+        src = order // k
+        xs = x[src]
+        outs = []
+        for ex, chunk in enumerate(torch.split(xs, counts)):
+            if chunk.shape[0]:
+                outs.append(F.silu(chunk @ self.expert_up[slot, ex]) @ self.expert_down[slot, ex])
+        ys = torch.cat(outs) * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add_(0, src, ys)
+        return out, ids
+
+    # ---------------------------------------------------------------- forward
+    def new_cache(self, capacity: int) -> _KVCache:
+        """An empty KV cache for up to ``capacity`` tokens (at most ``max_model_len``)."""
+        c = self.config
+        if not 0 < capacity <= c.max_model_len:
+            raise ValueError(
+                f"expected a cache capacity in [1, max_model_len={c.max_model_len}], found {capacity}"
+            )
+        shape = (c.num_layers, c.num_heads, capacity, c.hidden_size // c.num_heads)
+        return _KVCache(
+            torch.empty(shape, dtype=c.torch_dtype), torch.empty(shape, dtype=c.torch_dtype)
+        )
+
+    def extend(
+        self, token_ids: torch.Tensor, cache: _KVCache, *, logits_from: int | None = 0
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Run ``token_ids`` [t] after the ``cache.length`` tokens already in ``cache``.
+
+        Returns logits for chunk rows ``logits_from:`` (``None``: no logits) and routes
+        ``[t, L, K]`` int64; the cache then holds the chunk too. A prefill is an extend of
+        an empty cache; a decode step is an extend by one token.
+        """
+        c = self.config
+        if token_ids.ndim != 1 or token_ids.dtype != torch.int64:
+            raise ValueError(
+                f"expected token_ids as a 1-D int64 tensor, found {token_ids.ndim}-D {token_ids.dtype}"
+            )
+        t = token_ids.shape[0]
+        start = cache.length
+        if start + t > cache.capacity:
+            raise ValueError(
+                f"expected at most {cache.capacity - start} more tokens in the KV cache, found {t}"
+            )
+        routes = torch.zeros(t, c.num_layers, c.topk, dtype=torch.int64)
+        with torch.inference_mode():
+            x = self.embed[token_ids] + self.pos_embed[start : start + t]
+            for layer in range(c.num_layers):
+                x = x + self._attention(_rms_norm(x), layer, cache)
+                slot = self._slot[layer]
+                if layer in c.dense_layers:
+                    x = x + self._dense(_rms_norm(x), slot)
+                else:
+                    y, ids = self._moe(_rms_norm(x), slot)
+                    x = x + y
+                    routes[:, layer] = ids
+            logits = None if logits_from is None else _rms_norm(x[logits_from:]) @ self.lm_head
+        cache.length = start + t
+        return logits, routes
+
+    def run(
+        self, token_ids: torch.Tensor, *, logits_from: int | None = 0
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Like `forward` on a fresh cache, but logits only for rows ``logits_from:`` (``None``: none)."""
+        if token_ids.ndim != 1 or token_ids.shape[0] == 0:
+            raise ValueError(f"expected a non-empty 1-D token_ids tensor, found shape {list(token_ids.shape)}")
+        return self.extend(token_ids, self.new_cache(token_ids.shape[0]), logits_from=logits_from)
+
+    def forward(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_ids [T] int64 -> (logits [T, V], routes [T, L, K] int64)``."""
+        logits, routes = self.run(token_ids, logits_from=0)
+        assert logits is not None
+        return logits, routes
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """One finished generation. ``routed_experts`` has ``P - start + G - 1`` rows (or is None)."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason
+    routed_experts: np.ndarray | None
+    logprobs: list[float] | None
+
+
+class ReferenceEngine:
+    """Generates with a `TinyMoE` and reports routed experts exactly like vLLM.
+
+    Thread-safe only under an external lock (the HTTP server holds one).
+    """
+
+    def __init__(self, config: TinyMoEConfig | None = None) -> None:
+        self.config = config if config is not None else TinyMoEConfig()
+        self.spec = self.config.route_spec()
+        self.model = TinyMoE(self.config)
+
+    # ------------------------------------------------------------- validation
+    def _check_tokens(self, token_ids: Sequence[int], what: str) -> torch.Tensor:
+        try:
+            arr = np.asarray(token_ids)
+        except (TypeError, ValueError) as exc:
+            raise EngineRequestError(f"{what}: expected a list of token ids, found {token_ids!r:.100}") from exc
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise EngineRequestError(
+                f"{what}: expected a flat list of integer token ids, found shape {list(arr.shape)} "
+                f"dtype {arr.dtype}"
+            )
+        if arr.size == 0:
+            raise EngineRequestError(f"{what}: expected at least one token id, found none")
+        v = self.config.vocab_size
+        bad = np.flatnonzero((arr < 0) | (arr >= v))
+        if bad.size:
+            raise EngineRequestError(
+                f"{what}: expected token ids in [0, {v}), found {int(arr[bad[0]])} at position {int(bad[0])}"
+            )
+        return torch.from_numpy(arr.astype(np.int64))
+
+    def routes_for(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Routes of every token of a full sequence: ``[N, L, K]`` in the spec's dtype.
+
+        Row i routes token i (what a full-prefix request would return for these tokens).
+        """
+        ids = self._check_tokens(token_ids, "token_ids")
+        _, routes = self.model.run(ids, logits_from=None)
+        return routes.numpy().astype(self.spec.dtype)
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        routed_experts_prompt_start: int = 0,
+        return_routed_experts: bool = True,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+        min_tokens: int = 0,
+    ) -> GenerateResult:
+        """Generate up to ``max_tokens`` tokens after the prompt (P tokens).
+
+        Returns G >= 1 tokens and, unless disabled, ``routed_experts`` ``[P - start + G - 1, L, K]``
+        where row j routes token ``start + j`` of ``prompt + generated`` (the last sampled
+        token never went through the model). Temperature 0 is greedy; otherwise sampling
+        from a generator seeded by ``seed``. A sampled stop token (``stop_token_ids`` or
+        EOS unless ``ignore_eos``) ends generation with "stop" and is kept in ``token_ids``.
+        Raises `EngineRequestError` for invalid requests, before any compute.
+        """
+        c = self.config
+        prompt = self._check_tokens(prompt_token_ids, "prompt token_ids")
+        p = prompt.shape[0]
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise EngineRequestError(f"max_tokens: expected an int >= 1, found {max_tokens!r}")
+        if p + max_tokens > c.max_model_len:
+            raise EngineRequestError(
+                f"This model's maximum context length is {c.max_model_len} tokens. However, you "
+                f"requested {p + max_tokens} tokens ({p} in the messages, {max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion."
+            )
+        start = routed_experts_prompt_start
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < p:
+            raise EngineRequestError(
+                f"routed_experts_prompt_start: expected an int in [0, prompt length {p}), found {start!r}"
+            )
+        if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not (
+            math.isfinite(temperature) and temperature >= 0
+        ):
+            raise EngineRequestError(f"temperature: expected a finite float >= 0, found {temperature!r}")
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 0 <= min_tokens <= max_tokens:
+            raise EngineRequestError(
+                f"min_tokens: expected an int in [0, max_tokens={max_tokens}], found {min_tokens!r}"
+            )
+        stops: set[int] = set()
+        if stop_token_ids:
+            stops.update(self._check_tokens(stop_token_ids, "stop_token_ids").tolist())
+        if c.eos_token_id is not None and not ignore_eos:
+            stops.add(c.eos_token_id)
+
+        gen: torch.Generator | None = None
+        if temperature > 0:
+            gen = torch.Generator()
+            if seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(int(seed))
+
+        cap = p + max_tokens
+        seq = torch.empty(cap, dtype=torch.int64)
+        seq[:p] = prompt
+        routes = torch.empty(cap, c.num_layers, c.topk, dtype=torch.int64)
+        cache = self.model.new_cache(cap)
+        out_logprobs: list[float] = []
+        finish: FinishReason = "length"
+        n = 0  # tokens that went through the model (have a routes row)
+        total = p  # tokens in seq
+        while True:
+            # prefill on the first pass, then one decode step per sampled token
+            logits, chunk_routes = self.model.extend(seq[n:total], cache, logits_from=-1)
+            assert logits is not None
+            routes[n:total] = chunk_routes
+            n = total
+            row = logits[0]
+            if stops and total - p < min_tokens:
+                # like vLLM: stop tokens cannot be sampled before min_tokens
+                row = row.clone()
+                row[list(stops)] = float("-inf")
+            if temperature > 0:
+                probs = (row / temperature).softmax(-1)
+                tok = int(torch.multinomial(probs, 1, generator=gen).item())
+            else:
+                tok = int(torch.argmax(row).item())
+            if logprobs:
+                out_logprobs.append(float(row.log_softmax(-1)[tok]))
+            seq[total] = tok
+            total += 1
+            if tok in stops:
+                finish = "stop"
+                break
+            if total - p == max_tokens:
+                break
+        tokens = seq[p:total].tolist()
+        routed: np.ndarray | None = None
+        if return_routed_experts:
+            # The last sampled token never went through the model: P + G - 1 rows.
+            routed = routes[start:n].numpy().astype(self.spec.dtype)
+        return GenerateResult(
+            token_ids=tokens,
+            finish_reason=finish,
+            routed_experts=routed,
+            logprobs=out_logprobs if logprobs else None,
+        )
+
+    def info(self) -> dict[str, Any]:
+        """The model's shape, as JSON-ready values."""
+        return dataclasses.asdict(self.config)

@@ -1,0 +1,299 @@
+"""Persistence: rollout tables to Parquet (and Arrow IPC), exact and atomic.
+
+Parquet stores nested ``fixed_size_list`` ids value by value with levels (slow,
+~4x larger), so routes are written as ``large_list<fixed_size_binary(L*K*itemsize)>``
+(one opaque little-endian value per token) and restored to the nested type on
+read without copying. The spec travels in the file metadata. Writes go to a
+temporary file in the destination directory and are renamed into place.
+A directory of ``step=N/`` partitions reads as one table (with a ``step`` column).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from r3arrow.errors import SchemaError
+from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
+from r3arrow.table import validate_rollouts
+
+_STORAGE_KEY = b"r3arrow.routes_storage"
+_STORAGE_VALUE = b"fixed_size_binary/little-endian"
+_STEP_DIR = re.compile(r"^step=(\d+)$")
+PathLike = str | os.PathLike[str]
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("r3arrow.io stores routes as little-endian bytes; big-endian hosts are unsupported")
+
+
+# --------------------------------------------------------- storage conversion
+def _storage_routes(col: pa.Array, spec: RouteSpec) -> pa.LargeListArray:
+    """``large_list<per-token nested>`` → ``large_list<fixed_size_binary>``, zero-copy when contiguous."""
+    offsets = np.asarray(col.offsets, dtype=np.int64)
+    values = np.ascontiguousarray(routes_to_numpy(col.flatten(), spec))
+    binary = pa.Array.from_buffers(pa.binary(spec.row_nbytes), values.shape[0], [None, pa.py_buffer(values)])
+    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), binary)
+
+
+def _nested_routes(col: pa.Array, spec: RouteSpec) -> pa.LargeListArray:
+    """``large_list<fixed_size_binary>`` → ``large_list<per-token nested>``, zero-copy."""
+    binary = col.values
+    width = binary.type.byte_width if pa.types.is_fixed_size_binary(binary.type) else -1
+    if width != spec.row_nbytes:
+        raise SchemaError(
+            f"routes storage: expected fixed_size_binary({spec.row_nbytes}) for {spec}, found {binary.type}"
+        )
+    buf = binary.buffers()[1]
+    leaf = pa.Array.from_buffers(
+        spec.arrow_value_type,
+        len(binary) * spec.num_layers * spec.topk,
+        [None, buf],
+        offset=binary.offset * spec.num_layers * spec.topk,
+    )
+    tokens = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(leaf, spec.topk), spec.num_layers)
+    return pa.LargeListArray.from_arrays(col.offsets, tokens)
+
+
+def _map_routes(table: pa.Table, fn: Callable[[pa.Array, RouteSpec], pa.Array], spec: RouteSpec, typ: pa.DataType) -> pa.Table:
+    idx = table.schema.get_field_index("routes")
+    if idx < 0:
+        return table
+    chunks = [fn(c, spec) for c in table.column(idx).chunks]
+    col = pa.chunked_array(chunks, type=typ)
+    field = table.schema.field(idx).with_type(typ)
+    return table.set_column(idx, field, col)
+
+
+def to_storage(table: pa.Table) -> pa.Table:
+    """The table with routes as ``large_list<fixed_size_binary>`` (what Parquet stores)."""
+    spec = RouteSpec.from_schema(table.schema)
+    out = _map_routes(table, _storage_routes, spec, pa.large_list(pa.binary(spec.row_nbytes)))
+    meta = {**(table.schema.metadata or {}), _STORAGE_KEY: _STORAGE_VALUE}
+    return out.replace_schema_metadata(meta)
+
+
+def from_storage(table: pa.Table) -> pa.Table:
+    """Restore nested routes from the storage column (spec from schema metadata); zero-copy."""
+    spec = RouteSpec.from_schema(table.schema)
+    meta = dict(table.schema.metadata or {})
+    if "routes" in table.schema.names and not pa.types.is_large_list(table.schema.field("routes").type):
+        raise SchemaError(f"routes storage: expected large_list, found {table.schema.field('routes').type}")
+    if meta.pop(_STORAGE_KEY, None) is None:
+        return table
+    out = _map_routes(table, _nested_routes, spec, spec.routes_type)
+    return out.replace_schema_metadata(meta)
+
+
+# ------------------------------------------------------------------ atomicity
+@contextlib.contextmanager
+def _atomic_path(dest: Path) -> Iterator[Path]:
+    """Yield a temp path beside ``dest``; rename over ``dest`` on success, remove on failure."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex}"
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+# --------------------------------------------------------------------- Parquet
+def write_rollouts(
+    table: pa.Table,
+    path: PathLike,
+    *,
+    step: int | None = None,
+    compression: str | None = "none",
+    compression_level: int | None = None,
+    row_group_rows: int | None = None,
+) -> Path:
+    """Validate and write a rollout table to Parquet atomically; return the file written.
+
+    With ``step=N``, ``path`` is a root directory and the file goes to
+    ``path/step=N/part-XXXXX.parquet`` (a new part each call). ``compression``
+    is any Parquet codec ("none", "zstd", "lz4", "snappy").
+    """
+    validate_rollouts(table)
+    dest = Path(path)
+    if step is not None:
+        if int(step) < 0:
+            raise ValueError(f"step: expected >= 0, found {step}")
+        d = dest / f"step={int(step)}"
+        existing = sorted(d.glob("part-*.parquet")) if d.exists() else []
+        dest = d / f"part-{len(existing):05d}.parquet"
+    storage = to_storage(table)
+    no_dict = [n for n in storage.schema.names if n != "routes"]
+    with _atomic_path(dest) as tmp:
+        pq.write_table(
+            storage,
+            tmp,
+            compression=compression,
+            compression_level=compression_level,
+            use_dictionary=no_dict,
+            write_statistics=no_dict,
+            row_group_size=row_group_rows,
+            data_page_size=8 << 20,
+        )
+    return dest
+
+
+def _open_error(path: Path, exc: BaseException) -> SchemaError:
+    return SchemaError(f"{path}: expected an r3arrow rollout Parquet file, found an unreadable file ({exc})")
+
+
+def _check_rollout_schema(schema: pa.Schema, path: Path) -> RouteSpec:
+    if SPEC_METADATA_KEY not in (schema.metadata or {}):
+        raise SchemaError(
+            f"{path}: expected an r3arrow rollout file (metadata key {SPEC_METADATA_KEY.decode()!r}), "
+            f"found a file without it (columns {schema.names})"
+        )
+    return RouteSpec.from_schema(schema)
+
+
+def list_steps(root: PathLike) -> list[int]:
+    """Steps present under a ``step=N`` partitioned directory, ascending."""
+    out = []
+    for child in Path(root).iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and child.is_dir():
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def read_rollouts_dataset(path: PathLike) -> ds.Dataset:
+    """A `pyarrow.dataset.Dataset` over a file or step directory (storage types, lazy)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such rollout file or directory")
+    try:
+        if p.is_dir():
+            return ds.dataset(p, format="parquet", partitioning=ds.partitioning(pa.schema([("step", pa.int64())]), flavor="hive"))
+        return ds.dataset(p, format="parquet")
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise _open_error(p, exc) from exc
+
+
+def read_rollouts(
+    path: PathLike,
+    *,
+    columns: Sequence[str] | None = None,
+    steps: Sequence[int] | None = None,
+) -> pa.Table:
+    """Read a rollout Parquet file or ``step=N`` directory; routes restored, spec kept.
+
+    ``columns`` projects (a directory adds ``step``); ``steps`` selects partitions.
+    Raises `SchemaError` on a corrupt or foreign file.
+    """
+    p = Path(path)
+    if p.is_dir():
+        dataset = read_rollouts_dataset(p)
+        files = list(dataset.files)
+        if not files:
+            raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none")
+        try:
+            first = pq.read_schema(files[0])
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise _open_error(Path(files[0]), exc) from exc
+        _check_rollout_schema(first, Path(files[0]))
+        filt = ds.field("step").isin([int(s) for s in steps]) if steps is not None else None
+        try:
+            table = dataset.to_table(columns=list(columns) if columns is not None else None, filter=filt)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
+            raise SchemaError(f"{p}: step files do not share one rollout schema/spec ({exc})") from exc
+        table = table.replace_schema_metadata(first.metadata)
+        return from_storage(table)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such rollout file or directory")
+    try:
+        pf = pq.ParquetFile(p)
+        _check_rollout_schema(pf.schema_arrow, p)
+        table = pf.read(columns=list(columns) if columns is not None else None)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise _open_error(p, exc) from exc
+    return from_storage(table)
+
+
+def iter_rollouts(
+    path: PathLike,
+    *,
+    columns: Sequence[str] | None = None,
+    steps: Sequence[int] | None = None,
+    batch_rows: int | None = None,
+) -> Iterator[tuple[int | None, pa.Table]]:
+    """Yield ``(step, table)`` one step at a time (a file: ``(None, batch)`` per ``batch_rows``)."""
+    p = Path(path)
+    if p.is_dir():
+        for s in list_steps(p):
+            if steps is None or s in steps:
+                yield s, read_rollouts(p, columns=columns, steps=[s])
+        return
+    if batch_rows is None:
+        yield None, read_rollouts(p, columns=columns)
+        return
+    try:
+        pf = pq.ParquetFile(p)
+        schema = pf.schema_arrow
+        _check_rollout_schema(schema, p)
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=list(columns) if columns else None):
+            t = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
+            yield None, from_storage(t)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise _open_error(p, exc) from exc
+
+
+def scan_rollouts(path: PathLike, **kwargs: Any) -> Iterator[pa.Table]:
+    """Tables from `iter_rollouts`, without the step key."""
+    for _, table in iter_rollouts(path, **kwargs):
+        yield table
+
+
+# ------------------------------------------------------------------- Arrow IPC
+def write_ipc(table: pa.Table, path: PathLike) -> Path:
+    """Write a rollout table as an uncompressed Arrow IPC (Feather v2) file, atomically."""
+    validate_rollouts(table)
+    dest = Path(path)
+    with _atomic_path(dest) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    return dest
+
+
+def read_ipc(path: PathLike, *, memory_map: bool = True) -> pa.Table:
+    """Read an IPC rollout file; memory-mapped (zero-copy, lazy paging) by default."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file")
+    try:
+        source = pa.memory_map(str(p)) if memory_map else pa.OSFile(str(p))
+        table = pa.ipc.open_file(source).read_all()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SchemaError(f"{p}: expected an r3arrow Arrow IPC rollout file, found an unreadable file ({exc})") from exc
+    _check_rollout_schema(table.schema, p)
+    return table
+
+
+__all__ = [
+    "from_storage",
+    "iter_rollouts",
+    "list_steps",
+    "read_ipc",
+    "read_rollouts",
+    "read_rollouts_dataset",
+    "scan_rollouts",
+    "to_storage",
+    "write_ipc",
+    "write_rollouts",
+]
