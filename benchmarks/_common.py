@@ -9,12 +9,13 @@ Import from a benchmark script as ``from _common import ...`` (the scripts run f
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import resource
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -75,30 +76,29 @@ def arrow_peak_mb() -> float:
 def run_isolated(
     module_path: str, args: Sequence[str] = (), *, timeout: float = 600
 ) -> dict[str, Any]:
-    """Run ``python module_path *args`` in a fresh process; return its last stdout line parsed as JSON
-    plus ``peak_rss_mb`` of that child (so each case's peak memory is measured on its own)."""
-    env = dict(os.environ)
-    gc.collect()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(
-        [sys.executable, module_path, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+    """Run ``python module_path *args`` in a fresh process; return its last stdout line parsed as
+    JSON, plus ``peak_rss_mb``: that child's own peak RSS (``os.wait4`` rusage), so each case's
+    peak memory is measured alone. Raises RuntimeError on a non-zero exit or timeout."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, module_path, *args], stdout=out, stderr=err)
+        killer = threading.Timer(timeout, proc.kill)
+        killer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            killer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
     if proc.returncode != 0:
         raise RuntimeError(
-            f"{module_path} {list(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+            f"{module_path} {list(args)} failed ({proc.returncode}):\n{stderr[-4000:]}"
         )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    out: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    # RUSAGE_CHILDREN is the max over all waited-for children; correct when children run one at a time
-    # and each is larger than the last, so prefer a value the child reports itself when it has one.
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    out.setdefault("peak_rss_mb", max(after, before) / 1024)
-    return out
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
+    result.setdefault("peak_rss_mb", usage.ru_maxrss / 1024)
+    return result
 
 
 def markdown_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from r3arrow import errors
+from r3arrow import codec, errors
 from r3arrow.errors import (
     ContiguityError,
     DuplicateExpertError,
@@ -63,7 +63,7 @@ _LAZY: dict[str, str] = {
     "expert_load": "r3arrow.stats",
     "route_agreement": "r3arrow.stats",
 }
-_LAZY_MODULES = ("codec", "client", "collate", "engine", "megatron", "rollout", "stats", "plot", "ray", "cli", "demo")
+_LAZY_MODULES = ("client", "collate", "engine", "megatron", "rollout", "stats", "plot", "ray", "cli", "demo")
 
 if TYPE_CHECKING:
     from r3arrow.client import EngineClient, GenerateOutput

@@ -30,8 +30,10 @@ from r3arrow.errors import (
     ExpertRangeError,
     PayloadError,
     PayloadTooLargeError,
+    R3ArrowError,
     RouteDTypeError,
     RouteShapeError,
+    SchemaError,
 )
 from r3arrow.spec import (
     SPEC_METADATA_KEY,
@@ -133,7 +135,9 @@ def _too_large(what: str, declared: int, max_bytes: int, detail: str) -> Payload
 def _check_shape(shape: object, what: str) -> tuple[int, int, int]:
     if not isinstance(shape, list | tuple):
         raise PayloadError(f"{what}: expected shape as a list of 3 ints, found {shape!r:.100}")
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+    if not all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
         raise PayloadError(
             f"{what}: expected non-negative int shape entries, found {list(shape)!r:.200}"
         )
@@ -419,7 +423,15 @@ def _prepare_routes(routes: Any, spec: RouteSpec | None) -> tuple[np.ndarray, Ro
             )
         _, hi = check_route_ids(arr, spec, what="encode_ipc")
         spec = spec.widened_for(hi)
-    return np.ascontiguousarray(arr, dtype=spec.dtype.newbyteorder("=")), spec
+    target = spec.dtype.newbyteorder("=")
+    if not np.can_cast(arr.dtype, target) and arr.size:
+        # Dense-layer rows are not ids and escape the range check; they must still fit exactly.
+        lo, hi, info = int(arr.min()), int(arr.max()), np.iinfo(target)
+        if lo < info.min or hi > info.max:
+            raise RouteDTypeError(
+                f"encode_ipc: expected values that fit {target} (spec storage), found range [{lo}, {hi}]"
+            )
+    return np.ascontiguousarray(arr, dtype=target), spec
 
 
 def encode_ipc(routes: Any, spec: RouteSpec | None = None) -> Any:
@@ -436,11 +448,10 @@ def encode_ipc(routes: Any, spec: RouteSpec | None = None) -> Any:
         table = routes
         meta = dict(table.schema.metadata or {})
         if spec is not None:
-            if SPEC_METADATA_KEY in meta and not RouteSpec.from_schema(table.schema).same_shape(
-                spec
-            ):
+            sent = _schema_spec(table.schema)
+            if sent is not None and not sent.same_shape(spec):
                 raise RouteShapeError(
-                    f"encode_ipc: table metadata spec {meta[SPEC_METADATA_KEY]!r} does not match {spec}"
+                    f"encode_ipc: table metadata spec {sent.to_json().decode()} does not match {spec}"
                 )
             meta.update(spec.to_metadata())
     else:
@@ -453,6 +464,82 @@ def encode_ipc(routes: Any, spec: RouteSpec | None = None) -> Any:
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return sink.getvalue()
+
+
+class _FlatTable:
+    """Bounds-checked reader of one flatbuffer table (just what `_declared_ipc_bytes` needs)."""
+
+    def __init__(self, buf: bytes, pos: int) -> None:
+        self.buf, self.pos = buf, pos
+        vt = pos - self._int(pos, 4, signed=True)
+        self.vt, self.vt_size = vt, self._int(vt, 2)
+
+    def _int(self, at: int, size: int, *, signed: bool = False) -> int:
+        if at < 0 or at + size > len(self.buf):
+            raise PayloadError("Arrow IPC: corrupted message metadata (offset out of bounds)")
+        return int.from_bytes(self.buf[at : at + size], "little", signed=signed)
+
+    def field(self, i: int) -> int:
+        """Absolute position of field ``i`` (0 when absent)."""
+        slot = 4 + 2 * i
+        off = self._int(self.vt + slot, 2) if slot + 2 <= self.vt_size else 0
+        return self.pos + off if off else 0
+
+    def scalar(self, i: int, size: int, default: int = 0) -> int:
+        at = self.field(i)
+        return self._int(at, size, signed=True) if at else default
+
+    def ref(self, i: int) -> int:
+        """Target position of offset-typed field ``i`` (table, vector, union); 0 when absent."""
+        at = self.field(i)
+        return at + self._int(at, 4) if at else 0
+
+    def table(self, i: int) -> _FlatTable | None:
+        at = self.ref(i)
+        return _FlatTable(self.buf, at) if at else None
+
+
+_MSG_DICTIONARY_BATCH, _MSG_RECORD_BATCH = 2, 3
+
+
+def _declared_ipc_bytes(b: Any) -> int:
+    """Sum of the buffer sizes the stream's record batches declare once decompressed, read from
+    the message metadata before any body is decoded (a compressed body states its own size)."""
+    total = 0
+    reader = pa.ipc.MessageReader.open_stream(b)
+    while True:
+        try:
+            msg = reader.read_next_message()
+        except StopIteration:
+            return total
+        meta = msg.metadata.to_pybytes()
+        if len(meta) < 8:
+            raise PayloadError("Arrow IPC: corrupted message metadata (too short)")
+        root = _FlatTable(meta, int.from_bytes(meta[:4], "little"))
+        kind = root.scalar(1, 1)
+        batch = root.table(2) if kind in (_MSG_RECORD_BATCH, _MSG_DICTIONARY_BATCH) else None
+        if batch is not None and kind == _MSG_DICTIONARY_BATCH:
+            batch = batch.table(1)
+        if batch is None:
+            continue
+        vec = batch.ref(2)  # Buffer structs {offset: int64, length: int64}
+        count = batch._int(vec, 4) if vec else 0
+        compressed = batch.field(3) != 0
+        body = msg.body
+        for k in range(count):  # one entry per Arrow buffer, not per row
+            offset = batch._int(vec + 4 + 16 * k, 8, signed=True)
+            length = batch._int(vec + 12 + 16 * k, 8, signed=True)
+            if offset < 0 or length < 0 or (body is not None and offset + length > body.size):
+                raise PayloadError(
+                    f"Arrow IPC: buffer [{offset}, {offset + length}) outside a {0 if body is None else body.size}-byte body"
+                )
+            if compressed and length >= 8 and body is not None:
+                declared = int.from_bytes(
+                    body[offset : offset + 8].to_pybytes(), "little", signed=True
+                )
+                total += length if declared == -1 else max(declared, 0)
+            else:
+                total += length
 
 
 _ARROW_READ_ERRORS: Final = (
@@ -478,15 +565,30 @@ def _route_chunks(col: Any) -> list[Any]:
     return out
 
 
-def decode_ipc(
-    buf: Any, spec: RouteSpec | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
-) -> Any:
-    """Read an Arrow IPC stream into a ``pyarrow.Table`` whose buffers reference ``buf`` (zero-copy).
+def _schema_spec(schema: Any) -> RouteSpec | None:
+    """The spec in ``schema``'s metadata, None if absent; malformed metadata raises `SchemaError`."""
+    if not schema.metadata or SPEC_METADATA_KEY not in schema.metadata:
+        return None
+    try:
+        return RouteSpec.from_schema(schema)
+    except R3ArrowError:
+        raise
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise SchemaError(
+            f"Arrow IPC: expected a RouteSpec in metadata {SPEC_METADATA_KEY.decode()!r}, found "
+            f"{schema.metadata[SPEC_METADATA_KEY]!r:.200} ({exc})"
+        ) from None
 
-    With ``spec``: a spec in the schema metadata must have the same shape, and a ``"routes"``
-    column (per-token type, or a ``large_list`` of it) must match ``L``/``K`` with ids in range.
-    Raises `PayloadError` for anything that is not a complete, valid stream.
-    """
+
+def _routes_column(table: Any) -> Any:
+    names = table.column_names
+    if names.count("routes") != 1:
+        raise PayloadError(f"Arrow IPC: expected one 'routes' column, found columns {names}")
+    return table.column("routes")
+
+
+def _read_ipc(buf: Any, max_bytes: int) -> tuple[Any, RouteSpec | None]:
+    """Read and structurally validate a complete stream; return (table, spec from its metadata)."""
     max_bytes = _check_max_bytes(max_bytes)
     b = _as_arrow_buffer(buf)
     if b.size > max_bytes:
@@ -494,8 +596,15 @@ def decode_ipc(
             f"Arrow IPC: payload of {b.size:,} bytes exceeds max_bytes={max_bytes:,}"
         )
     try:
+        declared = _declared_ipc_bytes(b)
+        if declared > max_bytes:
+            raise PayloadTooLargeError(
+                f"Arrow IPC: record batches declare {declared:,} decoded bytes, more than max_bytes={max_bytes:,}"
+            )
         table = pa.ipc.open_stream(b).read_all()
-        table.validate()
+        table.validate(full=True)
+    except PayloadError:
+        raise
     except MemoryError as exc:
         raise PayloadTooLargeError(
             f"Arrow IPC: stream declares more memory than available: {exc}"
@@ -505,26 +614,45 @@ def decode_ipc(
             f"Arrow IPC: expected a valid Arrow IPC stream, found {b.size:,} bytes that fail: {exc}"
         ) from None
     total = table.get_total_buffer_size()
-    if total > max_bytes:  # only reachable with compressed bodies: decoded size exceeds the bound
+    if total > max_bytes:  # backstop; `_declared_ipc_bytes` already bounds compressed bodies
         raise PayloadTooLargeError(
             f"Arrow IPC: decoded buffers of {total:,} bytes exceed max_bytes={max_bytes:,}"
         )
-    meta = dict(table.schema.metadata or {})
-    rows = meta.pop(IPC_ROWS_METADATA_KEY, None)
-    if rows is not None:
+    meta = table.schema.metadata
+    if meta and IPC_ROWS_METADATA_KEY in meta:
+        rows = meta[IPC_ROWS_METADATA_KEY]
         if rows != str(table.num_rows).encode():
             raise PayloadError(
-                f"Arrow IPC: stream declares {rows.decode(errors='replace')!r} rows, found {table.num_rows} "
-                "(truncated stream?)"
+                f"Arrow IPC: stream declares {rows.decode(errors='replace')!r} rows, found "
+                f"{table.num_rows} (truncated stream?)"
             )
-        table = table.replace_schema_metadata(meta or None)
+        rest = {k: v for k, v in meta.items() if k != IPC_ROWS_METADATA_KEY}
+        table = table.replace_schema_metadata(rest or None)
+    return table, _schema_spec(table.schema)
+
+
+def _check_sent_spec(sent: RouteSpec | None, spec: RouteSpec) -> None:
+    if sent is not None and not sent.same_shape(spec):
+        raise RouteShapeError(
+            f"Arrow IPC: expected routes [rows, {spec.num_layers}, {spec.topk}] on router layers "
+            f"{list(spec.router_layers)}, found metadata spec {sent.to_json().decode()}"
+        )
+
+
+def decode_ipc(
+    buf: Any, spec: RouteSpec | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> Any:
+    """Read an Arrow IPC stream into a ``pyarrow.Table`` whose buffers reference ``buf`` (zero-copy).
+
+    With ``spec``: a spec in the schema metadata must have the same shape, and a ``"routes"``
+    column (per-token type, or a ``large_list`` of it) must match ``L``/``K`` with ids in range.
+    Raises `PayloadError` for anything that is not a complete, valid stream.
+    """
+    table, sent = _read_ipc(buf, max_bytes)
     if spec is not None:
-        if SPEC_METADATA_KEY in meta and not RouteSpec.from_schema(table.schema).same_shape(spec):
-            raise RouteShapeError(
-                f"Arrow IPC: expected routes of {spec}, found metadata spec {meta[SPEC_METADATA_KEY]!r}"
-            )
+        _check_sent_spec(sent, spec)
         if "routes" in table.column_names:
-            for chunk in _route_chunks(table.column("routes")):
+            for chunk in _route_chunks(_routes_column(table)):
                 check_route_ids(routes_to_numpy(chunk, spec), spec, what="Arrow IPC routes")
     return table
 
@@ -535,25 +663,37 @@ def decode_ipc_routes(
     """Decode an `encode_ipc` stream of routes to ``[rows, L, K]`` numpy, a read-only view on ``buf``.
 
     Zero-copy when the stream holds one record batch (as `encode_ipc` writes); several batches are
-    concatenated (one copy). Requires a ``"routes"`` column of the per-token routes type.
+    concatenated (one copy). Requires one ``"routes"`` column of the per-token routes type; its
+    shape is checked against ``spec`` (else the metadata spec), ids only against ``spec``.
     """
-    table = decode_ipc(buf, spec, max_bytes=max_bytes)
-    if "routes" not in table.column_names:
-        raise PayloadError(
-            f"Arrow IPC: expected a 'routes' column, found columns {table.column_names}"
+    table, sent = _read_ipc(buf, max_bytes)
+    if spec is not None:
+        _check_sent_spec(sent, spec)
+    col = _routes_column(table)
+    t = col.type
+    if not (pa.types.is_fixed_size_list(t) and pa.types.is_fixed_size_list(t.value_type)):
+        raise RouteShapeError(
+            f"Arrow IPC: expected 'routes' of type fixed_size_list<fixed_size_list<int, K>, L>, found {t}"
         )
-    if spec is None and table.schema.metadata and SPEC_METADATA_KEY in table.schema.metadata:
-        spec = RouteSpec.from_schema(table.schema)
-    col = table.column("routes")
     if col.num_chunks == 0:
-        t = col.type
-        if not (pa.types.is_fixed_size_list(t) and pa.types.is_fixed_size_list(t.value_type)):
-            raise RouteShapeError(f"Arrow IPC: expected per-token routes type, found {t}")
-        return np.empty(
-            (0, t.list_size, t.value_type.list_size),
-            dtype=t.value_type.value_type.to_pandas_dtype(),
+        if not pa.types.is_integer(t.value_type.value_type):
+            raise RouteShapeError(f"Arrow IPC: expected integer expert ids, found {t}")
+        arr = np.empty(
+            (0, t.list_size, t.value_type.list_size), t.value_type.value_type.to_pandas_dtype()
         )
-    return routes_to_numpy(col, spec)
+    else:
+        arr = routes_to_numpy(col, spec if spec is not None else sent)
+    if spec is not None:
+        if arr.shape[1:] != spec.row_shape:
+            raise RouteShapeError(
+                f"Arrow IPC: expected [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
+            )
+        check_route_ids(arr, spec, what="Arrow IPC routes")
+    elif sent is not None and arr.shape[1:] != sent.row_shape:
+        raise RouteShapeError(
+            f"Arrow IPC: metadata spec says [rows, {sent.num_layers}, {sent.topk}], found {list(arr.shape)}"
+        )
+    return arr
 
 
 __all__ = [

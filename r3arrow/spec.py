@@ -159,6 +159,7 @@ class RouteSpec:
                 "num_experts": self.num_experts,
                 "moe_layers": list(self.moe_layers) if self.moe_layers is not None else None,
                 "dtype": self.dtype.name,
+                "id_dtype": self.id_dtype,
             }
         )
 
@@ -171,9 +172,9 @@ class RouteSpec:
                 topk=obj["topk"],
                 num_experts=obj["num_experts"],
                 moe_layers=tuple(obj["moe_layers"]) if obj.get("moe_layers") is not None else None,
-                id_dtype=obj.get("dtype"),
+                id_dtype=obj["id_dtype"] if "id_dtype" in obj else obj.get("dtype"),
             )
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise SchemaError(f"invalid r3arrow.spec metadata: expected a RouteSpec JSON object, found {data!r:.200}") from exc
 
     def to_metadata(self) -> dict[bytes, bytes]:
@@ -277,7 +278,8 @@ def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -
     if arr.shape[0] == 0:
         return lo, hi
     if lo < 0:
-        row, layer, _ = np.argwhere(arr < 0)[0]
+        neg = np.argwhere(arr < 0)
+        row, layer, _ = neg[np.isin(neg[:, 1], spec.router_layers)][0]
         raise ExpertRangeError(f"{what}: expected expert ids >= 0, found {lo} (token {row}, layer {layer})")
     if spec.num_experts is not None and hi >= spec.num_experts:
         bad = np.argwhere(arr >= spec.num_experts)

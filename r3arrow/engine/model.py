@@ -18,13 +18,26 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from r3arrow.errors import R3ArrowError
 from r3arrow.spec import RouteSpec
 
 FinishReason = Literal["length", "stop"]
 
 
-class EngineRequestError(ValueError):
-    """A generation request is invalid (the server answers HTTP 400 with this message)."""
+class EngineRequestError(R3ArrowError, ValueError):
+    """A generation request is invalid; the server answers HTTP 400 with vLLM's error JSON.
+
+    ``param`` names the offending request parameter (vLLM's ``error.param``).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _bad(param: str, message: str, value: object) -> EngineRequestError:
+    # vLLM's VLLMValidationError wording: "<message> (parameter=<name>, value=<value>)"
+    return EngineRequestError(f"{message} (parameter={param}, value={value!r})", param=param)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -290,18 +303,32 @@ class TinyMoE(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class GenerateResult:
-    """One finished generation. ``routed_experts`` has ``P - start + G - 1`` rows (or is None)."""
+    """One finished generation of G >= 1 tokens.
+
+    ``routed_experts``: ``[P - start + G - 1, L, K]`` in the spec's dtype (None if not asked).
+    ``logprobs``: log-probability of each sampled token under the raw model distribution
+    (before temperature), with ``logprob_ranks`` (1 = most likely) and, when
+    ``top_logprobs=n > 0`` was asked, the ``n`` most likely ``(token_id, logprob)`` per step.
+    ``stop_reason`` is the stop token that ended generation (None for "length").
+    """
 
     token_ids: list[int]
     finish_reason: FinishReason
     routed_experts: np.ndarray | None
     logprobs: list[float] | None
+    logprob_ranks: list[int] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    stop_reason: int | None = None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 class ReferenceEngine:
     """Generates with a `TinyMoE` and reports routed experts exactly like vLLM.
 
-    Thread-safe only under an external lock (the HTTP server holds one).
+    Not thread-safe: callers serialise `generate` (the HTTP server holds a lock).
     """
 
     def __init__(self, config: TinyMoEConfig | None = None) -> None:
@@ -310,38 +337,53 @@ class ReferenceEngine:
         self.model = TinyMoE(self.config)
 
     # ------------------------------------------------------------- validation
-    def _check_tokens(self, token_ids: Sequence[int], what: str) -> torch.Tensor:
-        try:
-            arr = np.asarray(token_ids)
-        except (TypeError, ValueError) as exc:
-            raise EngineRequestError(f"{what}: expected a list of token ids, found {token_ids!r:.100}") from exc
+    def check_token_ids(self, token_ids: object, param: str = "token_ids") -> np.ndarray:
+        """``token_ids`` as int64 ``[N >= 1]``; raises `EngineRequestError` unless all are in the vocab."""
+        if isinstance(token_ids, np.ndarray):
+            arr = token_ids
+        elif isinstance(token_ids, list | tuple) and all(_is_int(t) for t in token_ids):
+            arr = np.asarray(token_ids, dtype=np.int64) if token_ids else np.zeros(0, np.int64)
+        else:
+            raise EngineRequestError(
+                f"{param}: expected a list of integer token ids, found {token_ids!r:.120}", param=param
+            )
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise EngineRequestError(
-                f"{what}: expected a flat list of integer token ids, found shape {list(arr.shape)} "
-                f"dtype {arr.dtype}"
+                f"{param}: expected a flat list of integer token ids, found shape {list(arr.shape)} "
+                f"dtype {arr.dtype}",
+                param=param,
             )
         if arr.size == 0:
-            raise EngineRequestError(f"{what}: expected at least one token id, found none")
+            raise EngineRequestError(f"{param}: expected at least one token id, found none", param=param)
         v = self.config.vocab_size
         bad = np.flatnonzero((arr < 0) | (arr >= v))
         if bad.size:
             raise EngineRequestError(
-                f"{what}: expected token ids in [0, {v}), found {int(arr[bad[0]])} at position {int(bad[0])}"
+                f"{param}: expected token ids in [0, {v}), found {int(arr[bad[0]])} at position "
+                f"{int(bad[0])}",
+                param=param,
             )
-        return torch.from_numpy(arr.astype(np.int64))
+        return arr.astype(np.int64, copy=False)
 
-    def routes_for(self, token_ids: Sequence[int]) -> np.ndarray:
+    def routes_for(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Routes of every token of a full sequence: ``[N, L, K]`` in the spec's dtype.
 
-        Row i routes token i (what a full-prefix request would return for these tokens).
+        Row i routes token i: what a request with prompt ``token_ids`` and prompt start 0
+        returns for those tokens. Raises `EngineRequestError` for ids outside the vocab.
         """
-        ids = self._check_tokens(token_ids, "token_ids")
-        _, routes = self.model.run(ids, logits_from=None)
+        ids = self.check_token_ids(token_ids)
+        if ids.shape[0] > self.config.max_model_len:
+            raise EngineRequestError(
+                f"token_ids: expected at most max_model_len={self.config.max_model_len} tokens, "
+                f"found {ids.shape[0]}",
+                param="token_ids",
+            )
+        _, routes = self.model.run(torch.from_numpy(ids), logits_from=None)
         return routes.numpy().astype(self.spec.dtype)
 
     def generate(
         self,
-        prompt_token_ids: Sequence[int],
+        prompt_token_ids: Sequence[int] | np.ndarray,
         *,
         max_tokens: int,
         temperature: float = 0.0,
@@ -351,46 +393,71 @@ class ReferenceEngine:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         logprobs: bool = False,
+        top_logprobs: int = 0,
         min_tokens: int = 0,
     ) -> GenerateResult:
-        """Generate up to ``max_tokens`` tokens after the prompt (P tokens).
+        """Generate G tokens (1 <= G <= ``max_tokens``) after the P prompt tokens.
 
-        Returns G >= 1 tokens and, unless disabled, ``routed_experts`` ``[P - start + G - 1, L, K]``
-        where row j routes token ``start + j`` of ``prompt + generated`` (the last sampled
-        token never went through the model). Temperature 0 is greedy; otherwise sampling
-        from a generator seeded by ``seed``. A sampled stop token (``stop_token_ids`` or
-        EOS unless ``ignore_eos``) ends generation with "stop" and is kept in ``token_ids``.
-        Raises `EngineRequestError` for invalid requests, before any compute.
+        ``routed_experts`` has ``P - start + G - 1`` rows; row j routes token ``start + j``
+        of ``prompt + generated`` (the last sampled token never went through the model).
+        Like vLLM, ``start`` may equal P (then only the G - 1 generated rows come back).
+        Temperature 0 is greedy; otherwise sampling from a generator seeded by ``seed``
+        (``None``: fresh entropy). A sampled stop token (``stop_token_ids``, or EOS unless
+        ``ignore_eos``) ends generation with "stop" and is kept; stop tokens cannot be
+        sampled before ``min_tokens``. Raises `EngineRequestError` before any compute.
         """
         c = self.config
-        prompt = self._check_tokens(prompt_token_ids, "prompt token_ids")
+        prompt = self.check_token_ids(prompt_token_ids)
         p = prompt.shape[0]
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise EngineRequestError(f"max_tokens: expected an int >= 1, found {max_tokens!r}")
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise _bad("max_tokens", f"max_tokens must be at least 1, got {max_tokens}.", max_tokens)
+        if max_tokens > c.max_model_len:
+            raise _bad(
+                "max_tokens",
+                f"max_tokens={max_tokens} cannot be greater than max_model_len={c.max_model_len}. "
+                "Please request fewer output tokens.",
+                max_tokens,
+            )
         if p + max_tokens > c.max_model_len:
-            raise EngineRequestError(
+            # vLLM silently lowers max_tokens here; r3arrow never truncates silently.
+            raise _bad(
+                "max_tokens",
                 f"This model's maximum context length is {c.max_model_len} tokens. However, you "
-                f"requested {p + max_tokens} tokens ({p} in the messages, {max_tokens} in the "
-                f"completion). Please reduce the length of the messages or completion."
+                f"requested {p + max_tokens} tokens ({p} in the prompt, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or completion.",
+                max_tokens,
             )
         start = routed_experts_prompt_start
-        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < p:
-            raise EngineRequestError(
-                f"routed_experts_prompt_start: expected an int in [0, prompt length {p}), found {start!r}"
+        if not _is_int(start) or not 0 <= start <= p:
+            raise _bad(
+                "routed_experts_prompt_start",
+                "routed_experts_prompt_start must be between 0 and the prompt length "
+                f"({p}), inclusive.",
+                start,
             )
-        if not isinstance(temperature, int | float) or isinstance(temperature, bool) or not (
-            math.isfinite(temperature) and temperature >= 0
+        if (
+            not isinstance(temperature, int | float)
+            or isinstance(temperature, bool)
+            or not math.isfinite(temperature)
+            or temperature < 0
         ):
-            raise EngineRequestError(f"temperature: expected a finite float >= 0, found {temperature!r}")
-        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or not 0 <= min_tokens <= max_tokens:
-            raise EngineRequestError(
-                f"min_tokens: expected an int in [0, max_tokens={max_tokens}], found {min_tokens!r}"
+            raise _bad("temperature", f"temperature must be non-negative, got {temperature}.", temperature)
+        if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+            raise _bad(
+                "min_tokens",
+                f"min_tokens must be between 0 and max_tokens={max_tokens}, got {min_tokens}.",
+                min_tokens,
             )
-        stops: set[int] = set()
+        if not _is_int(top_logprobs) or top_logprobs < 0:
+            raise _bad("logprobs", f"logprobs must be non-negative, got {top_logprobs}.", top_logprobs)
+        if seed is not None and not _is_int(seed):
+            raise _bad("seed", f"seed must be an integer or None, got {seed!r}.", seed)
+        stops: list[int] = []
         if stop_token_ids:
-            stops.update(self._check_tokens(stop_token_ids, "stop_token_ids").tolist())
+            stops = self.check_token_ids(list(stop_token_ids), "stop_token_ids").tolist()
         if c.eos_token_id is not None and not ignore_eos:
-            stops.add(c.eos_token_id)
+            stops.append(c.eos_token_id)
+        stop_set = set(stops)
 
         gen: torch.Generator | None = None
         if temperature > 0:
@@ -398,54 +465,65 @@ class ReferenceEngine:
             if seed is None:
                 gen.seed()
             else:
-                gen.manual_seed(int(seed))
+                gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
 
         cap = p + max_tokens
         seq = torch.empty(cap, dtype=torch.int64)
-        seq[:p] = prompt
+        seq[:p] = torch.from_numpy(prompt)
         routes = torch.empty(cap, c.num_layers, c.topk, dtype=torch.int64)
         cache = self.model.new_cache(cap)
-        out_logprobs: list[float] = []
+        want_lp = logprobs or top_logprobs > 0
+        lps: list[float] = []
+        ranks: list[int] = []
+        tops: list[list[tuple[int, float]]] = []
         finish: FinishReason = "length"
-        n = 0  # tokens that went through the model (have a routes row)
+        stop_reason: int | None = None
+        n = 0  # tokens that went through the model (they have a routes row)
         total = p  # tokens in seq
         while True:
-            # prefill on the first pass, then one decode step per sampled token
+            # Prefill on the first pass, then one decode step per sampled token (KV cache).
             logits, chunk_routes = self.model.extend(seq[n:total], cache, logits_from=-1)
             assert logits is not None
             routes[n:total] = chunk_routes
             n = total
-            row = logits[0]
+            raw = logits[0]
+            row = raw
             if stops and total - p < min_tokens:
-                # like vLLM: stop tokens cannot be sampled before min_tokens
-                row = row.clone()
-                row[list(stops)] = float("-inf")
+                row = raw.clone()
+                row[stops] = float("-inf")
             if temperature > 0:
                 probs = (row / temperature).softmax(-1)
                 tok = int(torch.multinomial(probs, 1, generator=gen).item())
             else:
                 tok = int(torch.argmax(row).item())
-            if logprobs:
-                out_logprobs.append(float(row.log_softmax(-1)[tok]))
+            if want_lp:
+                lp = raw.log_softmax(-1)
+                lps.append(float(lp[tok]))
+                ranks.append(int((lp > lp[tok]).sum()) + 1)
+                if top_logprobs:
+                    vals, ids = torch.topk(lp, min(top_logprobs, c.vocab_size))
+                    tops.append(list(zip(ids.tolist(), vals.tolist(), strict=True)))
             seq[total] = tok
             total += 1
-            if tok in stops:
-                finish = "stop"
+            if tok in stop_set:
+                finish, stop_reason = "stop", tok
                 break
             if total - p == max_tokens:
                 break
-        tokens = seq[p:total].tolist()
         routed: np.ndarray | None = None
         if return_routed_experts:
-            # The last sampled token never went through the model: P + G - 1 rows.
+            # The last sampled token never went through the model: P + G - 1 rows in all.
             routed = routes[start:n].numpy().astype(self.spec.dtype)
         return GenerateResult(
-            token_ids=tokens,
+            token_ids=seq[p:total].tolist(),
             finish_reason=finish,
             routed_experts=routed,
-            logprobs=out_logprobs if logprobs else None,
+            logprobs=lps if want_lp else None,
+            logprob_ranks=ranks if want_lp else None,
+            top_logprobs=tops if top_logprobs else None,
+            stop_reason=stop_reason,
         )
 
     def info(self) -> dict[str, Any]:
-        """The model's shape, as JSON-ready values."""
+        """The model's configuration, as JSON-ready values."""
         return dataclasses.asdict(self.config)

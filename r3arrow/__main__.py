@@ -1,0 +1,5 @@
+import sys
+
+from r3arrow.cli import main
+
+sys.exit(main())

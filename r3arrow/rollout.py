@@ -1,0 +1,352 @@
+"""Multi-turn rollouts: an agent loop that grows a conversation and captures its routes.
+
+A user's environment is a function from conversation to observation and reward
+(`Environment.step`). `run_trajectory` alternates engine turns and environment steps:
+each turn sends the whole conversation with the trajectory's `RouteTrace` (so the engine
+returns only the rows not yet captured, DESIGN §2) and appends those rows to a `TurnStore`
+as one record batch at ``token_start = captured before the turn``. Generated tokens get loss
+mask 1, observation tokens 0. `run_rollouts` runs many trajectories concurrently and builds
+the rollout table from the store with one Arrow ``take`` (`r3arrow.table.rollout_table`).
+
+Routes come from the store; the trace is the per-turn gatekeeper (row counts, id range,
+dtype) and its captured count checks the terminal gap at the end. Traces are never
+finalized here, so the route bytes exist once (in the store's batches) until the table is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from r3arrow.client import EngineClient, GenerateOutput
+from r3arrow.errors import RouteShapeError
+from r3arrow.spec import RouteSpec
+from r3arrow.store import TurnStore
+from r3arrow.table import rollout_table
+from r3arrow.trace import RouteTrace, check_terminal_gap
+
+
+@dataclasses.dataclass
+class Conversation:
+    """A trajectory in progress: the initial prompt and everything after it.
+
+    ``response_ids``/``loss_mask`` cover every token after the prompt (1 = generated,
+    0 = observation). ``generated`` holds each turn's generated tokens; ``state`` is free
+    per-trajectory storage for the environment.
+    """
+
+    trajectory_id: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    generated: list[list[int]] = dataclasses.field(default_factory=list)
+    outputs: list[GenerateOutput] = dataclasses.field(default_factory=list)
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The whole conversation: prompt + response."""
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_turns(self) -> int:
+        """Engine turns taken so far."""
+        return len(self.generated)
+
+    @property
+    def last_generated(self) -> list[int]:
+        """Tokens generated in the latest turn ([] before the first)."""
+        return self.generated[-1] if self.generated else []
+
+    def add_generated(self, tokens: Sequence[int]) -> None:
+        self.generated.append(list(tokens))
+        self.response_ids.extend(tokens)
+        self.loss_mask.extend([1] * len(tokens))
+
+    def add_observation(self, tokens: Sequence[int]) -> None:
+        self.response_ids.extend(tokens)
+        self.loss_mask.extend([0] * len(tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """An environment's answer to a turn: tokens to append (loss mask 0), a reward, done."""
+
+    observation_tokens: Sequence[int] = ()
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment(Protocol):
+    """What a user plugs in: ``step(conversation) -> Step`` (plain or ``async``).
+
+    Called after every engine turn with the conversation including that turn's generated
+    tokens. Unless ``done``, the observation is appended and the next turn runs; the
+    trajectory's reward is the sum of the step rewards. Keep per-trajectory state in
+    ``conversation.state``: one environment serves many trajectories concurrently.
+    """
+
+    def step(self, conversation: Conversation) -> Step | Awaitable[Step]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """A finished trajectory (routes live in the store under ``trajectory_id``).
+
+    ``num_routes`` is the captured row count (``<= len(prompt_ids) + len(response_ids)``);
+    ``outputs`` holds each turn's `GenerateOutput` (prompt start sent, rows received, ...);
+    ``stop`` is why the loop ended: "done", "max_turns" or "max_total_tokens".
+    """
+
+    trajectory_id: str
+    group_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    reward: float
+    num_turns: int
+    num_routes: int
+    finish_reasons: list[str | None]
+    route_payload_bytes: int
+    stop: str
+    outputs: list[GenerateOutput] = dataclasses.field(default_factory=list, repr=False)
+
+
+async def _call_step(env: Environment, conversation: Conversation) -> Step:
+    result = env.step(conversation)
+    if inspect.isawaitable(result):
+        result = await result
+    if not isinstance(result, Step):
+        raise TypeError(f"Environment.step: expected a Step, found {type(result).__name__}")
+    return result
+
+
+def _check_tokens(tokens: Sequence[int], what: str) -> list[int]:
+    out = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+    if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) and t >= 0 for t in out):
+        raise ValueError(f"{what}: expected non-negative int token ids, found {out!r:.200}")
+    return [int(t) for t in out]
+
+
+async def run_trajectory(
+    client: EngineClient,
+    env: Environment,
+    prompt_ids: Sequence[int],
+    *,
+    trajectory_id: str,
+    store: TurnStore,
+    group_id: str = "",
+    max_turns: int = 8,
+    sampling_params: Mapping[str, Any] | None = None,
+    max_total_tokens: int | None = None,
+    seed: int | None = None,
+    reward_fn: Callable[[Conversation, float], float] | None = None,
+) -> Trajectory:
+    """Run one multi-turn trajectory; its routes go to ``store`` one record batch per turn.
+
+    Each turn sends the whole conversation with the trajectory's trace (prompt start =
+    captured) and then calls ``env.step``. Stops when the environment says done, after
+    ``max_turns`` turns, or when the next turn would start at or beyond ``max_total_tokens``
+    (the final observation is then not appended). ``seed`` (if given) sets the sampling seed
+    ``seed + turn``. ``reward_fn(conversation, summed step rewards)`` overrides the reward.
+    Raises the client's errors; the store then holds the turns completed so far.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns: expected >= 1, found {max_turns}")
+    spec = store.spec
+    if client.spec is not None and not client.spec.same_shape(spec):
+        raise RouteShapeError(f"store: expected routes shaped like the client's {client.spec}, found {spec}")
+    conv = Conversation(trajectory_id=trajectory_id, group_id=group_id, prompt_ids=_check_tokens(prompt_ids, "prompt_ids"))
+    if not conv.prompt_ids:
+        raise ValueError("prompt_ids: expected at least one token, found none")
+    trace = RouteTrace(spec)
+    reward = 0.0
+    stop = "max_turns"
+    sp = dict(sampling_params or {})
+    for turn in range(max_turns):
+        if seed is not None:
+            sp["seed"] = seed + turn
+        token_start = trace.captured
+        out = await client.generate(conv.token_ids, sampling_params=sp, trace=trace, session_id=trajectory_id)
+        assert out.routed_experts is not None  # a trace request without routes raises
+        store.append(trajectory_id, token_start, out.routed_experts)
+        conv.outputs.append(out)
+        conv.add_generated(out.token_ids)
+        step = await _call_step(env, conv)
+        reward += float(step.reward)
+        if step.done:
+            stop = "done"
+            break
+        if turn + 1 == max_turns:
+            break
+        obs = _check_tokens(step.observation_tokens, "Step.observation_tokens")
+        if max_total_tokens is not None and conv.num_tokens + len(obs) >= max_total_tokens:
+            stop = "max_total_tokens"
+            break
+        conv.add_observation(obs)
+    if reward_fn is not None:
+        reward = float(reward_fn(conv, reward))
+    # Every missing row (last sampled token) must predict a loss-masked token.
+    full_mask = np.concatenate([np.zeros(len(conv.prompt_ids), np.uint8), np.asarray(conv.loss_mask, np.uint8)])
+    check_terminal_gap(trace.captured, full_mask, num_tokens=conv.num_tokens)
+    return Trajectory(
+        trajectory_id=trajectory_id,
+        group_id=group_id,
+        prompt_ids=conv.prompt_ids,
+        response_ids=conv.response_ids,
+        loss_mask=conv.loss_mask,
+        reward=reward,
+        num_turns=conv.num_turns,
+        num_routes=trace.captured,
+        finish_reasons=[o.finish_reason for o in conv.outputs],
+        route_payload_bytes=sum(o.payload_bytes for o in conv.outputs),
+        stop=stop,
+        outputs=conv.outputs,
+    )
+
+
+def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> pa.Table:
+    """The rollout table of ``trajectories`` (rows in that order), routes assembled from ``store``.
+
+    Extra columns: ``num_turns`` (int32) and ``stop`` (why the loop ended). Raises
+    `RouteShapeError` if the store's routes for a trajectory differ in length from its trace.
+    """
+    ids = [t.trajectory_id for t in trajectories]
+    routes = store.routes(ids)
+    lens = np.diff(np.asarray(routes.offsets, dtype=np.int64))
+    want = np.fromiter((t.num_routes for t in trajectories), dtype=np.int64, count=len(trajectories))
+    bad = np.flatnonzero(lens != want)
+    if bad.size:
+        k = int(bad[0])
+        raise RouteShapeError(
+            f"trajectory {ids[k]!r}: expected {int(want[k])} route rows in the store, found {int(lens[k])}"
+        )
+    return rollout_table(
+        trajectory_id=ids,
+        group_id=[t.group_id for t in trajectories],
+        prompt_ids=[t.prompt_ids for t in trajectories],
+        response_ids=[t.response_ids for t in trajectories],
+        loss_mask=[t.loss_mask for t in trajectories],
+        reward=[t.reward for t in trajectories],
+        routes=routes,
+        spec=store.spec,
+        num_turns=pa.array([t.num_turns for t in trajectories], type=pa.int32()),
+        stop=pa.array([t.stop for t in trajectories], type=pa.large_string()),
+    )
+
+
+async def run_rollouts(
+    client: EngineClient,
+    env: Environment,
+    prompts: Sequence[Sequence[int]],
+    *,
+    spec: RouteSpec | None = None,
+    group_size: int = 1,
+    max_turns: int = 8,
+    sampling_params: Mapping[str, Any] | None = None,
+    max_total_tokens: int | None = None,
+    seed: int | None = None,
+    store: TurnStore | None = None,
+    reward_fn: Callable[[Conversation, float], float] | None = None,
+    progress: bool = False,
+) -> pa.Table:
+    """Run ``group_size`` trajectories per prompt concurrently; return their rollout table.
+
+    Trajectory ``j`` of prompt ``i`` has group id ``"g{i}"`` and trajectory id ``"g{i}-{j}"``;
+    with ``seed``, its sampling seeds start at ``seed + (i * group_size + j) * max_turns`` so
+    the members of a group differ. Concurrency is bounded by the client's ``max_concurrency``.
+    Rows are in prompt-then-member order. ``spec`` defaults to the client's.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size: expected >= 1, found {group_size}")
+    if store is None:
+        spec = spec if spec is not None else client.spec
+        if spec is None:
+            raise ValueError("spec: expected a RouteSpec (or a client or store that has one), found None")
+        store = TurnStore(spec)
+    jobs = [(i, j, prompt) for i, prompt in enumerate(prompts) for j in range(group_size)]
+    bar: Any = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(jobs), desc="rollouts", unit="traj")
+
+    async def one(i: int, j: int, prompt: Sequence[int]) -> Trajectory:
+        k = i * group_size + j
+        traj = await run_trajectory(
+            client,
+            env,
+            prompt,
+            trajectory_id=f"g{i}-{j}",
+            group_id=f"g{i}",
+            store=store,
+            max_turns=max_turns,
+            sampling_params=sampling_params,
+            max_total_tokens=max_total_tokens,
+            seed=None if seed is None else seed + k * max_turns,
+            reward_fn=reward_fn,
+        )
+        if bar is not None:
+            bar.update(1)
+        return traj
+
+    try:
+        trajectories = await asyncio.gather(*(one(i, j, p) for i, j, p in jobs))
+    finally:
+        if bar is not None:
+            bar.close()
+    return trajectories_table(trajectories, store)
+
+
+class ArithmeticEnv:
+    """Deterministic toy environment whose observations and rewards depend on what was generated.
+
+    After each turn the observation is ``observation_len`` tokens counting on from the last
+    generated token (``last + 1, last + 2, ...`` mod ``vocab_size``); the step reward is 1.0
+    when the turn's generated tokens sum to an even number, else 0.0, so sampled groups get
+    varied rewards (dynamic sampling keeps some and drops others). Done after ``turns`` turns.
+    """
+
+    def __init__(self, *, vocab_size: int, turns: int = 3, observation_len: int = 3) -> None:
+        if vocab_size < 2 or turns < 1 or observation_len < 0:
+            raise ValueError(
+                f"ArithmeticEnv: expected vocab_size >= 2, turns >= 1, observation_len >= 0, "
+                f"found {vocab_size}, {turns}, {observation_len}"
+            )
+        self.vocab_size = vocab_size
+        self.turns = turns
+        self.observation_len = observation_len
+
+    def observation(self, generated: Sequence[int]) -> list[int]:
+        last = int(generated[-1])
+        return [(last + 1 + i) % self.vocab_size for i in range(self.observation_len)]
+
+    def step(self, conversation: Conversation) -> Step:
+        gen = conversation.last_generated
+        reward = 1.0 if sum(gen) % 2 == 0 else 0.0
+        if conversation.num_turns >= self.turns:
+            return Step(reward=reward, done=True)
+        return Step(observation_tokens=self.observation(gen), reward=reward)
+
+
+__all__ = [
+    "ArithmeticEnv",
+    "Conversation",
+    "Environment",
+    "Step",
+    "Trajectory",
+    "run_rollouts",
+    "run_trajectory",
+    "trajectories_table",
+]

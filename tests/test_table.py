@@ -1,0 +1,558 @@
+"""Rollout table: schema held to schemas/rollout.v1.json, building, padding mask, row selection,
+dynamic sampling (filter_groups / replace_groups)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import random_routes
+from hypothesis import given
+from hypothesis import strategies as st
+
+import r3arrow
+from r3arrow import RouteSpec, RouteTrace, TurnStore
+from r3arrow.errors import (
+    ExpertRangeError,
+    R3ArrowError,
+    RouteShapeError,
+    SchemaError,
+    TerminalGapError,
+)
+from r3arrow.table import (
+    ROLLOUT_COLUMNS,
+    filter_groups,
+    filter_rows,
+    flat_routes,
+    input_ids,
+    replace_groups,
+    rollout_schema,
+    rollout_table,
+    route_spec,
+    router_padding_mask,
+    sequence_loss_mask,
+    take_rows,
+    validate_rollouts,
+    varied_groups,
+)
+
+SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "rollout.v1.json"
+SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))
+
+# ------------------------------------------------------- the JSON schema file
+
+_PRIMITIVES = {
+    "bool": pa.bool_(), "uint8": pa.uint8(), "uint16": pa.uint16(), "int32": pa.int32(),
+    "int64": pa.int64(), "float64": pa.float64(), "large_string": pa.large_string(),
+}
+
+
+def parse_type(text: str, env: dict[str, Any]) -> pa.DataType:
+    """Parse the file's neutral type notation (placeholders ``{name}`` filled from ``env``)."""
+    text = re.sub(r"\{(\w+)\}", lambda m: str(env[m.group(1)]), text)
+    tokens = re.findall(r"\w+|[<>,]", text)
+    pos = 0
+
+    def take(expected: str | None = None) -> str:
+        nonlocal pos
+        tok = tokens[pos]
+        if expected is not None and tok != expected:
+            raise AssertionError(f"type {text!r}: expected {expected!r} at token {pos}, found {tok!r}")
+        pos += 1
+        return tok
+
+    def parse() -> pa.DataType:
+        name = take()
+        if name == "large_list":
+            take("<")
+            inner = parse()
+            take(">")
+            return pa.large_list(inner)
+        if name == "fixed_size_list":
+            take("<")
+            inner = parse()
+            take(",")
+            size = int(take())
+            take(">")
+            return pa.list_(inner, size)
+        return _PRIMITIVES[name]
+
+    out = parse()
+    assert pos == len(tokens), f"type {text!r}: trailing tokens {tokens[pos:]}"
+    return out
+
+
+def schema_doc() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(SCHEMA_FILE.read_text())
+    return doc
+
+
+def assert_follows_schema_file(schema: pa.Schema, spec: RouteSpec) -> None:
+    doc = schema_doc()
+    spec_json = json.loads(schema.metadata[b"r3arrow.spec"])
+    env = {"id": spec_json["dtype"], "num_layers": spec_json["num_layers"], "topk": spec_json["topk"]}
+    core = doc["fields"]
+    assert schema.names[: len(core)] == [f["name"] for f in core]  # names and order
+    for f in core:
+        field = schema.field(f["name"])
+        assert field.type == parse_type(f["type"], env), f["name"]
+        assert field.nullable == f["nullable"], f["name"]
+    assert doc["extra_columns"]["allowed"] is True
+    # Metadata: exactly the documented keys, the schema name, and the spec's documented JSON fields.
+    assert {k.decode() for k in schema.metadata} == set(doc["metadata"])
+    assert schema.metadata[b"r3arrow.schema"].decode() == doc["metadata"]["r3arrow.schema"]["value"] == doc["schema"]
+    spec_fields = doc["metadata"]["r3arrow.spec"]["fields"]
+    assert set(spec_json) == set(spec_fields)
+    assert spec_json["dtype"] in spec_fields["dtype"]["enum"]
+    assert spec_json["dtype"] == spec.dtype.name
+    assert (spec_json["num_layers"], spec_json["topk"], spec_json["num_experts"]) == (
+        spec.num_layers, spec.topk, spec.num_experts,
+    )
+    assert spec_json["moe_layers"] == (list(spec.moe_layers) if spec.moe_layers is not None else None)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        RouteSpec(num_layers=48, topk=8, num_experts=128),
+        RouteSpec(num_layers=4, topk=2, num_experts=300, moe_layers=(1, 3)),
+        RouteSpec(num_layers=2, topk=1, num_experts=70000),
+        RouteSpec(num_layers=5, topk=3, num_experts=None),
+        RouteSpec(num_layers=5, topk=3, num_experts=None).widened_for(999),
+    ],
+)
+def test_rollout_schema_follows_the_json_file(spec: RouteSpec) -> None:
+    schema = rollout_schema(spec)
+    assert tuple(schema.names) == ROLLOUT_COLUMNS
+    assert len(schema_doc()["fields"]) == len(schema.names)
+    assert_follows_schema_file(schema, spec)
+    with_extra = rollout_schema(spec, [pa.field("advantage", pa.float32())])
+    assert with_extra.names[-1] == "advantage"
+    assert_follows_schema_file(with_extra, spec)
+
+
+def test_type_parser_is_strict() -> None:
+    env = {"id": "uint8", "num_layers": 4, "topk": 2}
+    assert parse_type("large_list<fixed_size_list<fixed_size_list<{id}, {topk}>, {num_layers}>>", env) == (
+        RouteSpec(num_layers=4, topk=2, num_experts=8).routes_type
+    )
+    with pytest.raises(AssertionError):
+        parse_type("large_list<int32> int32", env)
+    with pytest.raises(KeyError):
+        parse_type("list<int32>", env)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def pad_rows(n: int) -> np.ndarray:
+    """``n`` valid route rows for SPEC: experts [0, 1] on every layer."""
+    return np.tile(np.array([0, 1], dtype=np.uint8), (n, 3, 1))
+
+
+def make_rows(
+    rng: np.random.Generator, n: int, spec: RouteSpec = SPEC, *, groups: int = 3, rewards: tuple[float, ...] = (0.0, 1.0)
+) -> dict[str, Any]:
+    """Random valid per-trajectory fields: P >= 1, R >= 1, captured <= P + R - 1, gap loss-masked."""
+    cols: dict[str, Any] = {k: [] for k in ("trajectory_id", "group_id", "prompt_ids", "response_ids", "loss_mask", "reward", "routes")}
+    for i in range(n):
+        p, r = int(rng.integers(1, 6)), int(rng.integers(1, 8))
+        cap = int(rng.integers(0, p + r))
+        mask = rng.integers(0, 2, size=r).astype(np.uint8)
+        mask[np.arange(p, p + r) > cap] = 0  # token t needs row t-1
+        cols["trajectory_id"].append(f"traj-{i}")
+        cols["group_id"].append(f"g{int(rng.integers(0, groups))}")
+        cols["prompt_ids"].append(rng.integers(0, 1000, size=p).tolist())
+        cols["response_ids"].append(rng.integers(0, 1000, size=r).tolist())
+        cols["loss_mask"].append(mask.tolist())
+        cols["reward"].append(float(rng.choice(rewards)))
+        cols["routes"].append(random_routes(rng, cap, spec))
+    return cols
+
+
+def make_table(rng: np.random.Generator, n: int, spec: RouteSpec = SPEC, **kw: Any) -> pa.Table:
+    cols = make_rows(rng, n, spec, **kw)
+    return rollout_table(**cols, spec=spec, step=np.arange(n, dtype=np.int64), tag=[f"x{i}" for i in range(n)])
+
+
+def rows_by_id(table: pa.Table) -> dict[str, dict[str, Any]]:
+    return {r["trajectory_id"]: r for r in table.to_pylist()}
+
+
+def assert_rows_intact(result: pa.Table, source: pa.Table) -> None:
+    """Every row of ``result`` equals the source row of its trajectory (all columns attached)."""
+    assert result.schema.equals(source.schema, check_metadata=True)
+    src = rows_by_id(source)
+    for row in result.to_pylist():
+        assert row == src[row["trajectory_id"]]
+
+
+# ------------------------------------------------------------------ building
+
+
+def test_rollout_table_builds_with_spec_metadata_and_extra_columns() -> None:
+    rng = np.random.default_rng(0)
+    cols = make_rows(rng, 4)
+    table = rollout_table(**cols, spec=SPEC, advantage=np.array([0.5, -0.5, 1.0, 0.0], dtype=np.float32),
+                          source=["a", "b", "c", "d"])
+    assert table.num_rows == 4
+    assert table.schema.names == [*ROLLOUT_COLUMNS, "advantage", "source"]
+    assert table.schema.field("advantage").type == pa.float32()
+    assert_follows_schema_file(table.schema, SPEC)
+    assert route_spec(table).arrow_type == SPEC.arrow_type
+    assert route_spec(table).router_layers == SPEC.router_layers
+    assert table.column("trajectory_id").to_pylist() == cols["trajectory_id"]
+    assert table.column("prompt_ids").to_pylist() == cols["prompt_ids"]
+    assert table.column("loss_mask").to_pylist() == cols["loss_mask"]
+    assert table.column("reward").to_pylist() == cols["reward"]
+    flat, offsets = flat_routes(table)
+    assert offsets.tolist() == np.cumsum([0, *(len(r) for r in cols["routes"])]).tolist()
+    for i, r in enumerate(cols["routes"]):
+        np.testing.assert_array_equal(flat[offsets[i] : offsets[i + 1]], r)
+    assert validate_rollouts(table).arrow_type == SPEC.arrow_type
+
+
+def test_rollout_table_accepts_arrow_routes_and_a_routes_column() -> None:
+    rng = np.random.default_rng(1)
+    cols = make_rows(rng, 3)
+    as_arrow = dict(cols, routes=[r3arrow.numpy_to_routes(r, SPEC) for r in cols["routes"]])
+    t1 = rollout_table(**as_arrow, spec=SPEC)
+    t2 = rollout_table(**dict(cols, routes=t1.column("routes")), spec=SPEC)
+    t3 = rollout_table(**cols, spec=SPEC)
+    assert t1.equals(t2) and t1.equals(t3)
+
+
+def test_rollout_table_from_traces_and_store() -> None:
+    # End to end: multi-turn traces finalized into the table, and the same turns through a TurnStore.
+    rng = np.random.default_rng(2)
+    store = TurnStore(SPEC)
+    cols: dict[str, list[Any]] = {k: [] for k in ("trajectory_id", "group_id", "prompt_ids", "response_ids", "loss_mask", "reward", "routes")}
+    for i in range(3):
+        tid = f"t{i}"
+        trace = RouteTrace(SPEC)
+        prompt = rng.integers(0, 100, size=4).tolist()
+        tokens, mask = list(prompt), [0] * 4
+        for turn in range(3):
+            if turn:
+                obs = rng.integers(0, 100, size=2).tolist()  # tool output: not trained
+                tokens += obs
+                mask += [0, 0]
+            gen = rng.integers(0, 100, size=3).tolist()
+            chunk = random_routes(rng, len(tokens) - trace.captured + len(gen) - 1, SPEC)
+            start = trace.record(chunk, prompt_tokens=len(tokens), generated_tokens=len(gen))
+            store.append(tid, start, chunk)
+            tokens += gen
+            mask += [1, 1, 1]
+        tokens += [7, 7]  # a final observation after the last generation: the terminal gap
+        mask += [0, 0]
+        cols["trajectory_id"].append(tid)
+        cols["group_id"].append("g")
+        cols["prompt_ids"].append(prompt)
+        cols["response_ids"].append(tokens[4:])
+        cols["loss_mask"].append(mask[4:])
+        cols["reward"].append(float(i))
+        cols["routes"].append(trace.finalize(num_tokens=len(tokens), loss_mask=mask))
+    table = rollout_table(**cols, spec=SPEC)
+    from_store = rollout_table(**dict(cols, routes=store.routes(cols["trajectory_id"])), spec=SPEC)
+    assert table.equals(from_store)
+    # Captured = all tokens but the last generated one and the 2 final observation tokens.
+    assert r3arrow.table.captured_lengths(table).tolist() == [len(t) - 3 for t in input_ids(table).to_pylist()]
+    pad = router_padding_mask(table).to_pylist()
+    assert all(row[-3:] == [True] * 3 and not any(row[:-3]) for row in pad)
+
+
+def test_router_padding_mask_literal() -> None:
+    spec = RouteSpec(num_layers=1, topk=1, num_experts=4)
+    table = rollout_table(
+        trajectory_id=["a", "b", "c"], group_id=["g", "g", "g"],
+        prompt_ids=[[1, 2, 3], [1], [5, 6]], response_ids=[[4, 5, 6, 7], [2, 3], [7]],
+        loss_mask=[[1, 1, 0, 0], [1, 1], [0]], reward=[1.0, 0.0, 0.5],
+        routes=[np.zeros((5, 1, 1), np.uint8), np.zeros((2, 1, 1), np.uint8), np.zeros((0, 1, 1), np.uint8)],
+        spec=spec,
+    )
+    mask = router_padding_mask(table)
+    assert mask.type == pa.large_list(pa.bool_())
+    assert mask.to_pylist() == [
+        [False, False, False, False, False, True, True],  # captured prompt (loss-masked) tokens are False
+        [False, False, True],
+        [True, True, True],
+    ]
+    assert sequence_loss_mask(table).to_pylist() == [[0, 0, 0, 1, 1, 0, 0], [0, 1, 1], [0, 0, 0]]
+    assert input_ids(table).to_pylist() == [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3], [5, 6, 7]]
+
+
+def test_terminal_gap_violation_names_trajectory_and_token() -> None:
+    base: dict[str, Any] = {
+        "trajectory_id": ["ok", "bad-traj"], "group_id": ["g", "g"],
+        "prompt_ids": [[1, 2, 3], [1, 2, 3]], "response_ids": [[4, 5, 6, 7], [4, 5, 6, 7]],
+        "loss_mask": [[1, 1, 1, 0], [1, 1, 1, 0]], "reward": [0.0, 1.0],
+        "routes": [pad_rows(5), pad_rows(5)],
+    }
+    rollout_table(**base, spec=SPEC)  # token 5 is the last one covered by captured row 4
+    bad = dict(base, loss_mask=[[1, 1, 1, 0], [1, 0, 0, 1]])  # token 6 needs row 5: missing
+    with pytest.raises(TerminalGapError, match=r"'bad-traj'.*loss-active target at token 6"):
+        rollout_table(**bad, spec=SPEC)
+
+
+def test_widening_in_table_with_unknown_num_experts() -> None:
+    spec = RouteSpec(num_layers=2, topk=2, num_experts=None)
+    small = np.array([[[0, 1], [2, 3]]], dtype=np.uint8)
+    trace = RouteTrace(spec)
+    trace.record(np.array([[[256, 1], [0, 300]]] * 2), prompt_tokens=2, generated_tokens=1)
+    wide = trace.finalize(num_tokens=3, loss_mask=[0, 0, 0])
+    table = rollout_table(
+        trajectory_id=["s", "w"], group_id=["g", "g"], prompt_ids=[[1], [1, 2]], response_ids=[[2], [3]],
+        loss_mask=[[0], [0]], reward=[0, 1], routes=[r3arrow.numpy_to_routes(small), wide], spec=spec,
+    )
+    assert route_spec(table).dtype == np.uint16
+    assert_follows_schema_file(table.schema, route_spec(table))
+    flat, offsets = flat_routes(table)
+    np.testing.assert_array_equal(flat[: offsets[1]], small)
+    np.testing.assert_array_equal(flat[offsets[1] :], [[[256, 1], [0, 300]]] * 2)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"group_id": ["g"]}, SchemaError, "group_id"),
+        ({"reward": [1.0]}, SchemaError, "reward"),
+        ({"prompt_ids": [[1]]}, SchemaError, "prompt_ids"),
+        ({"loss_mask": [[1, 0], [1, 0]]}, SchemaError, "loss_mask"),
+        ({"prompt_ids": [[1], ["x"]]}, SchemaError, "prompt_ids"),
+        ({"prompt_ids": [[1], [2**40]]}, SchemaError, "prompt_ids"),
+        ({"routes": [np.zeros((1, 3, 2), np.uint8)]}, SchemaError, "routes"),
+        ({"routes": [pad_rows(1), pad_rows(5)]}, RouteShapeError, "at most 4"),
+        ({"routes": [np.zeros((1, 4, 2), np.uint8), np.zeros((1, 3, 2), np.uint8)]}, RouteShapeError, "routes"),
+        ({"routes": [np.zeros((1, 3, 2)), np.zeros((1, 3, 2))]}, RouteShapeError, "integer"),
+        ({"routes": [np.full((1, 3, 2), 16), np.zeros((1, 3, 2), np.uint8)]}, ExpertRangeError, "num_experts=16"),
+        ({"trajectory_id": ["a", None]}, SchemaError, "trajectory_id"),
+        ({"reward": [1.0, None]}, SchemaError, "reward"),
+        ({"response_ids": [[1, 2], None]}, SchemaError, "response_ids"),
+    ],
+)
+def test_invalid_build_raises_typed_error(change: dict[str, Any], error: type[Exception], match: str) -> None:
+    base: dict[str, Any] = {
+        "trajectory_id": ["a", "b"], "group_id": ["g", "g"], "prompt_ids": [[1], [2]],
+        "response_ids": [[1, 2], [3, 4, 5]], "loss_mask": [[1, 0], [1, 0, 0]], "reward": [0.0, 1.0],
+        "routes": [pad_rows(1), pad_rows(2)],
+    }
+    rollout_table(**base, spec=SPEC)
+    with pytest.raises(error, match=match):
+        rollout_table(**dict(base, **change), spec=SPEC)
+
+
+def test_null_routes_row_is_rejected_not_turned_into_empty() -> None:
+    col = pa.array([[[[0, 1]] * 3], None], type=SPEC.routes_type)
+    with pytest.raises(R3ArrowError):
+        rollout_table(
+            trajectory_id=["a", "b"], group_id=["g", "g"], prompt_ids=[[1], [2]], response_ids=[[1], [3]],
+            loss_mask=[[0], [0]], reward=[0.0, 1.0], routes=col, spec=SPEC,
+        )
+
+
+def test_extra_column_errors() -> None:
+    cols = make_rows(np.random.default_rng(3), 2)
+    with pytest.raises(SchemaError, match="advantage: expected 2 rows"):
+        rollout_table(**cols, spec=SPEC, advantage=[1.0, 2.0, 3.0])
+
+
+def test_validate_rollouts_rejects_foreign_tables() -> None:
+    table = make_table(np.random.default_rng(4), 3)
+    with pytest.raises(SchemaError, match=r"r3arrow\.spec"):
+        validate_rollouts(table.replace_schema_metadata(None))
+    with pytest.raises(SchemaError, match="'reward'"):
+        validate_rollouts(table.drop_columns(["reward"]))
+    cast = table.set_column(table.schema.get_field_index("reward"), "reward", table.column("reward").cast(pa.float32()))
+    with pytest.raises(SchemaError, match="float"):
+        validate_rollouts(cast)
+
+
+def test_table_ipc_round_trip_keeps_spec_and_routes() -> None:
+    table = make_table(np.random.default_rng(5), 6)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    back = pa.ipc.open_stream(sink.getvalue()).read_all()
+    assert back.equals(table) and back.schema.equals(table.schema, check_metadata=True)
+    assert route_spec(back).arrow_type == SPEC.arrow_type
+    validate_rollouts(back)
+
+
+# ------------------------------------------------------------- row selection
+
+
+def test_take_and_filter_keep_every_column_attached() -> None:
+    table = make_table(np.random.default_rng(6), 8)
+    taken = take_rows(table, [5, 0, 5, 3])
+    assert taken.column("trajectory_id").to_pylist() == ["traj-5", "traj-0", "traj-5", "traj-3"]
+    assert_rows_intact(taken, table)
+    assert taken.column("step").to_pylist() == [5, 0, 5, 3]
+    kept = filter_rows(table, [i % 3 == 0 for i in range(8)])
+    assert kept.column("trajectory_id").to_pylist() == ["traj-0", "traj-3", "traj-6"]
+    assert_rows_intact(kept, table)
+    assert filter_rows(table, pa.array([True] * 8)).equals(table)
+    validate_rollouts(taken)
+    validate_rollouts(kept)
+    with pytest.raises(SchemaError, match="8 values"):
+        filter_rows(table, [True, False])
+
+
+def test_take_rows_rejects_non_integer_indices() -> None:
+    # Floats must not be truncated to indices, and a boolean mask must not be read as indices 0/1.
+    table = make_table(np.random.default_rng(7), 3)
+    with pytest.raises(R3ArrowError):
+        take_rows(table, [0.7, 1.2])
+    with pytest.raises(R3ArrowError):
+        take_rows(table, [True, False, True])
+    with pytest.raises((R3ArrowError, IndexError)):
+        take_rows(table, [3])
+
+
+def test_selection_on_a_multi_chunk_table() -> None:
+    rng = np.random.default_rng(8)
+    a, b = make_table(rng, 4), make_table(rng, 4)
+    b = b.set_column(0, b.schema.field(0), pa.chunked_array([[f"b-{i}" for i in range(4)]], pa.large_string()))
+    both = pa.concat_tables([a, b])
+    assert both.column("routes").num_chunks == 2
+    out = take_rows(both, [7, 0])
+    assert out.column("trajectory_id").to_pylist() == ["b-3", "traj-0"]
+    assert_rows_intact(out, both)
+
+
+# ---------------------------------------------------------- dynamic sampling
+
+
+def reference_keep(groups: list[str], values: list[Any]) -> list[bool]:
+    seen: dict[str, set[Any]] = {}
+    for g, v in zip(groups, values, strict=True):
+        seen.setdefault(g, set()).add(v)
+    return [len(seen[g]) > 1 for g in groups]
+
+
+def test_filter_groups_literal() -> None:
+    rng = np.random.default_rng(9)
+    cols = make_rows(rng, 7)
+    cols["group_id"] = ["a", "b", "a", "c", "b", "c", "d"]
+    cols["reward"] = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.5]  # a varies; b all 0; c all 1; d a single row
+    table = rollout_table(**cols, spec=SPEC, step=list(range(7)))
+    out = filter_groups(table)
+    assert out.column("trajectory_id").to_pylist() == ["traj-0", "traj-2"]
+    assert out.column("step").to_pylist() == [0, 2]
+    assert_rows_intact(out, table)
+    assert varied_groups(table).tolist() == [True, False, True, False, False, False, False]
+    assert r3arrow.filter_groups is filter_groups
+
+
+def test_filter_groups_other_columns_and_errors() -> None:
+    table = make_table(np.random.default_rng(10), 6)
+    labels = pa.array(["x", "x", "y", "x", "x", "x"])
+    grouped = table.append_column("label", labels).append_column("bucket", pa.array([0, 0, 0, 1, 1, 1]))
+    out = filter_groups(grouped, by="bucket", value="label")  # string values; an int group key
+    assert out.column("bucket").to_pylist() == [0, 0, 0]
+    with pytest.raises(SchemaError, match="'nope'"):
+        filter_groups(table, by="nope")
+    with pytest.raises(SchemaError, match="'nope'"):
+        filter_groups(table, value="nope")
+
+
+@given(
+    groups=st.lists(st.sampled_from(["g0", "g1", "g2", "g3", "g4"]), min_size=1, max_size=24),
+    data=st.data(),
+    chunk_at=st.integers(0, 24),
+)
+def test_filter_groups_matches_a_pure_python_reference(groups: list[str], data: st.DataObject, chunk_at: int) -> None:
+    n = len(groups)
+    values = data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
+    rng = np.random.default_rng(n)
+    cols = make_rows(rng, n)
+    cols["group_id"], cols["reward"] = groups, values
+    table = rollout_table(**cols, spec=SPEC, step=list(range(n)))
+    cut = min(chunk_at, n)
+    chunked = pa.concat_tables([table.slice(0, cut), table.slice(cut)])  # several chunks
+    keep = reference_keep(groups, values)
+    for t in (table, chunked):
+        out = filter_groups(t)
+        assert out.column("step").to_pylist() == [i for i in range(n) if keep[i]]  # order kept
+        assert_rows_intact(out, table)
+
+
+def test_replace_groups_literal_and_deterministic() -> None:
+    rng = np.random.default_rng(11)
+    cols = make_rows(rng, 8)
+    cols["group_id"] = ["a", "a", "b", "b", "b", "c", "c", "d"]
+    cols["reward"] = [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.0]  # kept: a, c; dropped: b, d
+    table = rollout_table(**cols, spec=SPEC, step=list(range(8)))
+    out = replace_groups(table, seed=3)
+    assert out.num_rows == table.num_rows
+    assert out.schema.equals(table.schema, check_metadata=True)
+    assert out.equals(replace_groups(table, seed=3))  # deterministic under a seed
+    steps = out.column("step").to_pylist()
+    assert [steps[i] for i in (0, 1, 5, 6)] == [0, 1, 5, 6]  # kept rows stay in place
+    kept_rows = {0, 1, 5, 6}
+    for pos in (2, 3, 4, 7):
+        assert steps[pos] in kept_rows  # replacement rows come from kept groups
+    # One dropped group draws one kept group: its rows come from a single kept group.
+    group_of = dict(zip(range(8), cols["group_id"], strict=True))
+    assert len({group_of[steps[p]] for p in (2, 3, 4)}) == 1
+    assert_rows_intact(out, table)
+    validate_rollouts(out)
+
+
+def test_replace_groups_edge_cases() -> None:
+    rng = np.random.default_rng(12)
+    cols = make_rows(rng, 4)
+    cols["group_id"], cols["reward"] = ["a", "a", "b", "b"], [0.0, 1.0, 1.0, 0.0]
+    table = rollout_table(**cols, spec=SPEC)
+    assert replace_groups(table, seed=0).equals(table)  # nothing dropped: unchanged
+    cols["reward"] = [1.0, 1.0, 0.0, 0.0]
+    uniform = rollout_table(**cols, spec=SPEC)
+    with pytest.raises(SchemaError, match="uniform"):
+        replace_groups(uniform, seed=0)
+
+
+@given(
+    groups=st.lists(st.sampled_from(["g0", "g1", "g2", "g3", "g4", "g5"]), min_size=2, max_size=24),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_replace_groups_properties(groups: list[str], data: st.DataObject, seed: int) -> None:
+    n = len(groups)
+    values = data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n))
+    keep = reference_keep(groups, values)
+    cols = make_rows(np.random.default_rng(seed % 1000), n)
+    cols["group_id"], cols["reward"] = groups, values
+    table = rollout_table(**cols, spec=SPEC, step=list(range(n)))
+    if not any(keep):
+        with pytest.raises(SchemaError):
+            replace_groups(table, seed=seed)
+        return
+    out = replace_groups(table, seed=seed)
+    assert out.equals(replace_groups(table, seed=seed))
+    assert out.num_rows == n
+    steps = out.column("step").to_pylist()
+    for i in range(n):
+        if keep[i]:
+            assert steps[i] == i
+        else:
+            assert keep[steps[i]]
+    assert_rows_intact(out, table)
+
+
+@pytest.mark.parametrize("value", [-1, 1000])
+def test_dense_layer_value_outside_storage_dtype_is_never_silently_wrapped(value: int) -> None:
+    # Dense-layer ids are not range-checked, but narrowing must not wrap them (-1 -> 255, 1000 -> 232).
+    spec = RouteSpec(num_layers=2, topk=2, num_experts=None, moe_layers=(1,))
+    data = np.array([[[value, 0], [0, 1]]], dtype=np.int64)
+    try:
+        table = rollout_table(
+            trajectory_id=["t"], group_id=["g"], prompt_ids=[[1]], response_ids=[[2]], loss_mask=[[0]],
+            reward=[0.0], routes=[data], spec=spec,
+        )
+    except R3ArrowError:
+        return
+    np.testing.assert_array_equal(flat_routes(table)[0].astype(np.int64), data)
