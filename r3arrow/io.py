@@ -96,16 +96,38 @@ def from_storage(table: pa.Table) -> pa.Table:
 
 
 # ------------------------------------------------------------------ atomicity
+def _claim_next_part(tmp: Path, directory: Path) -> Path:
+    """Hard-link ``tmp`` to the first free ``part-NNNNN.parquet`` (never replaces another writer's part)."""
+    n = len(list(directory.glob("part-*.parquet")))
+    while True:
+        target = directory / f"part-{n:05d}.parquet"
+        try:
+            os.link(tmp, target)
+            return target
+        except FileExistsError:
+            n += 1
+
+
 @contextlib.contextmanager
-def _atomic_path(dest: Path) -> Iterator[Path]:
-    """Yield a temp path beside ``dest``; rename over ``dest`` on success, remove on failure."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex}"
+def _atomic_path(dest: Path, *, new_part: bool = False) -> Iterator[list[Path]]:
+    """Yield ``[tmp]`` beside ``dest``; on success move it into place and append the final path.
+
+    ``new_part``: ``dest`` is a directory and the file becomes its next free part.
+    On failure the temp file is removed and the destination is untouched.
+    """
+    directory = dest if new_part else dest.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{dest.name}.tmp-{uuid.uuid4().hex}"
+    paths = [tmp]
     try:
-        yield tmp
+        yield paths
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
-        os.replace(tmp, dest)
+        if new_part:
+            paths.append(_claim_next_part(tmp, directory))
+        else:
+            os.replace(tmp, dest)
+            paths.append(dest)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -132,23 +154,22 @@ def write_rollouts(
     if step is not None:
         if int(step) < 0:
             raise ValueError(f"step: expected >= 0, found {step}")
-        d = dest / f"step={int(step)}"
-        existing = sorted(d.glob("part-*.parquet")) if d.exists() else []
-        dest = d / f"part-{len(existing):05d}.parquet"
+        dest = dest / f"step={int(step)}"
     storage = to_storage(table)
     no_dict = [n for n in storage.schema.names if n != "routes"]
-    with _atomic_path(dest) as tmp:
+    with _atomic_path(dest, new_part=step is not None) as paths:
         pq.write_table(
             storage,
-            tmp,
+            paths[0],
             compression=compression,
             compression_level=compression_level,
             use_dictionary=no_dict,
             write_statistics=no_dict,
             row_group_size=row_group_rows,
             data_page_size=8 << 20,
+            use_compliant_nested_type=False,  # keep list child names ("item"): exact round trip
         )
-    return dest
+    return paths[-1]
 
 
 def _open_error(path: Path, exc: BaseException) -> SchemaError:
@@ -161,7 +182,22 @@ def _check_rollout_schema(schema: pa.Schema, path: Path) -> RouteSpec:
             f"{path}: expected an r3arrow rollout file (metadata key {SPEC_METADATA_KEY.decode()!r}), "
             f"found a file without it (columns {schema.names})"
         )
-    return RouteSpec.from_schema(schema)
+    try:
+        return RouteSpec.from_schema(schema)
+    except SchemaError as exc:
+        raise SchemaError(f"{path}: {exc}") from exc
+
+
+def _restore(table: pa.Table, path: Path) -> pa.Table:
+    try:
+        return from_storage(table)
+    except SchemaError as exc:
+        raise SchemaError(f"{path}: {exc}") from exc
+
+
+def _step_files(root: Path) -> list[Path]:
+    """Part files of a step directory, in numeric step order then part order."""
+    return [f for s in list_steps(root) for f in sorted((root / f"step={s}").glob("part-*.parquet"))]
 
 
 def list_steps(root: PathLike) -> list[int]:
@@ -181,7 +217,12 @@ def read_rollouts_dataset(path: PathLike) -> ds.Dataset:
         raise FileNotFoundError(f"{p}: no such rollout file or directory")
     try:
         if p.is_dir():
-            return ds.dataset(p, format="parquet", partitioning=ds.partitioning(pa.schema([("step", pa.int64())]), flavor="hive"))
+            return ds.dataset(
+                [str(f) for f in _step_files(p)],
+                format="parquet",
+                partition_base_dir=str(p),
+                partitioning=ds.partitioning(pa.schema([("step", pa.int64())]), flavor="hive"),
+            )
         return ds.dataset(p, format="parquet")
     except (pa.ArrowInvalid, OSError) as exc:
         raise _open_error(p, exc) from exc
@@ -195,27 +236,34 @@ def read_rollouts(
 ) -> pa.Table:
     """Read a rollout Parquet file or ``step=N`` directory; routes restored, spec kept.
 
-    ``columns`` projects (a directory adds ``step``); ``steps`` selects partitions.
-    Raises `SchemaError` on a corrupt or foreign file.
+    A directory reads in step order and adds an int64 ``step`` column (kept under
+    ``columns`` only if listed); ``steps`` selects partitions. Every file must
+    carry the same spec. Raises `SchemaError` on a corrupt or foreign file.
     """
     p = Path(path)
     if p.is_dir():
         dataset = read_rollouts_dataset(p)
-        files = list(dataset.files)
+        files = [Path(f) for f in dataset.files]
         if not files:
             raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none")
-        try:
-            first = pq.read_schema(files[0])
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise _open_error(Path(files[0]), exc) from exc
-        _check_rollout_schema(first, Path(files[0]))
+        first: pa.Schema | None = None
+        for f in files:
+            try:
+                schema = pq.read_schema(f)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise _open_error(f, exc) from exc
+            spec = _check_rollout_schema(schema, f)
+            if first is None:
+                first, first_spec = schema, spec
+            elif spec != first_spec:
+                raise SchemaError(f"{f}: expected the spec of {files[0]} ({first_spec}), found {spec}")
+        assert first is not None
         filt = ds.field("step").isin([int(s) for s in steps]) if steps is not None else None
         try:
             table = dataset.to_table(columns=list(columns) if columns is not None else None, filter=filt)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
             raise SchemaError(f"{p}: step files do not share one rollout schema/spec ({exc})") from exc
-        table = table.replace_schema_metadata(first.metadata)
-        return from_storage(table)
+        return _restore(table.replace_schema_metadata(first.metadata), p)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such rollout file or directory")
     try:
@@ -224,7 +272,7 @@ def read_rollouts(
         table = pf.read(columns=list(columns) if columns is not None else None)
     except (pa.ArrowInvalid, OSError) as exc:
         raise _open_error(p, exc) from exc
-    return from_storage(table)
+    return _restore(table, p)
 
 
 def iter_rollouts(
@@ -250,7 +298,7 @@ def iter_rollouts(
         _check_rollout_schema(schema, p)
         for batch in pf.iter_batches(batch_size=batch_rows, columns=list(columns) if columns else None):
             t = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
-            yield None, from_storage(t)
+            yield None, _restore(t, p)
     except (pa.ArrowInvalid, OSError) as exc:
         raise _open_error(p, exc) from exc
 
@@ -265,10 +313,10 @@ def scan_rollouts(path: PathLike, **kwargs: Any) -> Iterator[pa.Table]:
 def write_ipc(table: pa.Table, path: PathLike) -> Path:
     """Write a rollout table as an uncompressed Arrow IPC (Feather v2) file, atomically."""
     validate_rollouts(table)
-    dest = Path(path)
-    with _atomic_path(dest) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
-    return dest
+    with _atomic_path(Path(path)) as paths:
+        with pa.OSFile(str(paths[0]), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+    return paths[-1]
 
 
 def read_ipc(path: PathLike, *, memory_map: bool = True) -> pa.Table:

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -946,3 +947,39 @@ def test_leftover_temp_files_are_ignored_by_step_readers(
         read_rollouts(root), pa.concat_tables([with_step(per_step[s], s) for s in range(4)])
     )
     assert [s for s, _ in iter_rollouts(root)] == [0, 1, 2, 3]
+
+
+def test_concurrent_writers_to_one_step_keep_both_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two writers that pick a part name at the same time must not replace each other's file."""
+    spec = RouteSpec(num_layers=2, topk=2, num_experts=16)
+    rng = np.random.default_rng(17)
+    a = make_table(rng, spec, [(2, 2, 3)], tag="a")
+    b = make_table(rng, spec, [(3, 1, 4)], tag="b")
+    real = pq.write_table
+    both_started = threading.Barrier(2, timeout=30)
+
+    def in_step(table: pa.Table, where: Any, **kwargs: Any) -> None:
+        both_started.wait()  # both writers have chosen their destination by now
+        real(table, where, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", in_step)
+    errors: list[BaseException] = []
+
+    def write(t: pa.Table) -> None:
+        try:
+            write_rollouts(t, tmp_path, step=0)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in (a, b)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    monkeypatch.undo()
+    assert errors == []
+    got = read_rollouts(tmp_path)
+    assert sorted(got.column("trajectory_id").to_pylist()) == ["a-0", "b-0"]
+    assert len(list((tmp_path / "step=0").glob("part-*.parquet"))) == 2

@@ -155,6 +155,7 @@ def test_spec_json_fields() -> None:
     obj = json.loads(RouteSpec(num_layers=4, topk=2, num_experts=300, moe_layers=(0, 2)).to_json())
     assert obj == {
         "version": 1, "num_layers": 4, "topk": 2, "num_experts": 300, "moe_layers": [0, 2], "dtype": "uint16",
+        "id_dtype": None,
     }
 
 

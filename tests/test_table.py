@@ -109,6 +109,7 @@ def assert_follows_schema_file(schema: pa.Schema, spec: RouteSpec) -> None:
     spec_fields = doc["metadata"]["r3arrow.spec"]["fields"]
     assert set(spec_json) == set(spec_fields)
     assert spec_json["dtype"] in spec_fields["dtype"]["enum"]
+    assert spec_json["id_dtype"] in spec_fields["id_dtype"]["enum"]
     assert spec_json["dtype"] == spec.dtype.name
     assert (spec_json["num_layers"], spec_json["topk"], spec_json["num_experts"]) == (
         spec.num_layers, spec.topk, spec.num_experts,
@@ -556,3 +557,44 @@ def test_dense_layer_value_outside_storage_dtype_is_never_silently_wrapped(value
     except R3ArrowError:
         return
     np.testing.assert_array_equal(flat_routes(table)[0].astype(np.int64), data)
+
+
+@given(
+    layers=st.integers(1, 4),
+    topk=st.integers(1, 3),
+    num_experts=st.sampled_from([None, 4, 300, 70000]),
+    in_dtype=st.sampled_from([np.uint8, np.int16, np.uint16, np.int32, np.int64]),
+    lengths=st.lists(st.integers(0, 6), min_size=0, max_size=6),
+    arrow_input=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rollout_table_routes_round_trip_for_random_shapes_and_dtypes(
+    layers: int, topk: int, num_experts: int | None, in_dtype: type, lengths: list[int], arrow_input: bool, seed: int
+) -> None:
+    spec = RouteSpec(num_layers=layers, topk=max(1, min(topk, num_experts or topk)), num_experts=num_experts)
+    rng = np.random.default_rng(seed)
+    max_id = min(int(np.iinfo(in_dtype).max) + 1, num_experts or 600)
+    routes = [random_routes(rng, n, spec, num_experts=max_id, dtype=in_dtype) for n in lengths]
+    n = len(lengths)
+    arg: list[Any] = routes
+    if arrow_input:
+        arg = [r3arrow.numpy_to_routes(r.astype(spec.widened_for(max_id - 1).dtype)) for r in routes]
+    table = rollout_table(
+        trajectory_id=[f"t{i}" for i in range(n)], group_id=["g"] * n, prompt_ids=[[1]] * n,
+        response_ids=[list(range(k)) for k in lengths], loss_mask=[[0] * k for k in lengths],
+        reward=[0.0] * n, routes=arg, spec=spec,
+    )
+    out_spec = route_spec(table)
+    assert out_spec.same_shape(spec)
+    if num_experts is not None:
+        assert out_spec.dtype == spec.dtype
+    assert table.schema.field("routes").type == out_spec.routes_type
+    flat, offsets = flat_routes(table)
+    assert np.diff(offsets).tolist() == lengths
+    want = np.concatenate(routes) if routes else np.empty((0, layers, spec.topk), np.int64)
+    np.testing.assert_array_equal(flat.astype(np.int64), want.astype(np.int64))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    back = pa.ipc.open_file(sink.getvalue()).read_all()
+    assert back.equals(table) and route_spec(back).dtype == out_spec.dtype

@@ -11,6 +11,7 @@ import pytest
 from conftest import random_routes
 from hypothesis import given
 from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from r3arrow import RouteSpec, RouteTrace, TokenTrace, numpy_to_routes, routes_to_numpy
 from r3arrow.errors import (
@@ -427,6 +428,14 @@ def _plan(turns: list[Turn]) -> list[tuple[int, int, int]]:
     return out
 
 
+@st.composite
+def _specs(draw: st.DrawFn, num_experts: int | None) -> RouteSpec:
+    layers = draw(st.integers(1, 5))
+    topk = draw(st.integers(1, 4))
+    moe = draw(st.lists(st.integers(0, layers - 1), min_size=1, max_size=layers, unique=True))
+    return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts, moe_layers=moe)
+
+
 @given(
     turns=_TURNS,
     tail=st.integers(0, 4),
@@ -435,13 +444,14 @@ def _plan(turns: list[Turn]) -> list[tuple[int, int, int]]:
     as_arrow=st.lists(st.booleans(), min_size=6, max_size=6),
     read_only=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
+    data=st.data(),
 )
 def test_any_valid_turn_sequence_finalizes_to_the_concatenation(
     turns: list[Turn], tail: int, num_experts: int | None, in_dtype: type,
-    as_arrow: list[bool], read_only: bool, seed: int,
+    as_arrow: list[bool], read_only: bool, seed: int, data: st.DataObject,
 ) -> None:
     rng = np.random.default_rng(seed)
-    spec = RouteSpec(num_layers=3, topk=2, num_experts=num_experts, moe_layers=(0, 2))
+    spec = data.draw(_specs(num_experts))
     trace = RouteTrace(spec)
     max_id = min(int(np.iinfo(in_dtype).max) + 1, num_experts or 600)
     chunks = []
@@ -565,3 +575,43 @@ def test_invalid_mutation_catalogue_is_exercised() -> None:
         with pytest.raises(R3ArrowError):
             trace.record(bad, prompt_tokens=p, generated_tokens=g)
         assert trace.captured == 4
+
+
+@pytest.mark.parametrize(
+    "ragged",
+    [[[1, 2], [3]], [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3]]], [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3], [4]]]],
+)
+def test_ragged_nested_lists_raise_typed_error(ragged: list[Any]) -> None:
+    with pytest.raises(R3ArrowError):
+        RouteTrace(SPEC).record(ragged, prompt_tokens=1, generated_tokens=2)
+    with pytest.raises(R3ArrowError):
+        TokenTrace((2,), np.float32).record(ragged, prompt_tokens=1, generated_tokens=2)
+
+
+@given(
+    arr=hnp.arrays(
+        dtype=st.one_of(hnp.integer_dtypes(), hnp.unsigned_integer_dtypes(), hnp.floating_dtypes(),
+                        hnp.boolean_dtypes(), hnp.byte_string_dtypes(max_len=2)),
+        shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
+    ),
+    prompt=st.integers(-1, 5),
+    gen=st.integers(-1, 4),
+)
+def test_arbitrary_arrays_are_accepted_only_when_valid(arr: np.ndarray, prompt: int, gen: int) -> None:
+    spec = RouteSpec(num_layers=3, topk=2, num_experts=8, moe_layers=(0, 2))
+    valid = (
+        prompt >= 1 and gen >= 1 and arr.dtype.kind in "iu" and arr.ndim == 3 and arr.shape[1:] == (3, 2)
+        and arr.shape[0] == prompt + gen - 1
+        and bool(((arr[:, [0, 2]].astype(np.int64) >= 0) & (arr[:, [0, 2]].astype(np.int64) < 8)).all())
+        and bool((arr[:, 1].astype(np.int64) >= 0).all() and (arr[:, 1].astype(np.int64) < 256).all())
+    )
+    trace = RouteTrace(spec)
+    try:
+        trace.record(arr, prompt_tokens=prompt, generated_tokens=gen)
+    except R3ArrowError:
+        assert not valid, "a valid payload was rejected"
+        assert trace.captured == 0
+        return
+    assert valid, "an invalid payload was accepted"
+    out = trace.finalize(num_tokens=prompt + gen, loss_mask=np.zeros(prompt + gen))
+    np.testing.assert_array_equal(to_np(out, spec), arr)

@@ -15,7 +15,13 @@ from collections import Counter, deque
 from typing import Literal
 
 FaultKind = Literal[
-    "delay", "status", "drop_connection", "malformed_routes", "short_routes", "extra_routes", "no_routes"
+    "delay",
+    "status",
+    "drop_connection",
+    "malformed_routes",
+    "short_routes",
+    "extra_routes",
+    "no_routes",
 ]
 MalformedMode = Literal["base64", "not_npy", "object", "float", "truncated", "shape"]
 
@@ -49,9 +55,13 @@ class Fault:
         ``retry_after`` (seconds) adds a ``Retry-After`` header.
         """
         if not 400 <= code <= 599:
-            raise ValueError(f"Fault.status: expected an HTTP error code in [400, 599], found {code}")
+            raise ValueError(
+                f"Fault.status: expected an HTTP error code in [400, 599], found {code}"
+            )
         if retry_after is not None and not retry_after >= 0:
-            raise ValueError(f"Fault.status: expected retry_after >= 0 or None, found {retry_after!r}")
+            raise ValueError(
+                f"Fault.status: expected retry_after >= 0 or None, found {retry_after!r}"
+            )
         return Fault("status", status_code=int(code), retry_after=retry_after)
 
     @staticmethod
@@ -69,7 +79,9 @@ class Fault:
         (2-D ``[rows, L*K]``).
         """
         if mode not in _MALFORMED_MODES:
-            raise ValueError(f"Fault.malformed_routes: expected a mode in {_MALFORMED_MODES}, found {mode!r}")
+            raise ValueError(
+                f"Fault.malformed_routes: expected a mode in {_MALFORMED_MODES}, found {mode!r}"
+            )
         return Fault("malformed_routes", mode=mode)
 
     @staticmethod
@@ -114,7 +126,9 @@ class FaultPlan:
         self._seen: Counter[str] = Counter()
         self._injected: list[tuple[str, Fault]] = []
 
-    def then(self, fault: Fault, *, times: int | None = 1, endpoint: str | None = None) -> FaultPlan:
+    def then(
+        self, fault: Fault, *, times: int | None = 1, endpoint: str | None = None
+    ) -> FaultPlan:
         """Queue ``fault`` for the next ``times`` matching requests (``None``: all); returns self."""
         if not isinstance(fault, Fault):
             raise TypeError(f"FaultPlan.then: expected a Fault, found {type(fault).__name__}")

@@ -8,9 +8,10 @@ routed experts with exactly vLLM's row semantics (see `ReferenceEngine.generate`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -112,7 +113,9 @@ class TinyMoEConfig:
                 f"found {self.eos_token_id}"
             )
         if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"TinyMoEConfig.dtype: expected 'float32' or 'float64', found {self.dtype!r}")
+            raise ValueError(
+                f"TinyMoEConfig.dtype: expected 'float32' or 'float64', found {self.dtype!r}"
+            )
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -146,6 +149,21 @@ class _KVCache:
         return int(self.k.shape[2])
 
 
+@contextlib.contextmanager
+def _single_threaded() -> Iterator[None]:
+    # The ops are tiny: intra-op threads only add fork/join waits, and on a loaded machine
+    # (busy cores, other processes) those waits made a forward pass 15x slower.
+    prev = torch.get_num_threads()
+    if prev == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
 def _rms_norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
@@ -158,6 +176,8 @@ class TinyMoE(nn.Module):
     experts, top-k, renormalised, like Qwen3-MoE); dense layers hold zeros.
     Token i's outputs depend on tokens ``0..i`` only.
     """
+
+    pos_embed: torch.Tensor
 
     def __init__(self, config: TinyMoEConfig) -> None:
         super().__init__()
@@ -205,7 +225,8 @@ class TinyMoE(nn.Module):
         hd = h // nh
         start = cache.length
         end = start + t
-        q, k, v = (x @ self.wqkv[layer]).view(t, 3, nh, hd).permute(1, 2, 0, 3)  # [nh, t, hd] each
+        qkv: torch.Tensor = (x @ self.wqkv[layer]).view(t, 3, nh, hd).permute(1, 2, 0, 3)
+        q, k, v = qkv[0], qkv[1], qkv[2]  # [nh, t, hd] each
         cache.k[layer, :, start:end] = k
         cache.v[layer, :, start:end] = v
         keys, values = cache.k[layer, :, :end], cache.v[layer, :, :end]
@@ -213,7 +234,8 @@ class TinyMoE(nn.Module):
         if t > 1:
             future = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
             scores.masked_fill_(future, float("-inf"))
-        return (scores.softmax(-1) @ values).transpose(0, 1).reshape(t, h) @ self.wo[layer]
+        mixed: torch.Tensor = (scores.softmax(-1) @ values).transpose(0, 1).reshape(t, h)
+        return mixed @ self.wo[layer]
 
     def _dense(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         return F.silu(x @ self.dense_up[slot]) @ self.dense_down[slot]
@@ -271,7 +293,7 @@ class TinyMoE(nn.Module):
                 f"expected at most {cache.capacity - start} more tokens in the KV cache, found {t}"
             )
         routes = torch.zeros(t, c.num_layers, c.topk, dtype=torch.int64)
-        with torch.inference_mode():
+        with torch.inference_mode(), _single_threaded():
             x = self.embed[token_ids] + self.pos_embed[start : start + t]
             for layer in range(c.num_layers):
                 x = x + self._attention(_rms_norm(x), layer, cache)
@@ -291,7 +313,9 @@ class TinyMoE(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Like `forward` on a fresh cache, but logits only for rows ``logits_from:`` (``None``: none)."""
         if token_ids.ndim != 1 or token_ids.shape[0] == 0:
-            raise ValueError(f"expected a non-empty 1-D token_ids tensor, found shape {list(token_ids.shape)}")
+            raise ValueError(
+                f"expected a non-empty 1-D token_ids tensor, found shape {list(token_ids.shape)}"
+            )
         return self.extend(token_ids, self.new_cache(token_ids.shape[0]), logits_from=logits_from)
 
     def forward(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,7 +369,8 @@ class ReferenceEngine:
             arr = np.asarray(token_ids, dtype=np.int64) if token_ids else np.zeros(0, np.int64)
         else:
             raise EngineRequestError(
-                f"{param}: expected a list of integer token ids, found {token_ids!r:.120}", param=param
+                f"{param}: expected a list of integer token ids, found {token_ids!r:.120}",
+                param=param,
             )
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise EngineRequestError(
@@ -354,7 +379,9 @@ class ReferenceEngine:
                 param=param,
             )
         if arr.size == 0:
-            raise EngineRequestError(f"{param}: expected at least one token id, found none", param=param)
+            raise EngineRequestError(
+                f"{param}: expected at least one token id, found none", param=param
+            )
         v = self.config.vocab_size
         bad = np.flatnonzero((arr < 0) | (arr >= v))
         if bad.size:
@@ -410,7 +437,9 @@ class ReferenceEngine:
         prompt = self.check_token_ids(prompt_token_ids)
         p = prompt.shape[0]
         if not _is_int(max_tokens) or max_tokens < 1:
-            raise _bad("max_tokens", f"max_tokens must be at least 1, got {max_tokens}.", max_tokens)
+            raise _bad(
+                "max_tokens", f"max_tokens must be at least 1, got {max_tokens}.", max_tokens
+            )
         if max_tokens > c.max_model_len:
             raise _bad(
                 "max_tokens",
@@ -441,7 +470,9 @@ class ReferenceEngine:
             or not math.isfinite(temperature)
             or temperature < 0
         ):
-            raise _bad("temperature", f"temperature must be non-negative, got {temperature}.", temperature)
+            raise _bad(
+                "temperature", f"temperature must be non-negative, got {temperature}.", temperature
+            )
         if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
             raise _bad(
                 "min_tokens",
@@ -449,7 +480,9 @@ class ReferenceEngine:
                 min_tokens,
             )
         if not _is_int(top_logprobs) or top_logprobs < 0:
-            raise _bad("logprobs", f"logprobs must be non-negative, got {top_logprobs}.", top_logprobs)
+            raise _bad(
+                "logprobs", f"logprobs must be non-negative, got {top_logprobs}.", top_logprobs
+            )
         if seed is not None and not _is_int(seed):
             raise _bad("seed", f"seed must be an integer or None, got {seed!r}.", seed)
         stops: list[int] = []

@@ -1,0 +1,236 @@
+"""Collate a rollout batch into PP-local int32 replay targets: r3arrow vs the dense baseline.
+
+Default (issue 3): 64 trajectories of 2K–8K tokens, 48 layers, top-8, 128 experts (uint8),
+PP=4 stage 1 (router layers 12..23), packed. Reports, measured in this run:
+
+* time of ``MegatronCollator(...)(table)`` (all microbatch tensors, not only routes) and its
+  ratio to a memory copy of the int32 replay-target bytes (target ≤ 2×);
+* the dense baseline: left-pad every trajectory into ``[B, S_max, L, K]``, select the stage's
+  layers, permute to Megatron's token order, convert to int32 (target ≥ 5× slower);
+* peak memory of each path above its input (each case in its own process; Linux VmHWM reset
+  through ``/proc/self/clear_refs`` after the input is built), target ≥ 4× lower.
+
+Run: ``.venv/bin/python benchmarks/bench_collate.py`` (``--quick`` for a small size).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import best_of, machine_line, markdown_table, memcpy_gbps, parser  # noqa: E402
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def make_table(n_traj: int, lo: int, hi: int, layers: int, topk: int, experts: int, seed: int = 0) -> Any:
+    """A valid rollout table: ragged routes (captured = tokens - 1), distinct ids per row."""
+    import r3arrow
+
+    rng = np.random.default_rng(seed)
+    n = rng.integers(lo, hi + 1, n_traj)
+    plen = np.minimum(rng.integers(64, 1024, n_traj), n - 1)
+    cap = n - 1
+    total = int(cap.sum())
+    # Distinct ids without a [T, L, K] int64 temporary: random start + K fixed distinct offsets mod E.
+    dt = np.uint8 if experts <= 256 else np.uint16
+    routes = np.empty((total, layers, topk), dtype=dt)
+    offs = rng.permutation(experts)[:topk].astype(np.int64)
+    chunk = 1 << 16
+    for a in range(0, total, chunk):
+        b = min(total, a + chunk)
+        starts = rng.integers(0, experts, (b - a, layers, 1))
+        routes[a:b] = ((starts + offs) % experts).astype(dt)
+    bounds = np.concatenate([[0], np.cumsum(cap)])
+    spec = r3arrow.RouteSpec(num_layers=layers, topk=topk, num_experts=experts)
+    return r3arrow.rollout_table(
+        trajectory_id=[f"t{i}" for i in range(n_traj)],
+        group_id=[f"g{i // 8}" for i in range(n_traj)],
+        prompt_ids=[rng.integers(0, 32000, int(p), dtype=np.int32) for p in plen],
+        response_ids=[rng.integers(0, 32000, int(m - p), dtype=np.int32) for m, p in zip(n, plen, strict=True)],
+        loss_mask=[np.ones(int(m - p), dtype=np.uint8) for m, p in zip(n, plen, strict=True)],
+        reward=rng.random(n_traj),
+        routes=[routes[bounds[i] : bounds[i + 1]] for i in range(n_traj)],
+        spec=spec,
+    )
+
+
+def dense_baseline(table: Any, layers: list[int]) -> list[Any]:
+    """Reference path: left-pad into [B, S_max, L, K], select layers, permute to [L, S, B, K], widen."""
+    import torch
+
+    from r3arrow.table import flat_routes, sequence_lengths
+
+    routes, offs = flat_routes(table)
+    n = sequence_lengths(table)
+    b, s_max = len(n), int(n.max())
+    _, n_layers, k = routes.shape
+    dense = torch.zeros((b, s_max, n_layers, k), dtype=torch.uint8)
+    src = torch.from_numpy(routes)
+    for i in range(b):
+        c = int(offs[i + 1] - offs[i])
+        start = s_max - int(n[i])
+        dense[i, start : start + c] = src[int(offs[i]) : int(offs[i + 1])]
+    local = dense.index_select(2, torch.tensor(layers))
+    out = local.permute(2, 1, 0, 3).contiguous().to(torch.int32)
+    return list(out.reshape(len(layers), s_max * b, k).unbind(0))
+
+
+def run_case(args: Any) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import r3arrow
+
+    table = make_table(args.trajectories, args.min_tokens, args.max_tokens, args.layers, args.topk, args.experts)
+    per_stage = args.layers // args.pp
+    layers = list(range(args.stage * per_stage, (args.stage + 1) * per_stage))
+    spec = r3arrow.route_spec(table)
+    if args.case == "dense":
+
+        def fn() -> Any:
+            return dense_baseline(table, layers)
+
+    else:
+        collate = r3arrow.MegatronCollator(
+            spec, layers=layers, packed=args.case != "unpacked", align=args.align, validate=not args.no_validate
+        )
+
+        def fn() -> Any:
+            return collate(table).replay_targets()
+
+    gc.collect()
+    rss_before = _status_kib("VmRSS")
+    reset = _reset_peak()
+    t0 = time.perf_counter()
+    out = fn()
+    cold = time.perf_counter() - t0
+    peak = _status_kib("VmHWM") - rss_before if reset else -1
+    out_bytes = sum(int(t.numel()) * t.element_size() for t in out)
+    del out
+    warm = best_of(fn, args.repeat)
+    return {
+        "case": args.case,
+        "warm_s": warm,
+        "cold_s": cold,
+        "peak_extra_mb": peak / 1024,
+        "out_bytes": out_bytes,
+        "tokens": int(r3arrow.table.sequence_lengths(table).sum()),
+    }
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--trajectories", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--stage", type=int, default=1)
+    p.add_argument("--align", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every case")
+    p.add_argument("--no-validate", action="store_true", help="skip the rollout-table terminal-gap check")
+    p.add_argument("--case", choices=["packed", "unpacked", "dense"], help=argparse_hidden())
+    args = p.parse_args()
+    if args.quick:
+        args.trajectories, args.min_tokens, args.max_tokens, args.repeat = 8, 256, 1024, 3
+    if args.case:
+        print(json.dumps(run_case(args)))
+        return
+
+    import subprocess
+
+    forward = [a for a in sys.argv[1:]]
+    results: dict[str, dict[str, Any]] = {}
+    for case in ("packed", "unpacked", "dense"):
+        proc = subprocess.run(
+            [sys.executable, __file__, *forward, "--case", case],
+            capture_output=True,
+            text=True,
+            check=False,
+            env=dict(os.environ),
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"case {case} failed:\n{proc.stderr[-4000:]}")
+        results[case] = json.loads(proc.stdout.strip().splitlines()[-1])
+    packed = results["packed"]
+    gbps = memcpy_gbps(packed["out_bytes"], repeat=args.repeat)
+    copy_s = packed["out_bytes"] / (gbps * 1e9)
+    dense = results["dense"]
+    rows = []
+    for case in ("packed", "unpacked", "dense"):
+        r = results[case]
+        rows.append(
+            [
+                {"packed": "r3arrow packed", "unpacked": "r3arrow unpacked", "dense": "dense baseline"}[case],
+                r["warm_s"] * 1e3,
+                r["cold_s"] * 1e3,
+                r["warm_s"] / copy_s,
+                dense["warm_s"] / r["warm_s"],
+                r["out_bytes"] / 2**20,
+                r["peak_extra_mb"],
+                dense["peak_extra_mb"] / r["peak_extra_mb"] if r["peak_extra_mb"] > 0 else float("nan"),
+            ]
+        )
+    print(
+        f"{args.trajectories} trajectories, {packed['tokens']:,} tokens, {args.layers} layers, top-{args.topk}, "
+        f"{args.experts} experts, PP={args.pp} stage {args.stage}; torch threads={args.threads}; "
+        f"memcpy {gbps:.1f} GB/s ({copy_s * 1e3:.1f} ms for the packed target bytes)"
+    )
+    print(machine_line())
+    print()
+    print(
+        markdown_table(
+            rows,
+            [
+                "path",
+                "warm ms",
+                "cold ms",
+                "× memcpy",
+                "dense ÷ this (time)",
+                "output MiB",
+                "peak above input MiB",
+                "dense ÷ this (peak)",
+            ],
+        )
+    )
+    print()
+    print("command: .venv/bin/python benchmarks/bench_collate.py" + (" " + " ".join(forward) if forward else ""))
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()

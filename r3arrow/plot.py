@@ -1,0 +1,280 @@
+"""PNG plots of routing statistics (matplotlib, headless: Agg canvas, no pyplot state).
+
+- `plot_expert_load`: layer × expert heatmap of load relative to the layer mean.
+- `plot_imbalance`: load imbalance per layer over training steps.
+- `plot_agreement`: route agreement (rollout vs trainer router) over steps.
+
+Inputs are the Polars frames of `r3arrow.stats`; each function writes one PNG
+and returns its path. Needs the ``plot`` extra (matplotlib).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import polars as pl
+
+from r3arrow.errors import SchemaError
+from r3arrow.stats import RouteAgreement, agreement_over_steps, load_summary
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+PathLike = str | os.PathLike[str]
+_DPI = 120
+_REFERENCE = {"max_over_mean": (1.0, "balanced (1)"), "cv": (0.0, "balanced (0)"), "entropy_norm": (1.0, "uniform (1)")}
+_METRICS = {
+    "max_over_mean": "max / mean expert load",
+    "cv": "coefficient of variation of expert load",
+    "entropy_norm": "normalised routing entropy (1 = uniform)",
+    "dead": "dead experts (0 tokens)",
+    "hot": "hot experts (> 2 × mean)",
+}
+
+
+def _figure(width: float, height: float) -> Figure:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:  # pragma: no cover - matplotlib is in the plot/dev extras
+        raise ImportError("r3arrow.plot needs matplotlib: pip install 'r3arrow[plot]'") from exc
+    fig = Figure(figsize=(width, height), dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: PathLike) -> Path:
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise ValueError(f"expected a .png path, found {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=_DPI)
+    return out
+
+
+def _clamp(x: float, lo: float, hi: float) -> float:
+    return max(lo, min(hi, x))
+
+
+def _layer_ticks(ax: Axes, layers: Sequence[int], *, axis: str = "y", max_ticks: int = 24) -> None:
+    """Label rows/columns with global layer ids (MoE layers need not be contiguous)."""
+    n = len(layers)
+    step = max(1, int(np.ceil(n / max_ticks)))
+    pos = list(range(0, n, step))
+    labels = [str(layers[i]) for i in pos]
+    if axis == "y":
+        ax.set_yticks(pos, labels)
+    else:
+        ax.set_xticks(pos, labels)
+
+
+def _step_ticks(ax: Axes, steps: Sequence[int], max_ticks: int = 16) -> None:
+    n = len(steps)
+    stride = max(1, int(np.ceil(n / max_ticks)))
+    pos = list(range(0, n, stride))
+    ax.set_xticks(pos, [str(steps[i]) for i in pos])
+
+
+def _matrix(frame: pl.DataFrame, row: str, col: str, value: str) -> tuple[list[int], list[int], np.ndarray]:
+    """Pivot a long frame to a dense ``[rows, cols]`` float matrix (missing cells NaN)."""
+    rows = sorted(frame[row].unique().to_list())
+    cols = sorted(frame[col].unique().to_list())
+    ri = {v: i for i, v in enumerate(rows)}
+    ci = {v: i for i, v in enumerate(cols)}
+    out = np.full((len(rows), len(cols)), np.nan)
+    r = np.fromiter((ri[v] for v in frame[row].to_list()), dtype=np.int64, count=frame.height)
+    c = np.fromiter((ci[v] for v in frame[col].to_list()), dtype=np.int64, count=frame.height)
+    out[r, c] = frame[value].cast(pl.Float64).to_numpy()
+    return rows, cols, out
+
+
+def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = None) -> Path:
+    """Heatmap (layer × expert) of each expert's load ÷ its layer's mean, log2 colour scale, colour bar.
+
+    ``load``: an `r3arrow.stats.expert_load` frame (a ``step`` column is summed
+    over). Blue = under-used, white = balanced (1×), red = hot; black = dead
+    (0 tokens); grey = a layer that routed nothing.
+    """
+    if not {"layer", "expert", "tokens"} <= set(load.columns):
+        raise SchemaError(f"expected an expert_load frame (layer, expert, tokens), found {load.columns}")
+    if load.height == 0:
+        raise SchemaError("expected a non-empty expert_load frame, found no rows")
+    if "step" in load.columns:
+        load = load.group_by("layer", "expert").agg(pl.col("tokens").sum())
+    layers, experts, counts = _matrix(load, "layer", "expert", "tokens")
+    counts = np.nan_to_num(counts)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = counts.mean(axis=1, keepdims=True)
+        rel = np.where(mean > 0, counts / mean, np.nan)
+        logs = np.log2(rel)
+    finite = np.isfinite(logs)
+    lim = float(np.clip(np.ceil(np.abs(logs[finite]).max()), 1, 4)) if finite.any() else 1.0
+    shown = np.where(rel == 0, -lim - 1.0, np.clip(logs, -lim, lim))  # dead: below the scale
+    fig = _figure(_clamp(3.5 + 0.045 * len(experts), 6.5, 16), _clamp(1.8 + 0.2 * len(layers), 3.2, 12))
+    ax = fig.add_subplot()
+    cmap = _cmap("RdBu_r")
+    cmap.set_under("black")
+    img = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-lim, vmax=lim)
+    _layer_ticks(ax, layers)
+    ax.set_xlabel("expert id")
+    ax.set_ylabel("MoE layer (global id)")
+    bar = fig.colorbar(img, ax=ax, pad=0.01, extend="min")
+    ticks = np.arange(-lim, lim + 1)
+    bar.set_ticks(list(ticks), labels=[f"{2.0**t:g}×" if t >= 0 else f"1/{2.0**-t:g}×" for t in ticks])
+    bar.set_label("load ÷ layer mean (log scale; black = dead)")
+    worst_per_layer = np.where(np.isfinite(rel), rel, -np.inf).max(axis=1)
+    worst = int(np.argmax(worst_per_layer)) if counts.size else 0
+    dead = int((rel == 0).sum())
+    routed = int(counts.sum(axis=1).max()) if counts.size else 0
+    ax.set_title(
+        title
+        or f"Expert load: {len(layers)} MoE layers × {len(experts)} experts, {routed:,} routed per layer\n"
+        f"worst max/mean {worst_per_layer[worst]:.2f} (layer {layers[worst]}), {dead} dead (layer, expert)",
+        fontsize=10,
+    )
+    return _save(fig, path)
+
+
+def _cmap(name: str) -> Any:
+    import matplotlib
+
+    cmap = matplotlib.colormaps[name].copy()
+    cmap.set_bad("#bbbbbb")
+    return cmap
+
+
+def _lines_and_heatmap(
+    steps: list[int],
+    layers: list[int],
+    values: np.ndarray,
+    lines: Mapping[str, np.ndarray],
+    *,
+    ylabel: str,
+    bar_label: str,
+    title: str,
+    cmap: str,
+    vmin: float | None,
+    vmax: float | None,
+    ylim: tuple[float, float] | None,
+    path: PathLike,
+    reference: tuple[float, str] | None = None,
+) -> Path:
+    """Top: summary lines over steps; bottom: layer × step heatmap of ``values`` with a colour bar."""
+    fig = _figure(_clamp(4.5 + 0.12 * len(steps), 7.5, 16), _clamp(4.2 + 0.16 * len(layers), 6.0, 14))
+    top, bottom = fig.subplots(2, 1, height_ratios=[1.0, _clamp(len(layers) / 10, 1.0, 3.0)])
+    x = np.arange(len(steps))
+    marker = "o" if len(steps) <= 40 else None
+    for label, ys in lines.items():
+        top.plot(x, ys, marker=marker, markersize=3.5, linewidth=1.5, label=label)
+    if reference is not None:
+        top.axhline(reference[0], color="0.4", linestyle="--", linewidth=1.0, label=reference[1])
+    top.set_xlim(-0.5, len(steps) - 0.5)
+    if ylim is not None:
+        top.set_ylim(*ylim)
+    top.set_ylabel(ylabel)
+    top.grid(True, alpha=0.3)
+    top.legend(fontsize=8, loc="best")
+    _step_ticks(top, steps)
+    top.set_xlabel("training step")
+    top.set_title(title, fontsize=10)
+    img = bottom.imshow(
+        values, aspect="auto", interpolation="nearest", cmap=_cmap(cmap), vmin=vmin, vmax=vmax
+    )
+    _layer_ticks(bottom, layers)
+    _step_ticks(bottom, steps)
+    bottom.set_xlabel("training step")
+    bottom.set_ylabel("MoE layer (global id)")
+    bar = fig.colorbar(img, ax=bottom, pad=0.01)
+    bar.set_label(bar_label)
+    return _save(fig, path)
+
+
+def plot_imbalance(
+    frame: pl.DataFrame, path: PathLike, *, metric: str = "max_over_mean", title: str | None = None
+) -> Path:
+    """Load imbalance over steps: mean / worst / best layer lines and a layer × step heatmap.
+
+    ``frame``: a by-step `expert_load` frame (``expert_load(..., by_step=True)``)
+    or its `load_summary`. ``metric``: a summary column (max_over_mean, cv,
+    entropy_norm, dead, hot).
+    """
+    if "step" not in frame.columns:
+        raise SchemaError(f"expected a frame with a step column (by_step=True), found {frame.columns}")
+    summary = load_summary(frame) if "expert" in frame.columns else frame
+    if metric not in summary.columns:
+        raise SchemaError(f"metric: expected one of {list(_METRICS)}, found {metric!r}")
+    layers, steps, values = _matrix(summary, "layer", "step", metric)
+    with np.errstate(all="ignore"):
+        lines = {
+            "mean over layers": np.nanmean(values, axis=0),
+            "worst layer": np.nanmax(values, axis=0),
+            "best layer": np.nanmin(values, axis=0),
+        }
+    label = _METRICS.get(metric, metric)
+    return _lines_and_heatmap(
+        steps,
+        layers,
+        values,
+        lines,
+        ylabel=label,
+        bar_label=label,
+        title=title or f"Load imbalance over {len(steps)} steps ({len(layers)} MoE layers)",
+        cmap="magma_r" if metric != "entropy_norm" else "magma",
+        vmin=None,
+        vmax=None,
+        ylim=None,
+        path=path,
+        reference=_REFERENCE.get(metric),
+    )
+
+
+def _floor_tenth(values: np.ndarray) -> float:
+    """Colour-scale floor: 0 unless every value is high, then the tenth below the minimum (≤ 0.9)."""
+    finite = values[np.isfinite(values)]
+    return float(min(0.9, np.floor(finite.min() * 10) / 10)) if finite.size else 0.0
+
+
+def plot_agreement(
+    agreement: pl.DataFrame | Mapping[int, RouteAgreement], path: PathLike, *, title: str | None = None
+) -> Path:
+    """Route agreement over steps: identical-set and overlap fractions, tokens differing anywhere.
+
+    ``agreement``: `r3arrow.stats.agreement_over_steps` frame or the mapping
+    ``route_agreement_by_step`` returns. Bottom panel: per-layer identical fraction.
+    """
+    frame = agreement if isinstance(agreement, pl.DataFrame) else agreement_over_steps(agreement)
+    need = {"step", "layer", "tokens", "identical", "overlap", "differing"}
+    if not need <= set(frame.columns):
+        raise SchemaError(f"expected an agreement_over_steps frame ({sorted(need)}), found {frame.columns}")
+    layers, steps, ident = _matrix(frame, "layer", "step", "identical")
+    _, _, overlap = _matrix(frame, "layer", "step", "overlap")
+    per_step = frame.group_by("step").agg(pl.col("differing").first()).sort("step")
+    with np.errstate(all="ignore"):
+        lines = {
+            "identical top-k set (mean over layers)": np.nanmean(ident, axis=0),
+            "identical top-k set (worst layer)": np.nanmin(ident, axis=0),
+            "mean overlap |A∩B| / K": np.nanmean(overlap, axis=0),
+            "tokens differing on ≥ 1 layer": per_step["differing"].to_numpy(),
+        }
+    return _lines_and_heatmap(
+        steps,
+        layers,
+        ident,
+        lines,
+        ylabel="fraction of tokens",
+        bar_label="fraction of tokens with an identical top-k set",
+        title=title or f"Rollout vs trainer routes over {len(steps)} steps",
+        cmap="viridis",
+        vmin=_floor_tenth(ident),
+        vmax=1.0,
+        ylim=(-0.02, 1.02),
+        path=path,
+    )
+
+
+__all__ = ["plot_agreement", "plot_expert_load", "plot_imbalance"]

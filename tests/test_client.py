@@ -1,0 +1,505 @@
+"""EngineClient against the embedded reference engine over real HTTP on 127.0.0.1.
+
+Every test talks to a real `EngineServer` (threaded HTTP server, vLLM's schema) through
+httpx; faults are injected server-side with `FaultPlan`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+import r3arrow
+from r3arrow.client import EngineClient, EngineHTTPError, GenerateOutput
+from r3arrow.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
+from r3arrow.errors import (
+    EngineError,
+    ExpertRangeError,
+    PayloadError,
+    R3ArrowError,
+    RouteShapeError,
+    TraceStateError,
+)
+from r3arrow.spec import routes_to_numpy
+
+GEN = "/inference/v1/generate"
+COMP = "/v1/completions"
+SP = {"max_tokens": 3, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def engine() -> ReferenceEngine:
+    return ReferenceEngine(TinyMoEConfig(seed=7))
+
+
+@pytest.fixture
+def plan() -> FaultPlan:
+    return FaultPlan()
+
+
+@pytest.fixture
+def server(engine: ReferenceEngine, plan: FaultPlan) -> Iterator[EngineServer]:
+    with EngineServer(engine, faults=plan) as srv:
+        yield srv
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def trace_rows(trace: r3arrow.RouteTrace, num_tokens: int) -> np.ndarray:
+    """The trace's captured rows as numpy (finalizes it; the mask trains nothing)."""
+    arr = trace.finalize(num_tokens=num_tokens, loss_mask=np.zeros(num_tokens, np.uint8))
+    return routes_to_numpy(arr, trace.spec)
+
+
+def snapshot(trace: r3arrow.RouteTrace) -> tuple[int, int, int]:
+    return trace.captured, trace.seen_tokens, trace.num_turns
+
+
+async def conversation(
+    client: EngineClient, trace: r3arrow.RouteTrace, prompt: list[int], turns: int, obs: int = 2, **kw: Any
+) -> tuple[list[int], list[GenerateOutput]]:
+    """Grow a conversation: generate, then append ``obs`` observation tokens, ``turns`` times."""
+    conv = list(prompt)
+    outs = []
+    for t in range(turns):
+        out = await client.generate(conv, sampling_params=SP, trace=trace, **kw)
+        outs.append(out)
+        conv += out.token_ids
+        if t + 1 < turns:
+            conv += [(conv[-1] * 7 + k + 1) % 512 for k in range(obs)]
+    return conv, outs
+
+
+# --------------------------------------------------------------------- semantics
+def test_three_turns_send_captured_as_prompt_start_and_match_engine_routing(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
+    spec = engine.spec
+    trace = r3arrow.RouteTrace(spec)
+
+    async def main() -> tuple[list[int], list[GenerateOutput]]:
+        async with r3arrow.EngineClient(server.url, spec) as client:
+            return await conversation(client, trace, list(range(3, 14)), turns=3)
+
+    conv, outs = run(main())
+    starts = [b["sampling_params"]["routed_experts_prompt_start"] for b in server.log.bodies(GEN)]
+    # prompt 11, G=3 each, 2 observation tokens: rows 11+3-1=13, then (16+3-1-13)=5, then 5
+    assert starts == [0, 13, 18]
+    assert [o.prompt_start for o in outs] == starts
+    assert [o.num_route_rows for o in outs] == [13, 5, 5]
+    assert [o.token_start for o in outs] == [0, 13, 18]
+    assert [len(b["token_ids"]) for b in server.log.bodies(GEN)] == [11, 16, 21]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 3 for o in outs)
+    assert trace.captured == len(conv) - 1 == 23
+    # the finished routes are the engine's own routing of the whole conversation
+    np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[: len(conv) - 1])
+
+
+def test_routed_experts_of_each_turn_are_the_new_rows(engine: ReferenceEngine, server: EngineServer) -> None:
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> tuple[list[int], list[GenerateOutput]]:
+        async with EngineClient(server.url, engine.spec) as client:
+            return await conversation(client, trace, [9, 8, 7, 6], turns=2, obs=4)
+
+    conv, outs = run(main())
+    full = engine.routes_for(conv)
+    for o in outs:
+        assert o.routed_experts is not None and not o.routed_experts.flags.writeable
+        np.testing.assert_array_equal(o.routed_experts, full[o.prompt_start : o.prompt_start + o.num_route_rows])
+        assert o.payload_bytes > o.num_route_rows * engine.spec.row_nbytes  # base64 + .npy header
+        assert o.response_bytes > o.payload_bytes
+
+
+def test_without_trace_prompt_start_is_sent_as_given(engine: ReferenceEngine, server: EngineServer) -> None:
+    prompt = list(range(20, 32))
+
+    async def main() -> GenerateOutput:
+        async with EngineClient(server.url, engine.spec) as client:
+            return await client.generate(prompt, sampling_params=SP, prompt_start=5)
+
+    out = run(main())
+    assert server.log.bodies(GEN)[0]["sampling_params"]["routed_experts_prompt_start"] == 5
+    assert out.num_route_rows == 12 - 5 + 3 - 1 and out.token_start is None
+    full = engine.routes_for(prompt + out.token_ids)
+    np.testing.assert_array_equal(out.routed_experts, full[5 : 12 + 3 - 1])
+
+
+def test_completions_endpoint_with_token_prompts(engine: ReferenceEngine, server: EngineServer) -> None:
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> tuple[list[int], list[GenerateOutput]]:
+        async with EngineClient(server.url, engine.spec, endpoint="completions", model="r3arrow-tiny-moe") as client:
+            return await conversation(client, trace, list(range(40, 50)), turns=2)
+
+    conv, outs = run(main())
+    bodies = server.log.bodies(COMP)
+    assert [b["routed_experts_prompt_start"] for b in bodies] == [0, outs[0].num_route_rows]
+    assert all(b["return_token_ids"] is True and b["model"] == "r3arrow-tiny-moe" for b in bodies)
+    assert bodies[1]["prompt"] == conv[: len(bodies[1]["prompt"])]
+    np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[:-1])
+
+
+def test_logprobs_cache_salt_and_model_pass_through(engine: ReferenceEngine, server: EngineServer) -> None:
+    async def main() -> GenerateOutput:
+        async with EngineClient(server.url, engine.spec, cache_salt="salt-A") as client:
+            return await client.generate([1, 2, 3], sampling_params={**SP, "logprobs": 0})
+
+    out = run(main())
+    body = server.log.bodies(GEN)[0]
+    assert body["cache_salt"] == "salt-A" and "model" not in body
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    assert all(lp <= 0 for lp in out.logprobs)
+
+
+def test_concurrent_conversations_do_not_mix(engine: ReferenceEngine, server: EngineServer) -> None:
+    n = 64
+    traces = [r3arrow.RouteTrace(engine.spec) for _ in range(n)]
+    prompts = [[(i * 13 + k) % 512 for k in range(5 + i % 7)] for i in range(n)]
+
+    async def main() -> list[tuple[list[int], list[GenerateOutput]]]:
+        async with EngineClient(server.url, engine.spec, max_concurrency=n) as client:
+            return await asyncio.gather(*(conversation(client, t, p, turns=2) for t, p in zip(traces, prompts, strict=True)))
+
+    results = run(main())
+    assert server.log.count(GEN) == 2 * n
+    for (conv, _), trace, prompt in zip(results, traces, prompts, strict=True):
+        assert conv[: len(prompt)] == prompt
+        np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[:-1])
+
+
+def test_max_concurrency_bounds_requests_in_flight(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+    plan.then(Fault.delay(0.15), times=None)
+
+    async def main() -> float:
+        async with EngineClient(server.url, engine.spec, max_concurrency=2) as client:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(client.generate([i + 1, 2], sampling_params={"max_tokens": 1}) for i in range(6)))
+            return time.perf_counter() - t0
+
+    # 6 requests, 2 at a time, each held >= 0.15 s by the server: at least 3 rounds
+    assert run(main()) >= 0.44
+
+
+# ------------------------------------------------------------------------ faults
+@pytest.mark.parametrize("fault", [Fault.status(503), Fault.status(500), Fault.drop_connection(), Fault.status(429)])
+def test_transient_failures_are_retried_and_recorded_once(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer, fault: Fault
+) -> None:
+    plan.then(fault, times=2)
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> tuple[GenerateOutput, dict[str, int]]:
+        async with EngineClient(server.url, engine.spec, backoff_base=0.01, max_retries=3) as client:
+            out = await client.generate(list(range(1, 9)), sampling_params=SP, trace=trace)
+            return out, client.stats
+
+    out, stats = run(main())
+    assert server.log.count(GEN) == 3 and out.attempts == 3
+    assert stats["retries"] == 2 and stats["recorded"] == 1
+    assert trace.num_turns == 1 and trace.captured == 8 + 3 - 1
+    conv = list(range(1, 9)) + out.token_ids
+    np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[:-1])
+
+
+def test_retries_exhausted_raise_engine_error_and_leave_trace(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
+    plan.then(Fault.status(502), times=None)
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> None:
+        async with EngineClient(server.url, engine.spec, backoff_base=0.01, max_retries=2) as client:
+            await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
+
+    with pytest.raises(EngineHTTPError, match=r"after 3 attempts.*HTTP 502") as info:
+        run(main())
+    assert info.value.status == 502 and isinstance(info.value, EngineError)
+    assert server.log.count(GEN) == 3
+    assert snapshot(trace) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("code", [400, 404, 422])
+def test_client_errors_fail_at_once(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer, code: int) -> None:
+    plan.then(Fault.status(code), times=None)
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> None:
+        async with EngineClient(server.url, engine.spec, backoff_base=0.01, max_retries=5) as client:
+            await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
+
+    with pytest.raises(EngineHTTPError, match=rf"HTTP {code}: injected fault") as info:
+        run(main())
+    assert info.value.status == code
+    assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
+
+
+def test_engine_rejection_message_reaches_the_caller(engine: ReferenceEngine, server: EngineServer) -> None:
+    async def main() -> None:
+        async with EngineClient(server.url, engine.spec, max_retries=3) as client:
+            await client.generate([1, 2, 3], sampling_params={"max_tokens": 10**6})
+
+    with pytest.raises(EngineHTTPError, match=r"HTTP 400: max_tokens=1000000 cannot be greater") as info:
+        run(main())
+    assert info.value.status == 400 and server.log.count(GEN) == 1
+
+
+def test_retry_after_is_honoured_and_bounded(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+    plan.then(Fault.status(429, retry_after=0.3)).then(Fault.status(429, retry_after=60))
+
+    async def main() -> float:
+        async with EngineClient(server.url, engine.spec, backoff_base=0.001, retry_after_max=0.4) as client:
+            t0 = time.perf_counter()
+            await client.generate([1, 2], sampling_params=SP)
+            return time.perf_counter() - t0
+
+    elapsed = run(main())
+    assert 0.3 + 0.4 <= elapsed < 5  # waited the 0.3 s asked for, and 60 s capped at 0.4 s
+    assert server.log.count(GEN) == 3
+
+
+@pytest.mark.parametrize("mode", ["base64", "not_npy", "object", "float", "truncated", "shape"])
+def test_malformed_payload_fails_that_request_and_leaves_trace(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer, mode: str
+) -> None:
+    trace = r3arrow.RouteTrace(engine.spec)
+    prompt = list(range(2, 12))
+
+    async def main() -> tuple[R3ArrowError, tuple[int, int, int], list[int]]:
+        async with EngineClient(server.url, engine.spec, backoff_base=0.01) as client:
+            first = await client.generate(prompt, sampling_params=SP, trace=trace)
+            conv = prompt + first.token_ids + [1, 2]
+            before = snapshot(trace)
+            plan.then(Fault.malformed_routes(mode))  # type: ignore[arg-type]
+            with pytest.raises(R3ArrowError) as info:
+                await client.generate(conv, sampling_params=SP, trace=trace)
+            after = snapshot(trace)
+            assert before == after
+            # the trace is still usable: the same turn succeeds without the fault
+            again = await client.generate(conv, sampling_params=SP, trace=trace)
+            return info.value, before, conv + again.token_ids
+
+    err, _, conv = run(main())
+    assert isinstance(err, PayloadError | RouteShapeError | r3arrow.RouteDTypeError)
+    assert "routed_experts" in str(err)
+    assert server.log.count(GEN) == 3  # never retried
+    np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[:-1])
+
+
+@pytest.mark.parametrize("fault", [Fault.short_routes(1), Fault.extra_routes(2)])
+def test_wrong_row_count_is_a_data_error_never_retried(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer, fault: Fault
+) -> None:
+    plan.then(fault)
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> None:
+        async with EngineClient(server.url, engine.spec, backoff_base=0.01) as client:
+            await client.generate(list(range(1, 11)), sampling_params=SP, trace=trace)
+
+    want = 10 + 3 - 1
+    found = want - fault.rows if fault.kind == "short_routes" else want + fault.rows
+    with pytest.raises(RouteShapeError, match=rf"expected {want} rows .* found {found}"):
+        run(main())
+    assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
+
+
+def test_missing_routes_with_a_trace_is_an_engine_error(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
+    plan.then(Fault.no_routes())
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> None:
+        async with EngineClient(server.url, engine.spec) as client:
+            await client.generate([5, 6, 7], sampling_params=SP, trace=trace)
+
+    with pytest.raises(EngineError, match="--enable-return-routed-experts"):
+        run(main())
+    assert snapshot(trace) == (0, 0, 0)
+
+
+def test_expert_ids_out_of_range_for_the_spec(engine: ReferenceEngine, server: EngineServer) -> None:
+    narrow = r3arrow.RouteSpec(
+        num_layers=engine.spec.num_layers, topk=engine.spec.topk, num_experts=2, moe_layers=engine.spec.moe_layers
+    )
+    trace = r3arrow.RouteTrace(narrow)
+
+    async def main() -> None:
+        async with EngineClient(server.url, narrow) as client:
+            await client.generate(list(range(30)), sampling_params=SP, trace=trace)
+
+    with pytest.raises(ExpertRangeError, match="num_experts=2"):
+        run(main())
+    assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
+
+
+def test_timeout_is_honoured_and_not_retried(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+    plan.then(Fault.delay(3.0))
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> float:
+        async with EngineClient(server.url, engine.spec, timeout=0.3, max_retries=3) as client:
+            t0 = time.perf_counter()
+            with pytest.raises(EngineHTTPError, match="timed out"):
+                await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
+            return time.perf_counter() - t0
+
+    assert run(main()) < 2.0
+    assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
+
+
+def test_timeouts_can_be_retried(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+    plan.then(Fault.delay(1.0))
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> GenerateOutput:
+        async with EngineClient(
+            server.url, engine.spec, timeout=httpx.Timeout(0.3), retry_timeouts=True, backoff_base=0.01
+        ) as client:
+            return await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
+
+    out = run(main())
+    assert out.attempts == 2 and trace.num_turns == 1 and trace.captured == 3 + 3 - 1
+
+
+# ------------------------------------------------------------- input validation
+def test_bad_requests_are_rejected_before_sending(engine: ReferenceEngine, server: EngineServer) -> None:
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> None:
+        async with EngineClient(server.url, engine.spec, vocab_size=512) as client:
+            first = await client.generate([1, 2, 3, 4], sampling_params=SP, trace=trace)
+            conv = [1, 2, 3, 4, *first.token_ids]
+            with pytest.raises(RouteShapeError, match="extend the trace"):
+                await client.generate(conv[:5], sampling_params=SP, trace=trace)
+            with pytest.raises(ValueError, match=r"ids in \[0, 512\), found 512 at position 1"):
+                await client.generate([1, 512], sampling_params=SP)
+            with pytest.raises(ValueError, match="found -1"):
+                await client.generate([-1, 5], sampling_params=SP)
+            with pytest.raises(ValueError, match="set by the client"):
+                await client.generate(conv, sampling_params={**SP, "routed_experts_prompt_start": 0}, trace=trace)
+            with pytest.raises(ValueError, match=r"prompt_start: expected an int in \[0, 2\)"):
+                await client.generate([1, 2], sampling_params=SP, prompt_start=2)
+
+    run(main())
+    assert server.log.count(GEN) == 1 and trace.num_turns == 1
+
+
+def test_constructor_validates_options() -> None:
+    with pytest.raises(ValueError, match="http"):
+        EngineClient("localhost:8000")
+    with pytest.raises(ValueError, match="distinct"):
+        EngineClient(["http://a", "http://a"])
+    with pytest.raises(ValueError, match="endpoint"):
+        EngineClient("http://a", endpoint="chat")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_concurrency"):
+        EngineClient("http://a", max_concurrency=0)
+
+
+def test_one_request_per_trace_at_a_time(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+    plan.then(Fault.delay(0.3))
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> list[Any]:
+        async with EngineClient(server.url, engine.spec) as client:
+            first = asyncio.create_task(client.generate([1, 2, 3], sampling_params=SP, trace=trace))
+            await asyncio.sleep(0.05)
+            second = client.generate([1, 2, 3], sampling_params=SP, trace=trace)
+            return list(await asyncio.gather(first, second, return_exceptions=True))
+
+    first, second = run(main())
+    assert isinstance(first, GenerateOutput) and isinstance(second, TraceStateError)
+    assert trace.num_turns == 1 and server.log.count(GEN) == 1
+
+
+# ------------------------------------------------------------------ sticky routing
+def test_sessions_stick_to_one_server_and_fail_over(engine: ReferenceEngine) -> None:
+    with EngineServer(engine) as a, EngineServer(engine) as b:
+        urls = [a.url, b.url]
+        client = EngineClient(urls, engine.spec)
+        homes = {f"s{i}": client.urls_for(f"s{i}")[0] for i in range(32)}
+        assert set(homes.values()) == set(urls)  # sessions spread over both servers
+        again = EngineClient(list(reversed(urls)), engine.spec)
+        assert all(again.urls_for(s)[0] == u for s, u in homes.items())  # stable, order-independent
+        run(client.aclose())
+        run(again.aclose())
+        on_b = [s for s, u in homes.items() if u == b.url][:3]
+        trace = r3arrow.RouteTrace(engine.spec)
+
+        async def turns(client: EngineClient, session: str, n: int) -> None:
+            conv = [3, 1, 4, 1, 5]
+            for _ in range(n):
+                out = await client.generate(conv, sampling_params=SP, trace=trace, session_id=session)
+                conv = conv + out.token_ids + [2]
+
+        async def main() -> None:
+            async with EngineClient(urls, engine.spec) as client:
+                await turns(client, on_b[0], 3)
+                # one conversation, three turns, all on its home server
+                assert (a.log.count(GEN), b.log.count(GEN)) == (0, 3)
+                # traces without an explicit session id stick too
+                t2 = r3arrow.RouteTrace(engine.spec)
+                before = (a.log.count(GEN), b.log.count(GEN))
+                conv2 = [7, 7, 7, 7]
+                for _ in range(3):
+                    out = await client.generate(conv2, sampling_params={"max_tokens": 1}, trace=t2)
+                    conv2 += [*out.token_ids, 2]
+                    await client.generate([7, 7, 7, 7], sampling_params={"max_tokens": 1})  # round robin
+                after = (a.log.count(GEN), b.log.count(GEN))
+                assert sorted(x - y for x, y in zip(after, before, strict=True)) in ([2, 4], [3, 3])
+
+        run(main())
+        b.stop()  # home server of on_b sessions goes away: fail over to the other one
+
+        async def failover() -> GenerateOutput:
+            async with EngineClient(urls, engine.spec, backoff_base=0.01) as client:
+                return await client.generate([1, 2, 3], sampling_params=SP, session_id=on_b[1])
+
+        out = run(failover())
+        assert out.base_url == a.url and out.attempts == 2
+
+
+def test_unreachable_server_raises_after_retries(engine: ReferenceEngine) -> None:
+    with EngineServer(engine) as srv:
+        url = srv.url
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> None:
+        async with EngineClient(url, engine.spec, backoff_base=0.001, max_retries=2) as client:
+            await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
+
+    with pytest.raises(EngineHTTPError, match=r"after 3 attempts.*ConnectError") as info:
+        run(main())
+    assert info.value.status is None and snapshot(trace) == (0, 0, 0)
+
+
+# ------------------------------------------------------------- response decoding
+def test_parse_response_accepts_packed_and_nested_routes(engine: ReferenceEngine) -> None:
+    import orjson
+
+    from r3arrow.client import parse_response
+    from r3arrow.codec import encode_packed, encode_vllm
+
+    routes = engine.routes_for([1, 2, 3, 4, 5])[:4]
+    for payload in (encode_vllm(routes), encode_packed(routes), routes.tolist()):
+        body = orjson.dumps({"choices": [{"token_ids": [9], "finish_reason": "length", "routed_experts": payload}]})
+        parsed = parse_response(body, spec=engine.spec)
+        np.testing.assert_array_equal(parsed.routes, routes)
+        assert parsed.token_ids == [9]
+    with pytest.raises(EngineError, match="at least one generated token"):
+        parse_response(b'{"choices": [{"token_ids": [], "routed_experts": null}]}')
+    with pytest.raises(EngineError, match="return_token_ids"):
+        parse_response(b'{"choices": [{"text": ""}]}', endpoint="completions")
+    with pytest.raises(EngineError, match="expected JSON"):
+        parse_response(b"<html>")
+    with pytest.raises(PayloadError, match="ragged"):
+        parse_response(b'{"choices": [{"token_ids": [1], "routed_experts": [[[1, 2]], [[1]]]}]}')
