@@ -313,9 +313,12 @@ def scan_rollouts(path: PathLike, **kwargs: Any) -> Iterator[pa.Table]:
 def write_ipc(table: pa.Table, path: PathLike) -> Path:
     """Write a rollout table as an uncompressed Arrow IPC (Feather v2) file, atomically."""
     validate_rollouts(table)
-    with _atomic_path(Path(path)) as paths:
-        with pa.OSFile(str(paths[0]), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-            w.write_table(table)
+    with (
+        _atomic_path(Path(path)) as paths,
+        pa.OSFile(str(paths[0]), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as writer,
+    ):
+        writer.write_table(table)
     return paths[-1]
 
 
