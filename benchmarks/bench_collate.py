@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import best_of, machine_line, markdown_table, memcpy_gbps, parser  # noqa: E402
+from _common import best_of, machine_line, markdown_table, memcpy_gbps, parser
 
 
 def _status_kib(field: str) -> int:

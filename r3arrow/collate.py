@@ -23,6 +23,7 @@ the copy, DESIGN §6).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
 import threading
@@ -124,7 +125,7 @@ class _Arena:
     def take(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         dt = np.dtype(dtype)
         n = math.prod(shape) * dt.itemsize
-        out = self.buf[self.offset : self.offset + n].view(dt).reshape(shape)
+        out: np.ndarray = self.buf[self.offset : self.offset + n].view(dt).reshape(shape)
         self.offset += -(-n // _ALIGN) * _ALIGN
         return out
 
@@ -280,27 +281,27 @@ def _layout(n: np.ndarray, *, packed: bool, multiple: int, cp_size: int, cp_rank
         np.cumsum(n, out=cu[1:])
         positions, columns = int(cu_pad[-1]) // cp_size, 1
         col = np.zeros(b, dtype=np.int64)
-        seg_len, base, gbase = padded // (2 * cp_size), cu_pad[:-1] // cp_size, cu_pad[:-1]
+        full, base, gbase = padded, cu_pad[:-1] // cp_size, cu_pad[:-1]
         cu_out, cu_pad_out, max_len = cu, cu_pad, int(padded.max())
     else:
         width = int(_round_up(n.max(keepdims=True), multiple)[0])
         positions, columns = width // cp_size, b
         col = traj
-        seg_len = np.full(b, width // (2 * cp_size), dtype=np.int64)
+        full = np.full(b, width, dtype=np.int64)
         base, gbase = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
         cu_out, cu_pad_out, max_len = None, None, width
     if cp_size == 1:
-        full = seg_len * 2
         return _Layout(positions, columns, traj, np.zeros(b, np.int64), full, base, col, gbase, cu_out, cu_pad_out, max_len)
-    # Chunk r then chunk 2cp-1-r of each sequence, back to back.
-    first, second = cp_rank * seg_len, (2 * cp_size - 1 - cp_rank) * seg_len
+    # Chunk r then chunk 2cp-1-r of each sequence (row), back to back; lengths divide by 2cp.
+    chunk = full // (2 * cp_size)
+    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
     return _Layout(
         positions,
         columns,
         np.repeat(traj, 2),
         np.stack([first, second], axis=1).reshape(-1),
-        np.repeat(seg_len, 2),
-        np.stack([base, base + seg_len], axis=1).reshape(-1),
+        np.repeat(chunk, 2),
+        np.stack([base, base + chunk], axis=1).reshape(-1),
         np.repeat(col, 2),
         np.stack([gbase + first, gbase + second], axis=1).reshape(-1),
         cu_out,
@@ -329,12 +330,12 @@ def _layer_selector(layers: Sequence[int]) -> slice | np.ndarray:
     if len(layers) == 1:
         return slice(layers[0], layers[0] + 1)
     step = layers[1] - layers[0]
-    if step > 0 and all(b - a == step for a, b in zip(layers, layers[1:], strict=False)):
+    if step > 0 and all(b - a == step for a, b in itertools.pairwise(layers)):
         return slice(layers[0], layers[-1] + 1, step)
     return np.asarray(layers, dtype=np.intp)
 
 
-_ROW_VIEW = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_ROW_VIEW: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 
 # ------------------------------------------------------------------- collator
@@ -391,6 +392,13 @@ class MegatronCollator:
         self._pool = _BufferPool() if reuse_buffers else None
         self._select = _layer_selector(self.layers)
         self._arange = np.arange(0, dtype=np.int64)
+
+    @classmethod
+    def from_megatron(cls, spec: RouteSpec, config: Any = None, **kwargs: Any) -> MegatronCollator:
+        """This rank's collator from a Megatron config and/or model (see `r3arrow.megatron.collator_for`)."""
+        from r3arrow.megatron import collator_for
+
+        return collator_for(spec, config, **kwargs)
 
     # ---------------------------------------------------------------- public
     def __call__(self, table: pa.Table | pa.RecordBatch) -> Microbatch:
@@ -623,7 +631,7 @@ class _RouteCopier:
         n_local = lm.shape[0]
         self.routes, self.select, self.k, self.dtype = routes, select, k, routes.dtype
         row_bytes = k * routes.dtype.itemsize
-        self.row_dtype = _ROW_VIEW.get(row_bytes, np.dtype((np.void, row_bytes)))
+        self.row_dtype: np.dtype[Any] = _ROW_VIEW.get(row_bytes, np.dtype((np.void, row_bytes)))
         self.rows = routes.reshape(tokens, layers * k).view(self.row_dtype)
         contiguous = isinstance(select, slice) and select.step in (None, 1)
         self.span = np.dtype((np.void, n_local * row_bytes)) if contiguous else None
@@ -638,7 +646,7 @@ class _RouteCopier:
 
     def _transposed(self, s0: int, c: int) -> np.ndarray:
         """``[n_local, c]`` row words of tokens ``[s0, s0+c)``, in cache."""
-        t = self.tmp[:, :c]
+        t: np.ndarray = self.tmp[:, :c]
         if self.span is not None:
             g = self.gathered[:c]
             np.copyto(g.view(self.span), self.rows[s0 : s0 + c, self.select].view(self.span))
@@ -672,7 +680,8 @@ class _RouteCopier:
 
 # ---------------------------------------------------------------- microbatching
 def _trajectory_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
-    return _list_lengths(table.column("prompt_ids")) + _list_lengths(table.column("response_ids"))
+    out: np.ndarray = _list_lengths(table.column("prompt_ids")) + _list_lengths(table.column("response_ids"))
+    return out
 
 
 def split_microbatch_indices(

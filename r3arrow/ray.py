@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 PathLike = str | os.PathLike[str]
 _Kind = Literal["counts", "agreement"]
 _NO_STEP = -1  # partial rows of data without a step column
+#: Final combine of the partials: "driver" streams them to the driver and sums there (cheap: a
+#: few KB per block); "ray" uses a Ray ``AggregateFnV2`` (hash-shuffle aggregate; seconds of
+#: fixed overhead on a small cluster). Both are exact.
+Reduce = Literal["driver", "ray"]
 
 
 # ================================================================== reading
@@ -279,17 +283,53 @@ def _partials(source: Any, spec: RouteSpec | None, kind: _Kind, tokens: str, oth
     return ds.map_batches(fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True), spec
 
 
-def _reduce(source: Any, spec: RouteSpec | None, kind: _Kind, tokens: str, other: str | None, steps: Sequence[int] | None) -> tuple[np.ndarray, RouteSpec]:
+def _drain(parts: Any, kind: _Kind) -> dict[int, np.ndarray]:
+    """Sum partial rows per step on the driver as they stream in (each row is a few KB)."""
+    acc: dict[int, np.ndarray] = {}
+    for batch in parts.iter_batches(batch_format="pyarrow", batch_size=None):
+        steps = batch.column("step").to_pylist()
+        vectors = batch.column("partial")
+        for i, step in enumerate(steps):  # one row per (block, step): not a hot loop
+            vec = np.asarray(vectors[i].values.to_numpy(zero_copy_only=False), dtype=np.int64)
+            acc[int(step)] = _sum_vectors(kind, acc.get(int(step), np.zeros(0, np.int64)), vec)
+    return acc
+
+
+def _reduce(
+    source: Any,
+    spec: RouteSpec | None,
+    kind: _Kind,
+    tokens: str,
+    other: str | None,
+    steps: Sequence[int] | None,
+    reduce: Reduce,
+) -> tuple[np.ndarray, RouteSpec]:
     parts, spec = _partials(source, spec, kind, tokens, other, steps)
-    result = parts.aggregate(_sum_aggregate(kind))
-    vec = result["partial"] if isinstance(result, dict) else result
-    return np.asarray(vec if vec is not None else np.zeros(0), dtype=np.int64), spec
+    if reduce == "ray":
+        result = parts.aggregate(_sum_aggregate(kind))
+        vec = result["partial"] if isinstance(result, dict) else result
+        return np.asarray(vec if vec is not None else np.zeros(0), dtype=np.int64), spec
+    total = np.zeros(0, np.int64)
+    for vec in _drain(parts, kind).values():
+        total = _sum_vectors(kind, total, vec)
+    return total, spec
 
 
-def _reduce_by_step(source: Any, spec: RouteSpec | None, kind: _Kind, tokens: str, other: str | None, steps: Sequence[int] | None) -> dict[int, np.ndarray]:
+def _reduce_by_step(
+    source: Any,
+    spec: RouteSpec | None,
+    kind: _Kind,
+    tokens: str,
+    other: str | None,
+    steps: Sequence[int] | None,
+    reduce: Reduce,
+) -> dict[int, np.ndarray]:
     parts, _ = _partials(source, spec, kind, tokens, other, steps)
-    rows = parts.groupby("step").aggregate(_sum_aggregate(kind)).take_all()
-    out = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}
+    if reduce == "ray":
+        rows = parts.groupby("step").aggregate(_sum_aggregate(kind)).take_all()
+        out = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}
+    else:
+        out = _drain(parts, kind)
     if _NO_STEP in out:
         raise SchemaError("by step: expected a step=N/ directory or a 'step' column, found neither")
     return dict(sorted(out.items()))
@@ -301,9 +341,14 @@ def expert_counts(
     spec: RouteSpec | None = None,
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
+    reduce: Reduce = "driver",
 ) -> ExpertCounts:
-    """`r3arrow.stats.expert_counts` as a Ray aggregation over a path or a `read_rollouts` Dataset."""
-    vec, spec = _reduce(source, spec, "counts", tokens, None, steps)
+    """`r3arrow.stats.expert_counts` as a Ray aggregation over a path or a `read_rollouts` Dataset.
+
+    Each block becomes exact partial counts in parallel ``map_batches`` tasks;
+    ``reduce`` picks the final combine (see `Reduce`). A Dataset needs ``spec``.
+    """
+    vec, spec = _reduce(source, spec, "counts", tokens, None, steps, reduce)
     return ExpertCounts.from_vector(vec) if vec.size else ExpertCounts.empty(spec)
 
 
@@ -313,9 +358,11 @@ def expert_counts_by_step(
     spec: RouteSpec | None = None,
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
+    reduce: Reduce = "driver",
 ) -> dict[int, ExpertCounts]:
-    """Per-step `ExpertCounts` (Ray ``groupby("step")`` over the partials), ascending."""
-    return {s: ExpertCounts.from_vector(v) for s, v in _reduce_by_step(source, spec, "counts", tokens, None, steps).items()}
+    """Per-step `ExpertCounts`, ascending (``reduce="ray"``: Ray ``groupby("step")`` over the partials)."""
+    per = _reduce_by_step(source, spec, "counts", tokens, None, steps, reduce)
+    return {s: ExpertCounts.from_vector(v) for s, v in per.items()}
 
 
 def expert_load(
@@ -325,11 +372,12 @@ def expert_load(
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
     by_step: bool = False,
+    reduce: Reduce = "driver",
 ) -> pl.DataFrame:
     """`r3arrow.stats.expert_load` computed on Ray: same columns, dtypes, order and values."""
     if not by_step:
-        return expert_counts(source, spec=spec, tokens=tokens, steps=steps).to_polars()
-    per = expert_counts_by_step(source, spec=spec, tokens=tokens, steps=steps)
+        return expert_counts(source, spec=spec, tokens=tokens, steps=steps, reduce=reduce).to_polars()
+    per = expert_counts_by_step(source, spec=spec, tokens=tokens, steps=steps, reduce=reduce)
     if not per:
         raise SchemaError("by step: expected at least one step, found none")
     return pl.concat(
@@ -344,9 +392,10 @@ def route_agreement(
     spec: RouteSpec | None = None,
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
+    reduce: Reduce = "driver",
 ) -> RouteAgreement:
     """`r3arrow.stats.route_agreement` of ``routes`` vs the routes column ``other``, on Ray."""
-    vec, spec = _reduce(source, spec, "agreement", tokens, other, steps)
+    vec, spec = _reduce(source, spec, "agreement", tokens, other, steps, reduce)
     return RouteAgreement.from_vector(vec) if vec.size else RouteAgreement.empty(spec)
 
 
@@ -357,12 +406,11 @@ def route_agreement_by_step(
     spec: RouteSpec | None = None,
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
+    reduce: Reduce = "driver",
 ) -> dict[int, RouteAgreement]:
     """Per-step `RouteAgreement` on Ray, ascending."""
-    return {
-        s: RouteAgreement.from_vector(v)
-        for s, v in _reduce_by_step(source, spec, "agreement", tokens, other, steps).items()
-    }
+    per = _reduce_by_step(source, spec, "agreement", tokens, other, steps, reduce)
+    return {s: RouteAgreement.from_vector(v) for s, v in per.items()}
 
 
 # ================================================================ collation
@@ -469,6 +517,7 @@ def collate(
 
 
 __all__ = [
+    "Reduce",
     "collate",
     "expert_counts",
     "expert_counts_by_step",

@@ -495,6 +495,20 @@ def test_parse_response_accepts_packed_and_nested_routes(engine: ReferenceEngine
         parsed = parse_response(body, spec=engine.spec)
         np.testing.assert_array_equal(parsed.routes, routes)
         assert parsed.token_ids == [9]
+    # the base64 string is cut out of the raw body; spacing and escaped "/" still decode right
+    b64 = encode_vllm(routes)
+    spaced = b'{"choices": [{"token_ids": [9], "routed_experts" :  "' + b64.encode() + b'"}]}'
+    np.testing.assert_array_equal(parse_response(spaced, spec=engine.spec).routes, routes)
+    ones = np.full((3, 4, 2), 255, np.uint8)  # base64 "////..."
+    escaped = orjson.dumps({"choices": [{"token_ids": [9], "routed_experts": encode_vllm(ones)}]}).replace(b"/", b"\\/")
+    assert b"\\/" in escaped
+    np.testing.assert_array_equal(parse_response(escaped).routes, ones)
+    two = orjson.dumps({"choices": [{"token_ids": [9], "routed_experts": b64}] * 2})
+    with pytest.raises(EngineError, match="exactly one choice"):
+        parse_response(two)
+    outside = orjson.dumps({"routed_experts": b64, "choices": [{"token_ids": [9]}]})
+    with pytest.raises(EngineError, match="found it elsewhere"):
+        parse_response(outside)
     with pytest.raises(EngineError, match="at least one generated token"):
         parse_response(b'{"choices": [{"token_ids": [], "routed_experts": null}]}')
     with pytest.raises(EngineError, match="return_token_ids"):

@@ -113,19 +113,9 @@ def test_sampling_is_deterministic_per_seed(engine: ReferenceEngine) -> None:
     tokens=st.lists(st.integers(0, 511), min_size=2, max_size=160),
     cut=st.floats(0.0, 1.0, exclude_max=True),
 )
-def test_routing_is_causal(tokens: list[int], cut: float) -> None:
-    eng = _shared_engine()
+def test_routing_is_causal(engine: ReferenceEngine, tokens: list[int], cut: float) -> None:
     n = 1 + int(cut * (len(tokens) - 1))
-    np.testing.assert_array_equal(eng.routes_for(tokens[:n]), eng.routes_for(tokens)[:n])
-
-
-_ENGINE: list[ReferenceEngine] = []
-
-
-def _shared_engine() -> ReferenceEngine:
-    if not _ENGINE:
-        _ENGINE.append(ReferenceEngine())
-    return _ENGINE[0]
+    np.testing.assert_array_equal(engine.routes_for(tokens[:n]), engine.routes_for(tokens)[:n])
 
 
 def test_float32_model_is_supported_and_causal() -> None:

@@ -352,7 +352,7 @@ def _is_int(value: object) -> bool:
 class ReferenceEngine:
     """Generates with a `TinyMoE` and reports routed experts exactly like vLLM.
 
-    Not thread-safe: callers serialise `generate` (the HTTP server holds a lock).
+    Not thread-safe: callers serialise `generate` (the HTTP server runs it on one thread).
     """
 
     def __init__(self, config: TinyMoEConfig | None = None) -> None:

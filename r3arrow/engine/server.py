@@ -316,6 +316,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
+        # Headers and body go out in separate writes; without NODELAY, Nagle's algorithm holds
+        # the body until the client's delayed ACK (~40 ms per request).
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.connection.settimeout(self.server.app.idle_timeout)
         self.server.app._track(self.connection, add=True)
 
@@ -480,7 +483,8 @@ class EngineServer:
 
     Use as a context manager or call `start`/`stop`. ``url`` is ``http://host:port``.
     ``faults`` injects failures into generation requests; ``log`` records every request.
-    Generation is serialised by a lock; parsing and encoding run concurrently.
+    Model calls run one at a time on one worker thread; parsing and encoding run concurrently
+    on the connection threads.
     """
 
     def __init__(
