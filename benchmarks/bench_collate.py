@@ -48,7 +48,9 @@ def _reset_peak() -> bool:
         return False
 
 
-def make_table(n_traj: int, lo: int, hi: int, layers: int, topk: int, experts: int, seed: int = 0) -> Any:
+def make_table(
+    n_traj: int, lo: int, hi: int, layers: int, topk: int, experts: int, seed: int = 0
+) -> Any:
     """A valid rollout table: ragged routes (captured = tokens - 1), distinct ids per row."""
     import r3arrow
 
@@ -72,7 +74,9 @@ def make_table(n_traj: int, lo: int, hi: int, layers: int, topk: int, experts: i
         trajectory_id=[f"t{i}" for i in range(n_traj)],
         group_id=[f"g{i // 8}" for i in range(n_traj)],
         prompt_ids=[rng.integers(0, 32000, int(p), dtype=np.int32) for p in plen],
-        response_ids=[rng.integers(0, 32000, int(m - p), dtype=np.int32) for m, p in zip(n, plen, strict=True)],
+        response_ids=[
+            rng.integers(0, 32000, int(m - p), dtype=np.int32) for m, p in zip(n, plen, strict=True)
+        ],
         loss_mask=[np.ones(int(m - p), dtype=np.uint8) for m, p in zip(n, plen, strict=True)],
         reward=rng.random(n_traj),
         routes=[routes[bounds[i] : bounds[i + 1]] for i in range(n_traj)],
@@ -107,7 +111,9 @@ def run_case(args: Any) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     import r3arrow
 
-    table = make_table(args.trajectories, args.min_tokens, args.max_tokens, args.layers, args.topk, args.experts)
+    table = make_table(
+        args.trajectories, args.min_tokens, args.max_tokens, args.layers, args.topk, args.experts
+    )
     per_stage = args.layers // args.pp
     layers = list(range(args.stage * per_stage, (args.stage + 1) * per_stage))
     spec = r3arrow.route_spec(table)
@@ -118,7 +124,11 @@ def run_case(args: Any) -> dict[str, Any]:
 
     else:
         collate = r3arrow.MegatronCollator(
-            spec, layers=layers, packed=args.case != "unpacked", align=args.align, validate=not args.no_validate
+            spec,
+            layers=layers,
+            packed=args.case != "unpacked",
+            align=args.align,
+            validate=not args.no_validate,
         )
 
         def fn() -> Any:
@@ -157,7 +167,9 @@ def main() -> None:
     p.add_argument("--align", type=int, default=1)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every case")
-    p.add_argument("--no-validate", action="store_true", help="skip the rollout-table terminal-gap check")
+    p.add_argument(
+        "--no-validate", action="store_true", help="skip the rollout-table terminal-gap check"
+    )
     p.add_argument("--case", choices=["packed", "unpacked", "dense"], help=argparse_hidden())
     args = p.parse_args()
     if args.quick:
@@ -190,14 +202,20 @@ def main() -> None:
         r = results[case]
         rows.append(
             [
-                {"packed": "r3arrow packed", "unpacked": "r3arrow unpacked", "dense": "dense baseline"}[case],
+                {
+                    "packed": "r3arrow packed",
+                    "unpacked": "r3arrow unpacked",
+                    "dense": "dense baseline",
+                }[case],
                 r["warm_s"] * 1e3,
                 r["cold_s"] * 1e3,
                 r["warm_s"] / copy_s,
                 dense["warm_s"] / r["warm_s"],
                 r["out_bytes"] / 2**20,
                 r["peak_extra_mb"],
-                dense["peak_extra_mb"] / r["peak_extra_mb"] if r["peak_extra_mb"] > 0 else float("nan"),
+                dense["peak_extra_mb"] / r["peak_extra_mb"]
+                if r["peak_extra_mb"] > 0
+                else float("nan"),
             ]
         )
     print(
@@ -223,7 +241,10 @@ def main() -> None:
         )
     )
     print()
-    print("command: .venv/bin/python benchmarks/bench_collate.py" + (" " + " ".join(forward) if forward else ""))
+    print(
+        "command: .venv/bin/python benchmarks/bench_collate.py"
+        + (" " + " ".join(forward) if forward else "")
+    )
 
 
 def argparse_hidden() -> str:

@@ -31,7 +31,7 @@ import orjson
 
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_packed, decode_vllm
 from r3arrow.errors import EngineError, PayloadError, RouteShapeError, TraceStateError
-from r3arrow.spec import RouteSpec, as_route_rows, check_route_ids
+from r3arrow.spec import RouteSpec, check_route_ids
 from r3arrow.trace import RouteTrace, expected_rows
 
 Endpoint = Literal["generate", "completions"]
@@ -143,19 +143,22 @@ def _lift_routes(body: bytes) -> tuple[bytes, memoryview | None]:
 
 
 def decode_routes(
-    value: Any, spec: RouteSpec | None, *, max_bytes: int = DEFAULT_MAX_BYTES
+    value: Any, spec: RouteSpec | None, *, max_bytes: int = DEFAULT_MAX_BYTES, check_ids: bool = True
 ) -> tuple[np.ndarray, int]:
     """Decode a response's ``routed_experts`` to ``[rows, L, K]``; returns (array, payload bytes).
 
     Accepts vLLM's base64 ``.npy`` string, SkyRL's packed dict, or nested JSON lists (the slow
-    legacy form). Raises `PayloadError`, `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`.
+    legacy form; payload bytes reported as 0). With ``spec``, ``L``/``K`` must match and, if
+    ``check_ids``, router-layer ids must lie in ``[0, num_experts)``. Raises `PayloadError`,
+    `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`.
     """
+    nbytes = 0
     if isinstance(value, str | memoryview | bytes):
-        return decode_vllm(value, spec, max_bytes=max_bytes), len(value)
-    if isinstance(value, Mapping):
+        arr, nbytes = decode_vllm(value, max_bytes=max_bytes), len(value)
+    elif isinstance(value, Mapping):
         data = value.get("data")
-        return decode_packed(value, spec, max_bytes=max_bytes), len(data) if isinstance(data, str) else 0
-    if isinstance(value, list):
+        arr, nbytes = decode_packed(value, max_bytes=max_bytes), len(data) if isinstance(data, str) else 0
+    elif isinstance(value, list):
         try:
             arr = np.asarray(value)
         except ValueError as exc:
@@ -164,15 +167,20 @@ def decode_routes(
             arr = np.empty((0, *spec.row_shape), dtype=spec.dtype)
         if arr.dtype.kind not in "iu":
             raise PayloadError(f"routed_experts: expected integer nested lists, found dtype {arr.dtype}")
-        if spec is not None:
-            arr = as_route_rows(arr, spec, what="routed_experts")
-            check_route_ids(arr, spec, what="routed_experts")
-        elif arr.ndim != 3:
+        if arr.ndim != 3:
             raise RouteShapeError(f"routed_experts: expected [rows, L, K], found shape {list(arr.shape)}")
-        return arr, 0
-    raise PayloadError(
-        f"routed_experts: expected a base64 .npy string, a packed dict or nested lists, found {type(value).__name__}"
-    )
+    else:
+        raise PayloadError(
+            f"routed_experts: expected a base64 .npy string, a packed dict or nested lists, found {type(value).__name__}"
+        )
+    if spec is not None:
+        if arr.shape[1:] != spec.row_shape:
+            raise RouteShapeError(
+                f"routed_experts: expected [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
+            )
+        if check_ids:
+            check_route_ids(arr, spec, what="routed_experts")
+    return arr, nbytes
 
 
 def parse_response(
@@ -182,9 +190,11 @@ def parse_response(
     spec: RouteSpec | None = None,
     max_payload_bytes: int = DEFAULT_MAX_BYTES,
     want_routes: bool = True,
+    check_ids: bool = True,
 ) -> ParsedResponse:
     """Parse a successful engine response body (JSON) of ``endpoint``.
 
+    ``check_ids=False`` skips the expert-id range check (a `RouteTrace` does it on record).
     Raises `EngineError` when the body is not a response of the expected shape (no
     ``choices[0].token_ids``, no tokens generated) and the codec's errors for a bad
     ``routed_experts`` payload.
@@ -224,7 +234,7 @@ def parse_response(
             raise EngineError("engine response: expected routed_experts inside choices[0], found it elsewhere")
         raw = lifted
     if want_routes and raw is not None:
-        routes, payload = decode_routes(raw, spec, max_bytes=max_payload_bytes)
+        routes, payload = decode_routes(raw, spec, max_bytes=max_payload_bytes, check_ids=check_ids)
         routes.flags.writeable = False  # fresh buffer no one else holds: lets the trace keep it uncopied
     finish = ch.get("finish_reason")
     stop = ch.get("stop_reason")
@@ -376,6 +386,24 @@ class EngineClient:
             delay = max(delay, min(retry_after, self.retry_after_max))
         return delay
 
+    async def probe_spec(
+        self, *, num_experts: int | None = None, token_ids: Sequence[int] = (1, 2, 3)
+    ) -> RouteSpec:
+        """Ask the engine for the route shape: one 1-token request with prompt start 0.
+
+        Returns ``RouteSpec(L, K, num_experts)`` from the returned ``[P, L, K]`` rows (the
+        engine does not report ``num_experts``; None lets traces widen the dtype as needed).
+        Raises `EngineError` if the engine returns no routes.
+        """
+        out = await self.generate(token_ids, sampling_params={"max_tokens": 1, "ignore_eos": True})
+        if out.routed_experts is None:
+            raise EngineError(
+                f"engine {out.base_url} returned no routed_experts; expected [rows, L, K] "
+                "(start vLLM with --enable-return-routed-experts)"
+            )
+        _, layers, topk = out.routed_experts.shape
+        return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts)
+
     # -------------------------------------------------------------- requests
     def build_request(
         self,
@@ -492,6 +520,11 @@ class EngineClient:
                 f"found {bad} at position {prompt.index(bad)}"
             )
         sp = dict(sampling_params or {})
+        if sp.get("n", 1) != 1 or sp.get("stream"):
+            raise ValueError(
+                f"sampling_params: expected one non-streamed sample per request (n=1, no stream), "
+                f"found n={sp.get('n', 1)!r}, stream={sp.get('stream')!r}"
+            )
         if "routed_experts_prompt_start" in sp:
             raise ValueError(
                 "sampling_params: routed_experts_prompt_start is set by the client "
@@ -531,6 +564,7 @@ class EngineClient:
                 "spec": spec,
                 "max_payload_bytes": self.max_payload_bytes,
                 "want_routes": return_routes,
+                "check_ids": trace is None,  # the trace checks ids when it records
             }
             if len(content) > _OFFLOAD_BYTES:  # keep the event loop responsive while decoding
                 parsed = await asyncio.to_thread(parse_response, content, **parse_args)

@@ -44,7 +44,9 @@ _ALIGN = 64
 
 
 # ------------------------------------------------------------------- alignment
-def alignment_multiple(*, align: int = 1, tp_size: int = 1, cp_size: int = 1, fp8: bool = False) -> int:
+def alignment_multiple(
+    *, align: int = 1, tp_size: int = 1, cp_size: int = 1, fp8: bool = False
+) -> int:
     """Length multiple of a sequence (packed) or of the row length (unpacked).
 
     ``tp``; ``tp*cp*2`` with context parallelism; combined by lcm with ``16*cp``
@@ -87,13 +89,18 @@ class _BufferPool:
             best = -1
             for i in range(len(self._buffers)):
                 size = self._buffers[i].nbytes
-                if size >= nbytes and self._is_free(i) and (best < 0 or size < self._buffers[best].nbytes):
+                if (
+                    size >= nbytes
+                    and self._is_free(i)
+                    and (best < 0 or size < self._buffers[best].nbytes)
+                ):
                     best = i
             if best >= 0:
                 return self._buffers[best]
             # Replace free buffers that are too small rather than keeping them around.
             self._buffers = [b for i, b in enumerate(self._buffers) if not self._is_free(i)]
-            buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)  # headroom for the next, larger batch
+            # 1/8 headroom so the next, slightly larger batch fits.
+            buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)
             if len(self._buffers) < self.max_buffers:
                 self._buffers.append(buf)
             return buf
@@ -291,7 +298,19 @@ def _layout(n: np.ndarray, *, packed: bool, multiple: int, cp_size: int, cp_rank
         base, gbase = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
         cu_out, cu_pad_out, max_len = None, None, width
     if cp_size == 1:
-        return _Layout(positions, columns, traj, np.zeros(b, np.int64), full, base, col, gbase, cu_out, cu_pad_out, max_len)
+        return _Layout(
+            positions,
+            columns,
+            traj,
+            np.zeros(b, np.int64),
+            full,
+            base,
+            col,
+            gbase,
+            cu_out,
+            cu_pad_out,
+            max_len,
+        )
     # Chunk r then chunk 2cp-1-r of each sequence (row), back to back; lengths divide by 2cp.
     chunk = full // (2 * cp_size)
     first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
@@ -335,7 +354,12 @@ def _layer_selector(layers: Sequence[int]) -> slice | np.ndarray:
     return np.asarray(layers, dtype=np.intp)
 
 
-_ROW_VIEW: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_ROW_VIEW: dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
 
 
 # ------------------------------------------------------------------- collator
@@ -379,7 +403,11 @@ class MegatronCollator:
         self.layers: tuple[int, ...] = tuple(chosen)
         self.multiple = alignment_multiple(align=align, tp_size=tp_size, cp_size=cp_size, fp8=fp8)
         for name, rank, size in (("tp_rank", tp_rank, tp_size), ("cp_rank", cp_rank, cp_size)):
-            if not isinstance(rank, int | np.integer) or isinstance(rank, bool) or not 0 <= rank < size:
+            if (
+                not isinstance(rank, int | np.integer)
+                or isinstance(rank, bool)
+                or not 0 <= rank < size
+            ):
                 raise ReplayError(f"{name}: expected an int in [0, {size}), found {rank!r}")
         self.packed = bool(packed)
         self.align = int(align)
@@ -409,7 +437,13 @@ class MegatronCollator:
         cap = np.concatenate([_list_lengths(b.column("routes")) for b in batches])
         n = plen + rlen
         self._check_lengths(batches, n, cap)
-        lay = _layout(n, packed=self.packed, multiple=self.multiple, cp_size=self.cp_size, cp_rank=self.cp_rank)
+        lay = _layout(
+            n,
+            packed=self.packed,
+            multiple=self.multiple,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
+        )
         return self._fill(batches, spec, lay, plen, n, cap)
 
     def split(
@@ -438,9 +472,13 @@ class MegatronCollator:
         return 0 if self._pool is None else self._pool.nbytes
 
     # ---------------------------------------------------------------- checks
-    def _check_table(self, table: pa.Table | pa.RecordBatch) -> tuple[list[pa.RecordBatch], RouteSpec]:
+    def _check_table(
+        self, table: pa.Table | pa.RecordBatch
+    ) -> tuple[list[pa.RecordBatch], RouteSpec]:
         if not isinstance(table, pa.Table | pa.RecordBatch):
-            raise SchemaError(f"expected a pyarrow Table or RecordBatch, found {type(table).__name__}")
+            raise SchemaError(
+                f"expected a pyarrow Table or RecordBatch, found {type(table).__name__}"
+            )
         spec = validate_rollouts(table) if self.validate else route_spec(table)
         if not self.spec.same_shape(spec):
             raise SchemaError(
@@ -448,11 +486,20 @@ class MegatronCollator:
                 f"{list(self.spec.router_layers)}, found [L={spec.num_layers}, K={spec.topk}] with "
                 f"router layers {list(spec.router_layers)}"
             )
-        if None not in (self.spec.num_experts, spec.num_experts) and self.spec.num_experts != spec.num_experts:
-            raise SchemaError(f"num_experts: expected {self.spec.num_experts}, found {spec.num_experts}")
+        if (
+            None not in (self.spec.num_experts, spec.num_experts)
+            and self.spec.num_experts != spec.num_experts
+        ):
+            raise SchemaError(
+                f"num_experts: expected {self.spec.num_experts}, found {spec.num_experts}"
+            )
         if table.num_rows == 0:
             raise SchemaError("expected at least one trajectory, found an empty table")
-        batches = [b for b in (table.to_batches() if isinstance(table, pa.Table) else [table]) if b.num_rows]
+        batches = [
+            b
+            for b in (table.to_batches() if isinstance(table, pa.Table) else [table])
+            if b.num_rows
+        ]
         for name in ("prompt_ids", "response_ids", "loss_mask", "routes"):
             if name not in table.schema.names:
                 raise SchemaError(f"expected column {name!r}, found columns {table.schema.names}")
@@ -495,7 +542,9 @@ class MegatronCollator:
         if cp:
             parts.append(((lay.positions,), np.int64))
         nbytes = _Arena.size(parts)
-        buf = self._pool.take(nbytes) if self._pool is not None else np.empty(nbytes, dtype=np.uint8)
+        buf = (
+            self._pool.take(nbytes) if self._pool is not None else np.empty(nbytes, dtype=np.uint8)
+        )
         arena = _Arena(buf)
         lm = arena.take(*parts[0])
         ids, pos, labels = arena.take(*parts[1]), arena.take(*parts[2]), arena.take(*parts[3])
@@ -508,7 +557,9 @@ class MegatronCollator:
         need = lay.max_seqlen if not cp else int(lay.seg_global.max() + lay.seg_len.max())
         if self._arange.shape[0] < need:
             self._arange = np.arange(max(need, 2 * self._arange.shape[0]), dtype=np.int64)
-        self._write(batches, spec, lay, plen, n, cap, lm, ids, pos, labels, loss, lab_mask, pad, tok_index)
+        self._write(
+            batches, spec, lay, plen, n, cap, lm, ids, pos, labels, loss, lab_mask, pad, tok_index
+        )
 
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a)
@@ -517,7 +568,9 @@ class MegatronCollator:
             return None if a is None else torch.from_numpy(a.astype(np.int32))
 
         return Microbatch(
-            spec=spec if spec.num_experts is not None else dataclasses.replace(spec, num_experts=self.spec.num_experts),
+            spec=spec
+            if spec.num_experts is not None
+            else dataclasses.replace(spec, num_experts=self.spec.num_experts),
             layers=self.layers,
             packed=self.packed,
             input_ids=t(ids),
@@ -565,7 +618,10 @@ class MegatronCollator:
         cnt_tok = np.clip(n[tr] - st, 0, ln)
         cnt_lab = np.clip(n[tr] - 1 - st, 0, ln)
         cnt_rt = np.clip(cap[tr] - st, 0, ln)
-        seg_rows = np.split(np.arange(tr.shape[0]), np.searchsorted(tr, np.cumsum([b.num_rows for b in batches])[:-1]))
+        seg_rows = np.split(
+            np.arange(tr.shape[0]),
+            np.searchsorted(tr, np.cumsum([b.num_rows for b in batches])[:-1]),
+        )
         seg_cols = lay.seg_col.tolist()
         row0 = 0
         for batch, segs in zip(batches, seg_rows, strict=True):
@@ -589,7 +645,9 @@ class MegatronCollator:
                 for dst, first, count in ((loss, a, nt), (lab_mask, a + 1, nl)):
                     lo = max(first, p)
                     if first + count > lo:
-                        dst[row, at + lo - first : at + count] = mask[ro + lo - p : ro + first + count - p]
+                        dst[row, at + lo - first : at + count] = mask[
+                            ro + lo - p : ro + first + count - p
+                        ]
                 pos[row, at : at + length] = ar[a : a + length]
                 pad[row, at : at + nr] = False
                 pad[row, at + nr : at + length] = True
@@ -604,7 +662,15 @@ class MegatronCollator:
 
 
 def _put(
-    out: np.ndarray, at: int, a: int, b: int, p: int, prompt: np.ndarray, po: int, resp: np.ndarray, ro: int
+    out: np.ndarray,
+    at: int,
+    a: int,
+    b: int,
+    p: int,
+    prompt: np.ndarray,
+    po: int,
+    resp: np.ndarray,
+    ro: int,
 ) -> None:
     """out[at : at+b-a] = tokens [a, b) of a sequence whose first ``p`` tokens are its prompt."""
     if a < p:
@@ -671,7 +737,10 @@ class _RouteCopier:
                 continue
             w = self.wide[:, :c]
             np.copyto(w, ids)
-            np.copyto(self.lm_rows[:, at + off : at + off + c, col], w.reshape(n_local, c * self.k).view(self.out_row))
+            np.copyto(
+                self.lm_rows[:, at + off : at + off + c, col],
+                w.reshape(n_local, c * self.k).view(self.out_row),
+            )
 
     def pad(self, at: int, count: int, col: int) -> None:
         """Dummy rows ``[0 .. K-1]`` at ``lm[:, at:at+count, col]``."""
@@ -680,7 +749,9 @@ class _RouteCopier:
 
 # ---------------------------------------------------------------- microbatching
 def _trajectory_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
-    out: np.ndarray = _list_lengths(table.column("prompt_ids")) + _list_lengths(table.column("response_ids"))
+    out: np.ndarray = _list_lengths(table.column("prompt_ids")) + _list_lengths(
+        table.column("response_ids")
+    )
     return out
 
 
@@ -703,11 +774,15 @@ def split_microbatch_indices(
     """
     n = np.asarray(lengths, dtype=np.int64)
     if n.ndim != 1 or n.size == 0:
-        raise SchemaError(f"expected a non-empty 1-D array of trajectory lengths, found shape {list(n.shape)}")
+        raise SchemaError(
+            f"expected a non-empty 1-D array of trajectory lengths, found shape {list(n.shape)}"
+        )
     if max_tokens is None and num_microbatches is None:
         raise SchemaError("expected max_tokens, num_microbatches or both, found neither")
     if num_microbatches is not None and not 1 <= num_microbatches <= n.size:
-        raise SchemaError(f"num_microbatches: expected 1..{n.size} (one trajectory at least each), found {num_microbatches}")
+        raise SchemaError(
+            f"num_microbatches: expected 1..{n.size} (one trajectory at least each), found {num_microbatches}"
+        )
     cost = _round_up(n, multiple)
     if max_tokens is not None:
         worst = int(cost.max())
@@ -718,7 +793,11 @@ def split_microbatch_indices(
                 f"budget is {max_tokens}; trajectories are never split"
             )
     order = np.argsort(-cost, kind="stable")
-    lo = num_microbatches if num_microbatches is not None else max(1, -(-int(cost.sum()) // int(max_tokens or 1)))
+    lo = (
+        num_microbatches
+        if num_microbatches is not None
+        else max(1, -(-int(cost.sum()) // int(max_tokens or 1)))
+    )
     for bins in range(lo, n.size + 1):
         groups = _balance(cost, order, bins)
         if max_tokens is None or all(_cost(cost[g], packed) <= max_tokens for g in groups):
@@ -774,7 +853,9 @@ def _as_index(x: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:
     return t.to(torch.int64).reshape(-1)
 
 
-def _packed_positions(cu_seqlens: torch.Tensor, cu_padded: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _packed_positions(
+    cu_seqlens: torch.Tensor, cu_padded: torch.Tensor, shift: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sequence, offset within it, packed position) of positions ``0 .. len-1-shift`` of every sequence."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1] - shift).clamp(min=0)
     seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens)
@@ -797,7 +878,11 @@ def next_token_shift(
     ``values``.
     """
     cu, cup = _as_index(cu_seqlens), _as_index(cu_seqlens_padded)
-    flat = values.reshape(-1, *values.shape[2:]) if values.dim() >= 2 and values.shape[0] == 1 else values
+    flat = (
+        values.reshape(-1, *values.shape[2:])
+        if values.dim() >= 2 and values.shape[0] == 1
+        else values
+    )
     if flat.shape[0] != int(cup[-1]):
         raise RouteShapeError(f"expected {int(cup[-1])} packed positions, found {flat.shape[0]}")
     out = torch.full_like(flat, fill)
@@ -822,7 +907,9 @@ def packed_to_batch(
     cu, cup = _as_index(cu_seqlens), _as_index(cu_seqlens_padded)
     flat = values.reshape(-1) if values.dim() == 2 and values.shape[0] == 1 else values
     if flat.dim() != 1 or flat.shape[0] != int(cup[-1]):
-        raise RouteShapeError(f"expected packed values [1, {int(cup[-1])}] or [{int(cup[-1])}], found {list(values.shape)}")
+        raise RouteShapeError(
+            f"expected packed values [1, {int(cup[-1])}] or [{int(cup[-1])}], found {list(values.shape)}"
+        )
     lens = cu[1:] - cu[:-1]
     w = int(lens.max()) - 1 if width is None else int(width)
     if w < int(lens.max()) - 1:
@@ -833,12 +920,16 @@ def packed_to_batch(
     return out
 
 
-def unpacked_to_batch(values: torch.Tensor, seq_lens: np.ndarray | Sequence[int], *, fill: float | int = 0) -> torch.Tensor:
+def unpacked_to_batch(
+    values: torch.Tensor, seq_lens: np.ndarray | Sequence[int], *, fill: float | int = 0
+) -> torch.Tensor:
     """``[B, S]`` per-position outputs → ``[B, max(len) - 1]``, ``fill`` past ``len_i - 1``."""
     lens = torch.as_tensor(np.asarray(seq_lens, dtype=np.int64), device=values.device)
     w = int(lens.max()) - 1
     if values.dim() != 2 or values.shape[0] != lens.shape[0] or values.shape[1] < w:
-        raise RouteShapeError(f"expected values [{lens.shape[0]}, >= {w}], found {list(values.shape)}")
+        raise RouteShapeError(
+            f"expected values [{lens.shape[0]}, >= {w}], found {list(values.shape)}"
+        )
     out = values[:, :w].clone()
     out[torch.arange(w, device=values.device)[None, :] >= (lens - 1)[:, None]] = fill
     return out

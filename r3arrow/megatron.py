@@ -101,7 +101,9 @@ def replay_schedule(action: Any = "replay_forward") -> Iterator[None]:
     (``REPLAY_BACKWARD`` consumes them first-in first-out). Not reentrant.
     """
     if getattr(_scope, "active", False):
-        raise ReplayError("replay_schedule: expected no schedule in progress, found one (nested call)")
+        raise ReplayError(
+            "replay_schedule: expected no schedule in progress, found one (nested call)"
+        )
     clear_replay_state()
     _scope.active = True
     try:
@@ -153,7 +155,9 @@ def _routers(obj: Any) -> list[Any]:
         elif getattr(item, "router_replay", None) is not None:
             out.append(item)
         else:
-            raise ReplayError(f"expected MoE routers or a model containing them, found {type(item).__name__}")
+            raise ReplayError(
+                f"expected MoE routers or a model containing them, found {type(item).__name__}"
+            )
     seen: set[int] = set()
     unique = []
     for r in out:
@@ -177,14 +181,22 @@ def router_layers(model_or_routers: Any) -> list[int]:
     for r in _routers(model_or_routers):
         number = getattr(r, "layer_number", None)
         if number is None:
-            raise ReplayError(f"expected routers with a layer_number (1-based, global), found None on {type(r).__name__}")
+            raise ReplayError(
+                f"expected routers with a layer_number (1-based, global), found None on {type(r).__name__}"
+            )
         if not _is_mtp(r):
             out.append(int(number) - 1)
     return out
 
 
 # ---------------------------------------------------------------- validation
-def _check_ids(arr: torch.Tensor, num_experts: int | None, layer_ids: Sequence[int], *, block_rows: int = 1 << 15) -> None:
+def _check_ids(
+    arr: torch.Tensor,
+    num_experts: int | None,
+    layer_ids: Sequence[int],
+    *,
+    block_rows: int = 1 << 15,
+) -> None:
     """Ids in ``[0, num_experts)`` and distinct within each row; ``arr`` is ``[layers, tokens, K]``.
 
     Blockwise over tokens, all layers at once; the transposed block makes every compare a
@@ -232,9 +244,13 @@ def validate_targets(
         raise ReplayError(f"expected one layer id per target ({len(targets)}), found {len(names)}")
     for name, t in zip(names, targets, strict=True):
         if not isinstance(t, torch.Tensor):
-            raise ReplayError(f"replay target of layer {name}: expected a torch.Tensor, found {type(t).__name__}")
+            raise ReplayError(
+                f"replay target of layer {name}: expected a torch.Tensor, found {type(t).__name__}"
+            )
         if t.dtype not in (torch.int32, torch.int64):
-            raise ReplayError(f"replay target of layer {name}: expected int32 or int64, found {t.dtype}")
+            raise ReplayError(
+                f"replay target of layer {name}: expected int32 or int64, found {t.dtype}"
+            )
         k = topk if topk is not None else (t.shape[1] if t.dim() == 2 else -1)
         if t.dim() != 2 or t.shape[0] != num_tokens or t.shape[1] != k:
             raise ReplayError(
@@ -284,14 +300,18 @@ def install_replay(
     else:
         targets = list(mb)
         if num_tokens is None:
-            raise ReplayError("install_replay: expected num_tokens (the router's local token count) with raw targets")
+            raise ReplayError(
+                "install_replay: expected num_tokens (the router's local token count) with raw targets"
+            )
         tokens, experts, topk = int(num_tokens), num_experts, None
         ids = list(layers) if layers is not None else list(range(len(targets)))
     if len(ids) != len(targets):
         raise ReplayError(f"expected one layer id per target ({len(targets)}), found {ids}")
     ordered = targets
     if routers is not None:
-        ordered, experts, topk = _order_by_routers(targets, ids, _routers(routers), instances, experts, topk)
+        ordered, experts, topk = _order_by_routers(
+            targets, ids, _routers(routers), instances, experts, topk
+        )
     elif len(targets) != len(instances):
         raise ReplayError(
             f"expected one target per RouterReplay instance of this process ({len(instances)} routers), found "
@@ -325,7 +345,9 @@ def _order_by_routers(
     else:
         by_layer = {int(r.layer_number) - 1: r for r in decoder}
     if sorted(by_layer) != sorted(ids):
-        raise ReplayError(f"expected routers for global layers {sorted(ids)}, found routers for {sorted(by_layer)}")
+        raise ReplayError(
+            f"expected routers for global layers {sorted(ids)}, found routers for {sorted(by_layer)}"
+        )
     target_of = {id(_replay_of(by_layer[g])): t for g, t in zip(ids, targets, strict=True)}
     missing = [i for i, inst in enumerate(instances) if id(inst) not in target_of]
     if missing or len(target_of) != len(instances):
@@ -338,7 +360,9 @@ def _order_by_routers(
         r = by_layer[g]
         e = getattr(r, "num_experts", None)
         if e is not None and experts is not None and int(e) != int(experts):
-            raise ReplayError(f"router of layer {g}: expected num_experts={experts} (routes), found {e}")
+            raise ReplayError(
+                f"router of layer {g}: expected num_experts={experts} (routes), found {e}"
+            )
         experts = int(e) if e is not None and experts is None else experts
         k = getattr(r, "topk", None)
         if k is not None and topk is not None and int(k) != int(topk):
@@ -437,7 +461,9 @@ def padding_mask_fix_present() -> bool:
     return any(s in src for s in ("unsqueeze(-1)", "unsqueeze(1)", "[:,None]", "(-1,1)"))
 
 
-def _apply_expert_bias(self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+def _apply_expert_bias(
+    self: Any, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None
+) -> None:
     """``TopKRouter._apply_expert_bias`` with the padding mask broadcast as ``[tokens, 1]`` (#6114)."""
     if self.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():
@@ -496,11 +522,15 @@ def moe_layer_pattern(config: Any) -> list[bool]:
     freq = getattr(config, "moe_layer_freq", 1)
     if isinstance(freq, int | np.integer) and not isinstance(freq, bool):
         if freq < 1:
-            raise ReplayError(f"moe_layer_freq: expected a positive int or a 0/1 list, found {freq}")
+            raise ReplayError(
+                f"moe_layer_freq: expected a positive int or a 0/1 list, found {freq}"
+            )
         return [i % int(freq) == 0 for i in range(n)]
     pattern = [int(x) for x in freq]
     if len(pattern) != n or any(x not in (0, 1) for x in pattern):
-        raise ReplayError(f"moe_layer_freq: expected {n} entries of 0/1 (one per layer), found {pattern}")
+        raise ReplayError(
+            f"moe_layer_freq: expected {n} entries of 0/1 (one per layer), found {pattern}"
+        )
     return [x == 1 for x in pattern]
 
 
@@ -522,19 +552,25 @@ def _stage_range(config: Any, pp_rank: int, vp_stage: int | None, use_megatron: 
         return range(offset, offset + count)
     uneven = [a for a in _UNEVEN if getattr(config, a, None)]
     if uneven:
-        raise ReplayError(f"stage layers: uneven pipeline settings {uneven} need megatron-core installed")
+        raise ReplayError(
+            f"stage layers: uneven pipeline settings {uneven} need megatron-core installed"
+        )
     n = int(config.num_layers)
     pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
     vp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     if pp == 1:
         return range(n)
     if n % pp:
-        raise ReplayError(f"stage layers: expected num_layers divisible by pipeline size {pp}, found {n}")
+        raise ReplayError(
+            f"stage layers: expected num_layers divisible by pipeline size {pp}, found {n}"
+        )
     per_rank = n // pp
     if vp is None:
         return range(pp_rank * per_rank, (pp_rank + 1) * per_rank)
     if per_rank % vp:
-        raise ReplayError(f"stage layers: expected {per_rank} layers per rank divisible by vpp size {vp}")
+        raise ReplayError(
+            f"stage layers: expected {per_rank} layers per rank divisible by vpp size {vp}"
+        )
     per_chunk = per_rank // vp
     start = int(vp_stage or 0) * (n // vp) + pp_rank * per_chunk
     return range(start, start + per_chunk)
@@ -566,11 +602,15 @@ def stage_router_layers(
 
             pp_rank = int(parallel_state.get_pipeline_model_parallel_rank())
         else:
-            raise ReplayError("stage_router_layers: expected pp_rank with pipeline parallelism, found None")
+            raise ReplayError(
+                "stage_router_layers: expected pp_rank with pipeline parallelism, found None"
+            )
     if not 0 <= pp_rank < pp:
         raise ReplayError(f"pp_rank: expected an int in [0, {pp}), found {pp_rank}")
     vp = getattr(config, "virtual_pipeline_model_parallel_size", None)
-    stages: list[int | None] = [vp_stage] if vp_stage is not None or vp is None or pp == 1 else list(range(int(vp)))
+    stages: list[int | None] = (
+        [vp_stage] if vp_stage is not None or vp is None or pp == 1 else list(range(int(vp)))
+    )
     moe = moe_layer_pattern(config)
     out: list[int] = []
     for stage in stages:

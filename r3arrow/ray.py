@@ -5,9 +5,10 @@
 - `expert_counts` / `expert_load` / `route_agreement` (and ``*_by_step``): the
   statistics of `r3arrow.stats` as a distributed aggregation — each block is
   reduced to exact integer partial counts in ``map_batches`` (in parallel, only
-  the small partials move), then summed with a Ray ``AggregateFnV2`` (grouped
-  by ``step`` for the by-step variants). Integer sums are order-independent, so
-  the result equals the single-process path exactly.
+  the small partials move), then combined: streamed to the driver and summed
+  (``reduce="driver"``, default) or with a Ray ``AggregateFnV2`` hash aggregate
+  (``reduce="ray"``, grouped by ``step`` for the by-step variants). Integer sums
+  are order-independent, so every path equals the single-process one exactly.
 - `collate`: a collator (e.g. `r3arrow.collate.MegatronCollator`) run as
   ``map_batches``; each microbatch becomes one row of plain Arrow columns
   (values + shape per tensor) that ``Dataset.write_parquet`` writes back and
@@ -277,6 +278,11 @@ def _columns(tokens: str, other: str | None) -> list[str]:
     return list(dict.fromkeys(["routes", *([other] if other else []), *need]))
 
 
+def _check_reduce(reduce: str) -> None:
+    if reduce not in ("driver", "ray"):
+        raise ValueError(f"reduce: expected 'driver' or 'ray', found {reduce!r}")
+
+
 def _partials(source: Any, spec: RouteSpec | None, kind: _Kind, tokens: str, other: str | None, steps: Sequence[int] | None) -> tuple[Any, RouteSpec]:
     ds, spec = _as_dataset(source, spec, _columns(tokens, other), steps)
     fn = _Partials(spec.to_json(), kind, tokens, other)
@@ -304,6 +310,7 @@ def _reduce(
     steps: Sequence[int] | None,
     reduce: Reduce,
 ) -> tuple[np.ndarray, RouteSpec]:
+    _check_reduce(reduce)
     parts, spec = _partials(source, spec, kind, tokens, other, steps)
     if reduce == "ray":
         result = parts.aggregate(_sum_aggregate(kind))
@@ -324,6 +331,7 @@ def _reduce_by_step(
     steps: Sequence[int] | None,
     reduce: Reduce,
 ) -> dict[int, np.ndarray]:
+    _check_reduce(reduce)
     parts, _ = _partials(source, spec, kind, tokens, other, steps)
     if reduce == "ray":
         rows = parts.groupby("step").aggregate(_sum_aggregate(kind)).take_all()
@@ -476,11 +484,17 @@ def microbatch_arrays(rows: pa.Table) -> list[dict[str, Any]]:
 class _Collate:
     """Batch → one microbatch row per step present (a microbatch never mixes steps)."""
 
-    def __init__(self, collator: Callable[[pa.Table], Any], spec_json: bytes) -> None:
-        self.collator = collator
+    def __init__(self, make_collator: Callable[[], Callable[[pa.Table], Any]], spec_json: bytes) -> None:
+        self.make_collator = make_collator
         self.spec_json = spec_json
+        self._collator: Callable[[pa.Table], Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"make_collator": self.make_collator, "spec_json": self.spec_json, "_collator": None}
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if self._collator is None:  # built in the worker: collators hold locks and buffer pools
+            self._collator = self.make_collator()
         table = batch.replace_schema_metadata({SPEC_METADATA_KEY: self.spec_json})
         if "step" not in table.schema.names:
             groups: list[tuple[int | None, pa.Table]] = [(None, table)]
@@ -490,7 +504,7 @@ class _Collate:
             bounds = [0, *cuts.tolist(), len(steps)]
             groups = [(int(steps[a]), table.slice(a, b - a)) for a, b in itertools.pairwise(bounds)]
         rows = [
-            microbatch_row(self.collator(part), part.column("trajectory_id").to_pylist(), step)
+            microbatch_row(self._collator(part), part.column("trajectory_id").to_pylist(), step)
             for step, part in groups
             if part.num_rows
         ]
@@ -499,20 +513,22 @@ class _Collate:
 
 def collate(
     dataset: ray.data.Dataset,
-    collator: Callable[[pa.Table], Any],
+    make_collator: Callable[[], Callable[[pa.Table], Any]],
     *,
     spec: RouteSpec,
     batch_size: int | None = None,
 ) -> ray.data.Dataset:
-    """Run ``collator`` over ``dataset`` (from `read_rollouts`) as ``map_batches``; one row per microbatch.
+    """Collate ``dataset`` (from `read_rollouts`) as ``map_batches``; one output row per microbatch.
 
+    ``make_collator``: a picklable zero-argument factory, called once per
+    worker, e.g. ``functools.partial(MegatronCollator, spec, packed=True)``.
     Each Ray batch (``batch_size`` trajectories, or a block when None) is split
     at step boundaries and each part collated. Rows are plain Arrow (see
     `microbatch_row`), so ``.write_parquet(dir)`` writes them back and
     `microbatch_arrays` decodes them; ``trajectory_ids`` names each row's inputs.
     """
     return dataset.map_batches(
-        _Collate(collator, spec.to_json()), batch_format="pyarrow", batch_size=batch_size, zero_copy_batch=True
+        _Collate(make_collator, spec.to_json()), batch_format="pyarrow", batch_size=batch_size, zero_copy_batch=True
     )
 
 

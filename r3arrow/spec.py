@@ -248,7 +248,10 @@ def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.n
     """
     if isinstance(routes, pa.Array | pa.ChunkedArray):
         return routes_to_numpy(routes, spec)
-    arr = np.asarray(routes)
+    try:
+        arr = np.asarray(routes)
+    except (ValueError, TypeError) as exc:
+        raise RouteShapeError(f"{what}: expected a rectangular [rows, L, K] integer array, found {exc}") from exc
     if arr.dtype.kind not in "iu":
         if arr.size == 0 and arr.dtype.kind == "f":
             arr = arr.astype(spec.dtype)
@@ -261,32 +264,44 @@ def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.n
     return arr
 
 
-def id_extent(arr: np.ndarray, spec: RouteSpec) -> tuple[int, int]:
-    """(min, max) expert id over the router layers of ``arr`` ``[rows, L, K]``; (0, -1) if empty."""
-    if arr.shape[0] == 0:
-        return 0, -1
-    layers = spec.moe_layers
-    if layers is None:
-        return int(arr.min()), int(arr.max())
-    # Reduce per layer in one pass, then pick router layers: no fancy-index copy.
-    return int(arr.min(axis=(0, 2))[list(layers)].min()), int(arr.max(axis=(0, 2))[list(layers)].max())
+def _first_where(mask: np.ndarray, layers: Sequence[int] | None = None) -> tuple[int, int]:
+    """(token, layer) of the first True in ``mask`` ``[rows, L, K]``, optionally among ``layers``."""
+    hits = np.argwhere(mask)
+    if layers is not None:
+        hits = hits[np.isin(hits[:, 1], layers)]
+    return int(hits[0, 0]), int(hits[0, 1])
 
 
 def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
-    """Raise `ExpertRangeError` unless router-layer ids lie in ``[0, num_experts)``; return (min, max)."""
-    lo, hi = id_extent(arr, spec)
-    if arr.shape[0] == 0:
+    """Validate ids of ``arr`` ``[rows, L, K]``; return (min, max) over all layers ((0, -1) if empty).
+
+    Router layers need ids in ``[0, num_experts)``; every layer (dense ones carry
+    zeros from vLLM) needs values ``>= 0`` that fit the storage dtype, so nothing
+    is ever wrapped by a narrowing cast. Raises `ExpertRangeError` naming the
+    token and layer. The common valid case costs one max (and one min for signed input).
+    """
+    if arr.size == 0:
+        return 0, -1
+    hi = int(arr.max())
+    lo = int(arr.min()) if arr.dtype.kind == "i" else 0
+    e = spec.num_experts
+    cap = int(np.iinfo(spec.dtype if e is not None else np.int32).max)
+    if lo >= 0 and hi <= cap and (e is None or hi < e):
         return lo, hi
     if lo < 0:
-        neg = np.argwhere(arr < 0)
-        row, layer, _ = neg[np.isin(neg[:, 1], spec.router_layers)][0]
+        row, layer = _first_where(arr < 0)
         raise ExpertRangeError(f"{what}: expected expert ids >= 0, found {lo} (token {row}, layer {layer})")
-    if spec.num_experts is not None and hi >= spec.num_experts:
-        bad = np.argwhere(arr >= spec.num_experts)
-        bad = bad[np.isin(bad[:, 1], spec.router_layers)][0]
+    if e is not None and int(arr.max(axis=(0, 2))[list(spec.router_layers)].max()) >= e:
+        row, layer = _first_where(arr >= e, spec.router_layers)
         raise ExpertRangeError(
-            f"{what}: expected expert ids < num_experts={spec.num_experts}, found {hi} "
-            f"(token {bad[0]}, layer {bad[1]})"
+            f"{what}: expected expert ids < num_experts={e}, found {int(arr[row, layer].max())} "
+            f"(token {row}, layer {layer})"
+        )
+    if hi > cap:
+        row, layer = _first_where(arr > cap)
+        raise ExpertRangeError(
+            f"{what}: expected values <= {cap} (storage {spec.dtype if e is not None else 'int32'}) on "
+            f"every layer, found {hi} (token {row}, layer {layer}; dense layers should be 0)"
         )
     return lo, hi
 
@@ -329,7 +344,6 @@ __all__: Sequence[str] = [
     "check_no_duplicate_experts",
     "check_route_ids",
     "dummy_route_row",
-    "id_extent",
     "numpy_to_routes",
     "routes_to_numpy",
     "storage_dtype_for",

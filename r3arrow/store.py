@@ -8,6 +8,7 @@ after checking that each trajectory's turns tile ``[0, captured)`` exactly.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -17,9 +18,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow.errors import ContiguityError, SchemaError
-from r3arrow.spec import RouteSpec, as_route_rows, check_route_ids, numpy_to_routes
+from r3arrow.spec import RouteSpec, as_route_rows, check_route_ids, numpy_to_routes, routes_to_numpy
 
 
+@functools.lru_cache(maxsize=64)
 def turn_schema(spec: RouteSpec) -> pa.Schema:
     """Schema of one turn batch: ``trajectory_id``, ``token_start``, ``routes``."""
     return pa.schema(
@@ -122,12 +124,33 @@ class TurnStore:
                 f"trajectory {tid!r}: expected a turn starting at token {int(expect[k])}, found one at "
                 f"{int(start_s[k])} ({kind})"
             )
-        picked = table.column("routes").take(pa.array(sel[order]))
-        picked = picked.combine_chunks() if picked.num_chunks != 1 else picked.chunk(0)
+        values = self._gather(table.column("routes"), sel[order])
         per_traj = np.bincount(pos_s, weights=lens_s, minlength=len(wanted)).astype(np.int64)
         offsets = np.zeros(len(wanted) + 1, dtype=np.int64)
         np.cumsum(per_traj, out=offsets[1:])
-        return pa.LargeListArray.from_arrays(pa.array(offsets), picked.flatten())
+        return pa.LargeListArray.from_arrays(pa.array(offsets), numpy_to_routes(values, self.spec))
+
+    def _gather(self, routes: pa.ChunkedArray, turns: np.ndarray) -> np.ndarray:
+        """Rows of the given turns (table row indices), concatenated in that order: one copy.
+
+        A loop per turn slices zero-copy views (cheap next to the copy; Arrow's
+        ``take`` on a chunked list column would copy twice).
+        """
+        views: list[np.ndarray] = []
+        bounds: list[np.ndarray] = []
+        for chunk in routes.chunks:
+            offsets = np.asarray(chunk.offsets, dtype=np.int64)
+            views.append(routes_to_numpy(chunk.flatten(), self.spec))
+            bounds.append(offsets - offsets[0])
+        first_row = np.cumsum([0] + [len(c) for c in routes.chunks])
+        which = np.searchsorted(first_row, turns, side="right") - 1
+        local = turns - first_row[which]
+        parts = [views[c][bounds[c][r] : bounds[c][r + 1]] for c, r in zip(which.tolist(), local.tolist(), strict=True)]
+        total = sum(p.shape[0] for p in parts)
+        out = np.empty((total, *self.spec.row_shape), dtype=self.spec.dtype)
+        if parts:
+            np.concatenate(parts, axis=0, out=out, casting="unsafe")  # ids checked on append
+        return out
 
     def clear(self) -> None:
         with self._lock:

@@ -78,11 +78,25 @@ def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> p
     return arr
 
 
+def _column(values: Any, typ: pa.DataType, name: str, rows: int) -> pa.Array:
+    """A flat column of ``typ`` with ``rows`` values (nulls are kept here and rejected by the caller)."""
+    try:
+        arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else pa.array(values)
+        arr = arr.cast(typ)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
+        raise SchemaError(f"{name}: expected values convertible to {typ}, found {exc}") from exc
+    if len(arr) != rows:
+        raise SchemaError(f"{name}: expected {rows} rows (one per trajectory), found {len(arr)}")
+    return arr
+
+
 def _routes_column(routes: Any, spec: RouteSpec, rows: int) -> tuple[pa.LargeListArray, RouteSpec]:
     """Build ``large_list<spec.arrow_type>`` from finalized per-trajectory arrays (one copy)."""
     if isinstance(routes, pa.ChunkedArray):
         routes = routes.combine_chunks()
     if isinstance(routes, pa.LargeListArray | pa.ListArray):
+        if routes.null_count:
+            raise SchemaError(f"routes: expected no null rows, found {routes.null_count}")
         offsets = np.asarray(routes.offsets, dtype=np.int64)
         flat = routes_to_numpy(routes.flatten(), spec)
         lens = np.diff(offsets)
@@ -140,14 +154,9 @@ def rollout_table(
     Raises `SchemaError`, `RouteShapeError`, `ExpertRangeError`, `TerminalGapError`.
     """
     rows = len(trajectory_id)
-    tid = pa.array(trajectory_id, type=pa.large_string())
-    gid = pa.array(group_id, type=pa.large_string())
-    if len(gid) != rows:
-        raise SchemaError(f"group_id: expected {rows} rows, found {len(gid)}")
-    rew = pa.array(np.asarray(reward, dtype=np.float64) if not isinstance(reward, pa.Array) else reward)
-    if len(rew) != rows:
-        raise SchemaError(f"reward: expected {rows} rows, found {len(rew)}")
-    rew = rew.cast(pa.float64())
+    tid = _column(trajectory_id, pa.large_string(), "trajectory_id", rows)
+    gid = _column(group_id, pa.large_string(), "group_id", rows)
+    rew = _column(reward, pa.float64(), "reward", rows)
     routes_col, spec = _routes_column(routes, spec, rows)
     cols: dict[str, pa.Array] = {
         "trajectory_id": tid,
@@ -302,7 +311,12 @@ def _keep_metadata(result: pa.Table, source: pa.Table) -> pa.Table:
 
 def take_rows(table: pa.Table, indices: Any) -> pa.Table:
     """Rows at ``indices`` (every column, schema metadata kept)."""
-    return _keep_metadata(table.take(pa.array(np.asarray(indices, dtype=np.int64))), table)
+    idx = np.asarray(indices.to_numpy(zero_copy_only=False) if isinstance(indices, pa.Array) else indices)
+    if idx.size and idx.dtype.kind not in "iu":
+        raise SchemaError(f"take_rows: expected integer row indices, found dtype {idx.dtype}")
+    if idx.ndim != 1:
+        raise SchemaError(f"take_rows: expected a 1-D index array, found shape {list(idx.shape)}")
+    return _keep_metadata(table.take(pa.array(idx.astype(np.int64, copy=False))), table)
 
 
 def filter_rows(table: pa.Table, mask: Any) -> pa.Table:

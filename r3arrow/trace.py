@@ -86,13 +86,23 @@ class TokenTrace:
 
     # --------------------------------------------------------------- recording
     def _coerce(self, rows: Any) -> np.ndarray:
-        """Turn input into a numpy array of shape ``[rows, *row_shape]``; validate values."""
-        arr = np.asarray(rows)
+        """Turn input into a numpy array of shape ``[rows, *row_shape]`` storable exactly as ``dtype``."""
+        want = f"[{', '.join(['rows', *map(str, self.row_shape)])}]"
+        try:
+            arr = np.asarray(rows)
+        except (ValueError, TypeError) as exc:
+            raise RouteShapeError(f"{self.name}: expected a rectangular {want} array, found {exc}") from exc
         if arr.ndim != 1 + len(self.row_shape) or arr.shape[1:] != self.row_shape:
-            raise RouteShapeError(
-                f"{self.name}: expected shape [rows, {', '.join(map(str, self.row_shape))}], "
-                f"found {list(arr.shape)}"
-            )
+            raise RouteShapeError(f"{self.name}: expected shape {want}, found {list(arr.shape)}")
+        if arr.size and not np.can_cast(arr.dtype, self.dtype, "same_kind"):
+            raise RouteDTypeError(f"{self.name}: expected values storable as {self.dtype}, found dtype {arr.dtype}")
+        if arr.size and self.dtype.kind in "iu" and not np.can_cast(arr.dtype, self.dtype):
+            info = np.iinfo(self.dtype)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < info.min or hi > info.max:
+                raise RouteDTypeError(
+                    f"{self.name}: expected values in [{info.min}, {info.max}] ({self.dtype}), found [{lo}, {hi}]"
+                )
         return arr
 
     def record(self, rows: Any, *, prompt_tokens: int, generated_tokens: int) -> int:
@@ -112,11 +122,6 @@ class TokenTrace:
                 f"{self.name}: expected prompt_tokens > captured={self._captured} (prompt start must "
                 f"lie inside the prompt), found prompt_tokens={p}"
             )
-        if p < self._seen_tokens:
-            raise RouteShapeError(
-                f"{self.name}: expected the prompt to extend the conversation of {self._seen_tokens} "
-                f"tokens, found prompt_tokens={p}"
-            )
         arr = self._coerce(rows)
         want = expected_rows(prompt_tokens=p, generated_tokens=g, prompt_start=self._captured)
         if arr.shape[0] != want:
@@ -124,8 +129,9 @@ class TokenTrace:
                 f"{self.name}: expected {want} rows (P={p} - captured={self._captured} + G={g} - 1), "
                 f"found {arr.shape[0]}"
             )
-        if arr.flags.writeable:
-            arr = arr.copy()
+        if arr.flags.writeable or arr.dtype != self.dtype:
+            # Own the rows (a caller may reuse its buffer) and narrow them now: one copy.
+            arr = arr.astype(self.dtype)
         start = self._captured
         self._chunks.append(arr)
         self._captured += want
@@ -134,6 +140,8 @@ class TokenTrace:
 
     # -------------------------------------------------------------- finishing
     def _join(self) -> np.ndarray:
+        if len(self._chunks) == 1 and self._chunks[0].dtype == self.dtype and self._chunks[0].flags.c_contiguous:
+            return self._chunks[0]  # one turn: already owned, immutable or a private copy
         out = np.empty((self._captured, *self.row_shape), dtype=self.dtype)
         if self._chunks:
             # Values were range-checked on record, so narrowing casts are exact.

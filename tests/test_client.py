@@ -119,6 +119,17 @@ def test_routed_experts_of_each_turn_are_the_new_rows(engine: ReferenceEngine, s
         assert o.response_bytes > o.payload_bytes
 
 
+def test_probe_spec_reads_the_route_shape(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+    async def main() -> r3arrow.RouteSpec:
+        async with EngineClient(server.url) as client:
+            return await client.probe_spec(num_experts=8)
+
+    assert run(main()) == r3arrow.RouteSpec(num_layers=4, topk=2, num_experts=8)
+    plan.then(Fault.no_routes())
+    with pytest.raises(EngineError, match="no routed_experts"):
+        run(main())
+
+
 def test_without_trace_prompt_start_is_sent_as_given(engine: ReferenceEngine, server: EngineServer) -> None:
     prompt = list(range(20, 32))
 
@@ -385,6 +396,8 @@ def test_bad_requests_are_rejected_before_sending(engine: ReferenceEngine, serve
                 await client.generate([1, 512], sampling_params=SP)
             with pytest.raises(ValueError, match="found -1"):
                 await client.generate([-1, 5], sampling_params=SP)
+            with pytest.raises(ValueError, match="n=1, no stream"):
+                await client.generate(conv, sampling_params={**SP, "n": 2}, trace=trace)
             with pytest.raises(ValueError, match="set by the client"):
                 await client.generate(conv, sampling_params={**SP, "routed_experts_prompt_start": 0}, trace=trace)
             with pytest.raises(ValueError, match=r"prompt_start: expected an int in \[0, 2\)"):
@@ -446,16 +459,17 @@ def test_sessions_stick_to_one_server_and_fail_over(engine: ReferenceEngine) -> 
                 await turns(client, on_b[0], 3)
                 # one conversation, three turns, all on its home server
                 assert (a.log.count(GEN), b.log.count(GEN)) == (0, 3)
-                # traces without an explicit session id stick too
+                # traces without an explicit session id stick too; plain requests go round robin
                 t2 = r3arrow.RouteTrace(engine.spec)
-                before = (a.log.count(GEN), b.log.count(GEN))
                 conv2 = [7, 7, 7, 7]
+                traced, plain = set(), []
                 for _ in range(3):
                     out = await client.generate(conv2, sampling_params={"max_tokens": 1}, trace=t2)
+                    traced.add(out.base_url)
                     conv2 += [*out.token_ids, 2]
-                    await client.generate([7, 7, 7, 7], sampling_params={"max_tokens": 1})  # round robin
-                after = (a.log.count(GEN), b.log.count(GEN))
-                assert sorted(x - y for x, y in zip(after, before, strict=True)) in ([2, 4], [3, 3])
+                    plain.append((await client.generate([7, 7], sampling_params={"max_tokens": 1})).base_url)
+                assert len(traced) == 1
+                assert set(plain) == set(urls) and plain[0] != plain[1]
 
         run(main())
         b.stop()  # home server of on_b sessions goes away: fail over to the other one

@@ -68,7 +68,9 @@ def megatron() -> Iterator[types.SimpleNamespace]:
             dist.init_process_group("gloo", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)
         try:
-            yield types.SimpleNamespace(TopKRouter=TopKRouter, RouterReplay=RouterReplay, Action=RouterReplayAction)
+            yield types.SimpleNamespace(
+                TopKRouter=TopKRouter, RouterReplay=RouterReplay, Action=RouterReplayAction
+            )
         finally:
             RouterReplay.clear_global_router_replay_instances()
             parallel_state.destroy_model_parallel()
@@ -108,7 +110,9 @@ def _routers(meg: types.SimpleNamespace, layers: list[int], **kw: Any) -> list[A
     return out
 
 
-def _forward(routers: list[Any], hidden: torch.Tensor, padding: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _forward(
+    routers: list[Any], hidden: torch.Tensor, padding: torch.Tensor | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     with torch.no_grad():
         return [r(hidden, padding_mask=padding) for r in routers]
 
@@ -117,17 +121,26 @@ SPEC = RouteSpec(num_layers=4, topk=TOPK, num_experts=EXPERTS, moe_layers=(1, 2,
 MOE = [1, 2, 3]
 
 
-def _recorded_table(meg: types.SimpleNamespace, routers: list[Any], lengths: list[int], captured: list[int], hidden: torch.Tensor) -> Any:
+def _recorded_table(
+    meg: types.SimpleNamespace,
+    routers: list[Any],
+    lengths: list[int],
+    captured: list[int],
+    hidden: torch.Tensor,
+) -> Any:
     """Run the routers in RECORD mode on ``hidden`` [S, b, H] and store routes per trajectory."""
     set_replay_action("record")
     _forward(routers, hidden)
-    recorded = [inst.get_recorded_indices() for inst in meg.RouterReplay.global_router_replay_instances]
+    recorded = [
+        inst.get_recorded_indices() for inst in meg.RouterReplay.global_router_replay_instances
+    ]
     set_replay_action(None)
     s, b = hidden.shape[:2]
     per_layer = [t.reshape(s, b, TOPK) for t in recorded]  # sequence-major token order
     routes = []
     for i, c in enumerate(captured):
-        r = np.zeros((c, SPEC.num_layers, TOPK), dtype=np.uint8)  # dense layer 0 stays zero (as vLLM)
+        # dense layer 0 stays zero (as vLLM reports it)
+        r = np.zeros((c, SPEC.num_layers, TOPK), dtype=np.uint8)
         for layer, t in zip(MOE, per_layer, strict=True):
             r[:, layer] = t[:c, i].numpy()
         routes.append(r)
@@ -139,7 +152,9 @@ def _recorded_table(meg: types.SimpleNamespace, routers: list[Any], lengths: lis
         group_id=["g"] * len(lengths),
         prompt_ids=prompt,
         response_ids=response,
-        loss_mask=[[int(2 + j <= c) for j in range(n - 2)] for n, c in zip(lengths, captured, strict=True)],
+        loss_mask=[
+            [int(2 + j <= c) for j in range(n - 2)] for n, c in zip(lengths, captured, strict=True)
+        ],
         reward=[0.0] * len(lengths),
         routes=routes,
         spec=SPEC,
@@ -177,7 +192,9 @@ def _token_positions(mb: Microbatch) -> list[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("align", [1, 4])
-def test_record_store_replay_round_trip(megatron: types.SimpleNamespace, packed: bool, align: int) -> None:
+def test_record_store_replay_round_trip(
+    megatron: types.SimpleNamespace, packed: bool, align: int
+) -> None:
     routers = _routers(megatron, MOE)
     lengths, captured = [5, 9, 7], [4, 8, 5]  # ragged; trajectory 2 ends with a loss-free gap
     torch.manual_seed(1)
@@ -205,7 +222,10 @@ def test_record_store_replay_round_trip(megatron: types.SimpleNamespace, packed:
         dummy = torch.zeros(EXPERTS, dtype=torch.bool)
         dummy[:TOPK] = True
         assert bool((map_p[padded] == dummy).all())
-    assert all(inst.target_topk_idx is None for inst in megatron.RouterReplay.global_router_replay_instances)
+    assert all(
+        inst.target_topk_idx is None
+        for inst in megatron.RouterReplay.global_router_replay_instances
+    )
 
 
 def test_replay_by_instance_order_and_stage_subset(megatron: types.SimpleNamespace) -> None:
@@ -221,7 +241,9 @@ def test_replay_by_instance_order_and_stage_subset(megatron: types.SimpleNamespa
         r.load_state_dict(w)
     mb = MegatronCollator(SPEC, layers=[2, 3])(table)
     flat, offsets = r3arrow.table.flat_routes(table)
-    np.testing.assert_array_equal(mb.routes[0, :5].numpy(), flat[offsets[0] : offsets[1], 2:].astype(np.int32))
+    np.testing.assert_array_equal(
+        mb.routes[0, :5].numpy(), flat[offsets[0] : offsets[1], 2:].astype(np.int32)
+    )
     with replay_schedule():
         targets = install_replay(mb)  # no routers given: instance order
         replayed = _forward(stage, hidden)
@@ -239,7 +261,9 @@ def test_schedule_clears_state_even_when_it_raises(megatron: types.SimpleNamespa
     with pytest.raises(RuntimeError, match="boom"), replay_schedule():
         install_replay(mb, routers)
         insts = megatron.RouterReplay.global_router_replay_instances
-        assert all(i.target_topk_idx is not None and len(i.replay_backward_list) == 1 for i in insts)
+        assert all(
+            i.target_topk_idx is not None and len(i.replay_backward_list) == 1 for i in insts
+        )
         raise RuntimeError("boom")
     for inst in megatron.RouterReplay.global_router_replay_instances:
         assert inst.target_topk_idx is None
@@ -259,8 +283,12 @@ def test_forward_only_then_training_does_not_leak(megatron: types.SimpleNamespac
         _forward(routers, h1, mb1.padding_mask)
     with replay_schedule():  # training pass: only mb2's targets may be queued
         install_replay(mb2, routers)
-        for inst, t in zip(megatron.RouterReplay.global_router_replay_instances, mb2.replay_targets(), strict=True):
-            assert len(inst.replay_backward_list) == 1 and torch.equal(inst.replay_backward_list[0], t)
+        for inst, t in zip(
+            megatron.RouterReplay.global_router_replay_instances, mb2.replay_targets(), strict=True
+        ):
+            assert len(inst.replay_backward_list) == 1 and torch.equal(
+                inst.replay_backward_list[0], t
+            )
         forward = _forward(routers, h2, mb2.padding_mask)
         with replay_backward():  # activation recompute pops the queued targets
             again = _forward(routers, h2, mb2.padding_mask)
@@ -284,7 +312,9 @@ def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace)
     n = good[0].shape[0]
     with replay_schedule():
         with pytest.raises(ReplayError, match=rf"expected \[{n}, 2\].*found \[{n - 1}, 2\]"):
-            install_replay([t if i else t[:-1] for i, t in enumerate(good)], num_tokens=n, layers=MOE)
+            install_replay(
+                [t if i else t[:-1] for i, t in enumerate(good)], num_tokens=n, layers=MOE
+            )
         with pytest.raises(ReplayError, match="expected one target per RouterReplay instance"):
             install_replay(good[:2], num_tokens=n)
         with pytest.raises(ReplayError, match="int32 or int64"):
@@ -295,7 +325,9 @@ def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace)
             install_replay(mb, routers)
         mb = collate(table)
         mb.routes[0, 3, 2, 0] = EXPERTS
-        with pytest.raises(ExpertRangeError, match=rf"layer 3: expected expert ids in \[0, {EXPERTS}\)"):
+        with pytest.raises(
+            ExpertRangeError, match=rf"layer 3: expected expert ids in \[0, {EXPERTS}\)"
+        ):
             install_replay(mb)
         with pytest.raises(ReplayError, match=r"routers for global layers \[1, 2\]"):
             install_replay(MegatronCollator(SPEC, layers=[1, 2])(table), routers)
@@ -314,7 +346,9 @@ def test_shim_counts_padding_mask_like_a_hand_count(megatron: types.SimpleNamesp
     assert TopKRouter._apply_expert_bias is patched
     assert padding_mask_fix_present() is True
     try:
-        (router,) = _routers(megatron, [1], moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+        (router,) = _routers(
+            megatron, [1], moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"
+        )
         router.train()
         s, b = 5, 3  # 15 tokens != 8 experts: the unpatched broadcast would raise
         hidden = torch.randn(s, b, HIDDEN)
@@ -339,7 +373,9 @@ def test_model_inputs_pass_padding_mask_and_packed_params(megatron: types.Simple
     table = _recorded_table(megatron, routers, [5, 4], [4, 3], torch.randn(5, 2, HIDDEN))
     mb = MegatronCollator(SPEC, layers=MOE, packed=True, align=4)(table)
     kw = model_inputs(mb)
-    assert kw["padding_mask"] is mb.padding_mask and kw["padding_mask"].shape == kw["input_ids"].shape
+    assert (
+        kw["padding_mask"] is mb.padding_mask and kw["padding_mask"].shape == kw["input_ids"].shape
+    )
     psp = kw["packed_seq_params"]
     assert psp.qkv_format == "thd" and psp.cu_seqlens_q.tolist() == [0, 5, 9]
     assert psp.cu_seqlens_q_padded.tolist() == [0, 8, 12] and psp.max_seqlen_q == 8
@@ -351,17 +387,35 @@ def test_model_inputs_pass_padding_mask_and_packed_params(megatron: types.Simple
     ("kw", "expect"),
     [
         ({"num_layers": 8, "pipeline_model_parallel_size": 4}, {0: [0, 1], 1: [2, 3], 3: [6, 7]}),
-        ({"num_layers": 8, "pipeline_model_parallel_size": 4, "moe_layer_freq": [0, 0, 0, 1, 1, 1, 1, 1]}, {0: [], 1: [3], 2: [4, 5]}),
-        ({"num_layers": 8, "pipeline_model_parallel_size": 2, "moe_layer_freq": 2}, {0: [0, 2], 1: [4, 6]}),
         (
-            {"num_layers": 8, "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            {
+                "num_layers": 8,
+                "pipeline_model_parallel_size": 4,
+                "moe_layer_freq": [0, 0, 0, 1, 1, 1, 1, 1],
+            },
+            {0: [], 1: [3], 2: [4, 5]},
+        ),
+        (
+            {"num_layers": 8, "pipeline_model_parallel_size": 2, "moe_layer_freq": 2},
+            {0: [0, 2], 1: [4, 6]},
+        ),
+        (
+            {
+                "num_layers": 8,
+                "pipeline_model_parallel_size": 2,
+                "virtual_pipeline_model_parallel_size": 2,
+            },
             {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]},
         ),
         ({"num_layers": 4, "mtp_num_layers": 1}, {0: [0, 1, 2, 3]}),
     ],
 )
-def test_stage_router_layers_match_megatron(megatron: types.SimpleNamespace, kw: dict[str, Any], expect: dict[int, list[int]]) -> None:
-    extra = {"pipeline_dtype": torch.float32} if kw.get("pipeline_model_parallel_size", 1) > 1 else {}
+def test_stage_router_layers_match_megatron(
+    megatron: types.SimpleNamespace, kw: dict[str, Any], expect: dict[int, list[int]]
+) -> None:
+    extra = (
+        {"pipeline_dtype": torch.float32} if kw.get("pipeline_model_parallel_size", 1) > 1 else {}
+    )
     cfg = _config(**kw, **extra)
     for rank, layers in expect.items():
         assert stage_router_layers(cfg, pp_rank=rank, use_megatron=True) == layers
@@ -369,11 +423,24 @@ def test_stage_router_layers_match_megatron(megatron: types.SimpleNamespace, kw:
 
 
 def test_stage_router_layers_pure_python_without_megatron_config() -> None:
-    cfg = types.SimpleNamespace(num_layers=6, num_moe_experts=4, moe_layer_freq=[0, 1, 1, 1, 1, 1], pipeline_model_parallel_size=3)
-    assert [stage_router_layers(cfg, pp_rank=r, use_megatron=False) for r in range(3)] == [[1], [2, 3], [4, 5]]
-    assert moe_layer_pattern(types.SimpleNamespace(num_layers=3, num_moe_experts=None)) == [False] * 3
+    cfg = types.SimpleNamespace(
+        num_layers=6,
+        num_moe_experts=4,
+        moe_layer_freq=[0, 1, 1, 1, 1, 1],
+        pipeline_model_parallel_size=3,
+    )
+    assert [stage_router_layers(cfg, pp_rank=r, use_megatron=False) for r in range(3)] == [
+        [1],
+        [2, 3],
+        [4, 5],
+    ]
+    assert (
+        moe_layer_pattern(types.SimpleNamespace(num_layers=3, num_moe_experts=None)) == [False] * 3
+    )
     with pytest.raises(ReplayError, match="expected 6 entries"):
-        moe_layer_pattern(types.SimpleNamespace(num_layers=6, num_moe_experts=4, moe_layer_freq=[1, 0]))
+        moe_layer_pattern(
+            types.SimpleNamespace(num_layers=6, num_moe_experts=4, moe_layer_freq=[1, 0])
+        )
     uneven = types.SimpleNamespace(**vars(cfg), num_layers_in_first_pipeline_stage=1)
     with pytest.raises(ReplayError, match="need megatron-core"):
         stage_router_layers(uneven, pp_rank=0, use_megatron=False)

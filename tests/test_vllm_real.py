@@ -41,12 +41,8 @@ GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 async def _probe_spec(url: str) -> r3arrow.RouteSpec:
     """The route shape the server reports, from one tiny request (prompt start 0)."""
-    async with EngineClient(url, timeout=120) as client:
-        out = await client.generate([11, 12, 13], sampling_params={"max_tokens": 1, "ignore_eos": True})
-    assert out.routed_experts is not None, "server returned no routed_experts: start it with --enable-return-routed-experts"
-    assert out.routed_experts.shape[0] == 3  # P - 0 + G - 1 with P=3, G=1
-    _, layers, topk = out.routed_experts.shape
-    return r3arrow.RouteSpec(num_layers=layers, topk=topk, num_experts=NUM_EXPERTS)
+    async with EngineClient(url, timeout=120, vocab_size=VOCAB) as client:
+        return await client.probe_spec(num_experts=NUM_EXPERTS)
 
 
 def topk_set_agreement(a: np.ndarray, b: np.ndarray) -> float:

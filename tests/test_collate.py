@@ -1,0 +1,452 @@
+"""MegatronCollator: layouts as small literals, a per-token reference for random tables
+(packed/unpacked, alignment, TP/SP, CP, PP-local layers, storage dtypes), buffer reuse,
+token-budget microbatching and the packed-output helpers."""
+
+from __future__ import annotations
+
+import gc
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import r3arrow
+from r3arrow import RouteSpec
+from r3arrow.collate import (
+    MegatronCollator,
+    alignment_multiple,
+    next_token_shift,
+    packed_to_batch,
+    split_microbatch_indices,
+    split_microbatches,
+    unpacked_to_batch,
+)
+from r3arrow.errors import ReplayError, RouteShapeError, SchemaError
+from r3arrow.table import rollout_table
+
+
+def _table(spec: RouteSpec, trajs: list[dict[str, Any]]) -> pa.Table:
+    return rollout_table(
+        trajectory_id=[f"t{i}" for i in range(len(trajs))],
+        group_id=[t.get("group", "g") for t in trajs],
+        prompt_ids=[t["prompt"] for t in trajs],
+        response_ids=[t["response"] for t in trajs],
+        loss_mask=[t["mask"] for t in trajs],
+        reward=[float(t.get("reward", 0.0)) for t in trajs],
+        routes=[
+            np.asarray(t["routes"], dtype=spec.dtype).reshape(-1, spec.num_layers, spec.topk)
+            for t in trajs
+        ],
+        spec=spec,
+    )
+
+
+def _rows(n: int, base: int, spec: RouteSpec) -> np.ndarray:
+    """n route rows whose ids encode (token, layer): ids base+10*t+layer and +1, distinct."""
+    out = np.zeros((n, spec.num_layers, spec.topk), dtype=np.int64)
+    for t in range(n):
+        for layer in spec.router_layers:
+            out[t, layer] = [
+                (base + 10 * t + layer + j) % spec.num_experts for j in range(spec.topk)
+            ]  # type: ignore[operator]
+    return out
+
+
+SPEC = RouteSpec(num_layers=3, topk=2, num_experts=100, moe_layers=(1, 2))
+A = {"prompt": [1, 2], "response": [3, 4, 5], "mask": [1, 1, 0], "routes": _rows(3, 0, SPEC)}
+B = {"prompt": [6], "response": [7], "mask": [1], "routes": _rows(1, 50, SPEC)}
+
+
+# -------------------------------------------------------------------- literals
+def test_unpacked_layout_literal() -> None:
+    mb = MegatronCollator(SPEC, layers=[1, 2])(_table(SPEC, [A, B]))
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert mb.loss_mask.tolist() == [[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]]  # input-aligned, prompt 0
+    assert mb.labels.tolist() == [[2, 3, 4, 5, 0], [7, 0, 0, 0, 0]]
+    assert mb.label_mask.tolist() == [[0, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
+    assert mb.padding_mask.tolist() == [
+        [False, False, False, True, True],
+        [False, True, True, True, True],
+    ]
+    assert mb.cu_seqlens is None and mb.cu_seqlens_padded is None
+    assert mb.routes.shape == (2, 5, 2, 2) and mb.routes.dtype == torch.int32
+    assert mb.routes[0, :3, 0].tolist() == [[1, 2], [11, 12], [21, 22]]  # layer 1 rows
+    assert mb.routes[0, :3, 1].tolist() == [[2, 3], [12, 13], [22, 23]]  # layer 2 rows
+    assert mb.routes[0, 3:].reshape(-1, 2).tolist() == [[0, 1]] * 4  # dummies where not captured
+    assert (
+        mb.routes[1, 0, 0].tolist() == [51, 52]
+        and mb.routes[1, 1:].reshape(-1, 2).tolist() == [[0, 1]] * 8
+    )
+    targets = mb.replay_targets()
+    assert len(targets) == 2 and all(t.shape == (10, 2) and t.is_contiguous() for t in targets)
+    for s in range(5):  # sequence-major: s * b + b_idx
+        for bi in range(2):
+            assert targets[0][s * 2 + bi].tolist() == mb.routes[bi, s, 0].tolist()
+
+
+def test_packed_layout_literal_with_alignment() -> None:
+    mb = MegatronCollator(SPEC, layers=[2], packed=True, align=4)(_table(SPEC, [A, B]))
+    assert mb.cu_seqlens is not None and mb.cu_seqlens_padded is not None
+    assert mb.cu_seqlens.tolist() == [0, 5, 7] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.cu_seqlens_padded.tolist() == [0, 8, 12] and mb.max_seqlen == 8
+    assert mb.input_ids.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]]
+    assert mb.loss_mask.tolist() == [[0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0]]
+    assert mb.labels.tolist() == [[2, 3, 4, 5, 0, 0, 0, 0, 7, 0, 0, 0]]  # never crosses a segment
+    assert mb.label_mask.tolist() == [[0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]]
+    assert mb.padding_mask.tolist() == [[False] * 3 + [True] * 5 + [False] + [True] * 3]
+    assert mb.routes.shape == (1, 12, 1, 2)
+    assert (
+        mb.routes[0, :, 0].tolist()
+        == [[2, 3], [12, 13], [22, 23]] + [[0, 1]] * 5 + [[52, 53]] + [[0, 1]] * 3
+    )
+    (target,) = mb.replay_targets()
+    assert target.tolist() == mb.routes[0, :, 0].tolist()
+
+
+def test_next_token_shift_and_scatter_back_literal() -> None:
+    cu, cup = [0, 5, 7], [0, 8, 12]
+    values = torch.arange(12, dtype=torch.float32).reshape(1, 12)
+    shifted = next_token_shift(values, cu, cup, fill=-1)
+    assert shifted.tolist() == [[1, 2, 3, 4, -1, -1, -1, -1, 9, -1, -1, -1]]
+    back = packed_to_batch(values, cu, cup, fill=-1)
+    assert back.tolist() == [[0, 1, 2, 3], [8, -1, -1, -1]]  # [B, max_len - 1]
+    mb = MegatronCollator(SPEC, packed=True, align=4)(_table(SPEC, [A, B]))
+    assert torch.equal(
+        next_token_shift(mb.input_ids, mb.cu_seqlens, mb.cu_seqlens_padded), mb.labels
+    )  # type: ignore[arg-type]
+    assert mb.to_batch(values, fill=-1).tolist() == back.tolist()
+    un = MegatronCollator(SPEC)(_table(SPEC, [A, B]))
+    out = un.to_batch(torch.arange(10.0).reshape(2, 5), fill=-1)
+    assert out.tolist() == [[0, 1, 2, 3], [5, -1, -1, -1]]
+    assert unpacked_to_batch(torch.zeros(2, 5), [5, 2]).shape == (2, 4)
+    with pytest.raises(RouteShapeError, match="expected 12 packed positions"):
+        next_token_shift(torch.zeros(11), cu, cup)
+
+
+def test_context_parallel_chunks_literal() -> None:
+    """cp=2: rank r keeps chunks r and 3-r of every sequence split into 4 chunks."""
+    long = {
+        "prompt": [1, 2, 3],
+        "response": [4, 5, 6, 7, 8],
+        "mask": [1] * 5,
+        "routes": _rows(7, 0, SPEC),
+    }
+    short = {"prompt": [9, 10], "response": [11, 12], "mask": [1, 1], "routes": _rows(3, 50, SPEC)}
+    table = _table(SPEC, [long, short])
+    # packed: multiple tp*cp*2 = 4 -> segments of 8 and 4 tokens, chunks of 2 and 1
+    r0 = MegatronCollator(SPEC, packed=True, cp_size=2, cp_rank=0)(table)
+    r1 = MegatronCollator(SPEC, packed=True, cp_size=2, cp_rank=1)(table)
+    assert r0.input_ids.tolist() == [[1, 2, 7, 8, 9, 12]]
+    assert r1.input_ids.tolist() == [[3, 4, 5, 6, 10, 11]]
+    assert r0.token_index is not None and r0.token_index.tolist() == [0, 1, 6, 7, 8, 11]
+    assert r0.labels.tolist() == [
+        [2, 3, 8, 0, 10, 0]
+    ]  # label of position 1 comes from rank 1's chunk
+    assert r0.position_ids.tolist() == [[0, 1, 6, 7, 0, 3]]
+    assert r0.padding_mask.tolist() == [[False, False, False, True, False, True]]
+    assert r0.cu_seqlens_padded is not None and r0.cu_seqlens_padded.tolist() == [
+        0,
+        8,
+        12,
+    ]  # global, as PackedSeqParams wants
+    full = MegatronCollator(SPEC, packed=True, align=4)(table)
+    for r in (r0, r1):
+        assert r.token_index is not None
+        assert torch.equal(full.routes[0, r.token_index], r.routes[0])
+        assert torch.equal(full.input_ids[0, r.token_index], r.input_ids[0])
+    # unpacked: rows of 8 (multiple 4), chunks of 2 per row
+    u0 = MegatronCollator(SPEC, cp_size=2, cp_rank=0)(table)
+    assert u0.input_ids.tolist() == [[1, 2, 7, 8], [9, 10, 0, 0]]
+    assert u0.token_index is not None and u0.token_index.tolist() == [0, 1, 6, 7]
+    assert u0.num_router_tokens == 8
+
+
+def test_sequence_parallel_slices_router_tokens_by_tp_rank() -> None:
+    table = _table(SPEC, [A, B])
+    whole = MegatronCollator(SPEC, tp_size=2, tp_rank=1)(table)  # no SP: router sees all tokens
+    assert whole.input_ids.shape == (2, 6) and whole.num_router_tokens == 12
+    parts = [
+        MegatronCollator(SPEC, tp_size=2, tp_rank=r, sequence_parallel=True)(table) for r in (0, 1)
+    ]
+    for p in parts:
+        assert p.input_ids.shape == (2, 6)  # model inputs stay whole; Megatron scatters them
+        assert p.num_router_tokens == 6 and all(t.shape == (6, 2) for t in p.replay_targets())
+    for layer in range(2):
+        joined = torch.cat([p.replay_targets()[layer] for p in parts])
+        assert torch.equal(joined, whole.replay_targets()[layer])
+    packed = MegatronCollator(SPEC, packed=True, tp_size=2, tp_rank=1, sequence_parallel=True)(
+        table
+    )
+    assert packed.cu_seqlens_padded is not None and packed.cu_seqlens_padded.tolist() == [0, 6, 8]
+    assert packed.replay_targets()[0].tolist() == packed.routes[0, 4:, 0].tolist()
+
+
+def test_pp_local_layers_with_dense_first_layers() -> None:
+    spec = RouteSpec(num_layers=6, topk=2, num_experts=100, moe_layers=(2, 3, 4, 5))
+    t = {"prompt": [1], "response": [2, 3], "mask": [1, 1], "routes": _rows(2, 0, spec)}
+    table = _table(spec, [t])
+    mb = MegatronCollator(spec, layers=[4, 5])(table)
+    assert mb.routes[0, :2].tolist() == [[[4, 5], [5, 6]], [[14, 15], [15, 16]]]
+    assert MegatronCollator(spec, layers=[5, 3])(table).routes[0, 0].tolist() == [
+        [5, 6],
+        [3, 4],
+    ]  # order kept
+    assert MegatronCollator(spec, layers=[2, 5])(table).routes[0, 1].tolist() == [
+        [12, 13],
+        [15, 16],
+    ]
+    assert MegatronCollator(spec).layers == (2, 3, 4, 5)
+    with pytest.raises(RouteShapeError, match=r"router layers from \[2, 3, 4, 5\], found \[0\]"):
+        MegatronCollator(spec, layers=[0, 2])
+    with pytest.raises(RouteShapeError, match="distinct"):
+        MegatronCollator(spec, layers=[2, 2])
+
+
+def test_alignment_multiple() -> None:
+    assert alignment_multiple() == 1
+    assert alignment_multiple(align=3, tp_size=2) == 6
+    assert alignment_multiple(tp_size=2, fp8=True) == 16
+    assert alignment_multiple(tp_size=2, cp_size=2) == 8
+    assert alignment_multiple(tp_size=2, cp_size=2, fp8=True) == 32
+    assert alignment_multiple(align=6, tp_size=4, cp_size=3) == 24
+    mb = MegatronCollator(SPEC, align=3, tp_size=2)(_table(SPEC, [A, B]))
+    assert mb.input_ids.shape == (2, 6)
+    mb = MegatronCollator(SPEC, packed=True, fp8=True)(_table(SPEC, [A, B]))
+    assert mb.cu_seqlens_padded is not None and mb.cu_seqlens_padded.tolist() == [0, 16, 32]
+    with pytest.raises(ReplayError, match="tp_rank: expected an int in \\[0, 2\\), found 2"):
+        MegatronCollator(SPEC, tp_size=2, tp_rank=2)
+    with pytest.raises(ReplayError, match="align: expected a positive int"):
+        MegatronCollator(SPEC, align=0)
+
+
+def test_bad_tables_are_rejected() -> None:
+    table = _table(SPEC, [A, B])
+    other = RouteSpec(num_layers=4, topk=2, num_experts=100)
+    with pytest.raises(SchemaError, match="expected \\[L=4, K=2\\]"):
+        MegatronCollator(other)(table)
+    with pytest.raises(SchemaError, match="num_experts: expected 64, found 100"):
+        MegatronCollator(RouteSpec(num_layers=3, topk=2, num_experts=64, moe_layers=(1, 2)))(table)
+    with pytest.raises(SchemaError, match="empty"):
+        MegatronCollator(SPEC)(table.slice(0, 0))
+    with pytest.raises(SchemaError, match="Table or RecordBatch"):
+        MegatronCollator(SPEC)({"routes": []})  # type: ignore[arg-type]
+    batch = table.to_batches()[0]
+    assert (
+        MegatronCollator(SPEC)(batch).input_ids.tolist()
+        == MegatronCollator(SPEC)(table).input_ids.tolist()
+    )
+
+
+def test_multi_chunk_table_equals_single_chunk() -> None:
+    c = _table(SPEC, [B, A])
+    joined = pa.concat_tables([_table(SPEC, [A, B]), c])
+    assert joined.column("routes").num_chunks == 2
+    single = joined.combine_chunks()
+    for kw in ({}, {"packed": True, "align": 4}, {"packed": True, "cp_size": 2, "cp_rank": 1}):
+        a, b = MegatronCollator(SPEC, **kw)(joined), MegatronCollator(SPEC, **kw)(single)  # type: ignore[arg-type]
+        assert torch.equal(a.layer_major, b.layer_major) and torch.equal(a.input_ids, b.input_ids)
+
+
+def test_output_buffers_reused_only_when_unreferenced() -> None:
+    table = _table(SPEC, [A, B])
+    collate = MegatronCollator(SPEC, packed=True)
+    first = collate(table)
+    ptr = first.layer_major.data_ptr()
+    snapshot = first.routes.clone()
+    second = collate(table)
+    assert second.layer_major.data_ptr() != ptr  # first is alive: never overwritten
+    second.layer_major.fill_(-7)
+    assert torch.equal(first.routes, snapshot)
+    del first
+    gc.collect()
+    third = collate(table)
+    assert third.layer_major.data_ptr() == ptr and torch.equal(third.routes, snapshot)
+    kept = third.replay_targets()[0]  # a view handed to Megatron keeps the buffer busy
+    del third
+    gc.collect()
+    fourth = collate(table)
+    assert fourth.layer_major.data_ptr() != ptr
+    assert kept.tolist() == snapshot[0, :, 0].tolist()
+    fresh = MegatronCollator(SPEC, packed=True, reuse_buffers=False)
+    assert fresh.pooled_bytes == 0 and torch.equal(fresh(table).routes, snapshot)
+
+
+# ------------------------------------------------------------ reference check
+def _reference(
+    trajs: list[dict[str, Any]], spec: RouteSpec, layers: list[int], kw: dict[str, Any]
+) -> dict[str, Any]:
+    """Per-token reference of the layout rules (DESIGN §2), written for clarity, not speed."""
+    m = alignment_multiple(
+        align=kw["align"], tp_size=kw["tp_size"], cp_size=kw["cp_size"], fp8=kw["fp8"]
+    )
+    k, cp, r = spec.topk, kw["cp_size"], kw["cp_rank"]
+    dummy = list(range(k))
+
+    def token(tr: dict[str, Any], t: int) -> dict[str, Any]:
+        seq = tr["prompt"] + tr["response"]
+        mask = [0] * len(tr["prompt"]) + tr["mask"]
+        n, c = len(seq), len(tr["routes"])
+        return {
+            "id": seq[t] if t < n else 0,
+            "pos": t,
+            "loss": mask[t] if t < n else 0,
+            "label": seq[t + 1] if t + 1 < n else 0,
+            "label_mask": mask[t + 1] if t + 1 < n else 0,
+            "pad": t >= c,
+            "route": [list(map(int, tr["routes"][t][g])) if t < c else dummy for g in layers],
+        }
+
+    def cp_order(length: int) -> list[int]:
+        if cp == 1:
+            return list(range(length))
+        ch = length // (2 * cp)
+        return [*range(r * ch, (r + 1) * ch), *range((2 * cp - 1 - r) * ch, (2 * cp - r) * ch)]
+
+    lens = [len(t["prompt"]) + len(t["response"]) for t in trajs]
+    if kw["packed"]:
+        rows = [
+            [token(tr, t) for i, tr in enumerate(trajs) for t in cp_order(-(-lens[i] // m) * m)]
+        ]
+    else:
+        width = -(-max(lens) // m) * m
+        rows = [[token(tr, t) for t in cp_order(width)] for tr in trajs]
+    # Megatron token order: [s, b] flattened sequence-major (packed: one row)
+    order = [rows[b][s] for s in range(len(rows[0])) for b in range(len(rows))]
+    if kw["sequence_parallel"] and kw["tp_size"] > 1:
+        per = len(rows[0]) // kw["tp_size"] * len(rows)
+        order = order[kw["tp_rank"] * per : (kw["tp_rank"] + 1) * per]
+    field = {
+        f: [[tok[f] for tok in row] for row in rows]
+        for f in ("id", "pos", "loss", "label", "label_mask", "pad")
+    }
+    field["routes"] = [[tok["route"] for tok in row] for row in rows]
+    field["targets"] = [[tok["route"][j] for tok in order] for j in range(len(layers))]
+    return field
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> tuple[RouteSpec, list[dict[str, Any]], list[int], dict[str, Any]]:
+    n_layers = draw(st.integers(1, 4))
+    k = draw(st.integers(1, 3))
+    experts = draw(st.sampled_from([6, 300, 70_000]))  # uint8, uint16, int32 storage
+    moe = draw(st.lists(st.integers(0, n_layers - 1), min_size=1, max_size=n_layers, unique=True))
+    spec = RouteSpec(num_layers=n_layers, topk=k, num_experts=experts, moe_layers=tuple(moe))
+    trajs = []
+    for _ in range(draw(st.integers(1, 4))):
+        p, g = draw(st.integers(1, 5)), draw(st.integers(1, 6))
+        n = p + g
+        c = draw(st.integers(0, n))
+        mask = [draw(st.integers(0, 1)) if p + j <= c else 0 for j in range(g)]  # terminal-gap rule
+        routes = np.zeros((c, n_layers, k), dtype=np.int64)
+        for t in range(c):
+            for layer in moe:
+                routes[t, layer] = draw(st.permutations(range(min(experts, 8))))[:k]
+        trajs.append(
+            {
+                "prompt": draw(st.lists(st.integers(1, 999), min_size=p, max_size=p)),
+                "response": list(range(100, 100 + g)),
+                "mask": mask,
+                "routes": routes,
+            }
+        )
+    layers = draw(
+        st.lists(st.sampled_from(sorted(moe)), min_size=1, max_size=len(moe), unique=True)
+    )
+    tp, cp = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    kw = {
+        "packed": draw(st.booleans()),
+        "align": draw(st.sampled_from([1, 2, 3])),
+        "tp_size": tp,
+        "tp_rank": draw(st.integers(0, tp - 1)),
+        "cp_size": cp,
+        "cp_rank": draw(st.integers(0, cp - 1)),
+        "sequence_parallel": draw(st.booleans()),
+        "fp8": draw(st.booleans()) and draw(st.booleans()),
+    }
+    return spec, trajs, layers, kw
+
+
+@given(_cases())
+def test_collate_matches_per_token_reference(
+    case: tuple[RouteSpec, list[dict[str, Any]], list[int], dict[str, Any]],
+) -> None:
+    spec, trajs, layers, kw = case
+    mb = MegatronCollator(spec, layers=layers, **kw)(_table(spec, trajs))
+    ref = _reference(trajs, spec, layers, kw)
+    assert mb.input_ids.tolist() == ref["id"]
+    assert mb.position_ids.tolist() == ref["pos"]
+    assert mb.loss_mask.tolist() == ref["loss"]
+    assert mb.labels.tolist() == ref["label"]
+    assert mb.label_mask.tolist() == ref["label_mask"]
+    assert mb.padding_mask.tolist() == ref["pad"]
+    assert mb.routes.tolist() == ref["routes"]
+    assert [t.tolist() for t in mb.replay_targets()] == ref["targets"]
+    assert all(t.is_contiguous() and t.dtype == torch.int32 for t in mb.replay_targets())
+    assert mb.num_router_tokens == len(ref["targets"][0])
+    lens = [len(t["prompt"]) + len(t["response"]) for t in trajs]
+    if kw["packed"] and mb.cu_seqlens is not None:
+        assert mb.cu_seqlens.tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
+
+
+# -------------------------------------------------------------- microbatching
+def test_split_by_token_budget_and_count_literal() -> None:
+    lens = [5, 3, 8, 2, 6]
+    groups = split_microbatch_indices(lens, max_tokens=10)
+    assert sorted(i for g in groups for i in g.tolist()) == list(range(5))
+    assert all(sum(lens[i] for i in g) <= 10 for g in groups) and len(groups) == 3
+    assert all(np.all(np.diff(g) > 0) for g in groups)  # rows ascending within a microbatch
+    assert [len(g) for g in split_microbatch_indices(lens, num_microbatches=5)] == [1] * 5
+    two = split_microbatch_indices(lens, num_microbatches=2)
+    loads = sorted(sum(lens[i] for i in g) for g in two)
+    assert sum(loads) == 24 and loads[1] - loads[0] <= max(lens)  # longest-first balance bound
+    assert len(split_microbatch_indices(lens, max_tokens=100, num_microbatches=2)) == 2
+    assert len(split_microbatch_indices(lens, max_tokens=8, multiple=4)) == 4  # costs 8,4,8,4,8
+    unpacked = split_microbatch_indices([4, 4, 1, 1], max_tokens=8, packed=False)
+    assert all(len(g) * max([4, 4, 1, 1][i] for i in g) <= 8 for g in unpacked)
+    with pytest.raises(SchemaError, match=r"needs 8 tokens.*budget is 7"):
+        split_microbatch_indices(lens, max_tokens=7)
+    with pytest.raises(SchemaError, match=r"num_microbatches: expected 1\.\.5"):
+        split_microbatch_indices(lens, num_microbatches=6)
+    with pytest.raises(SchemaError, match="neither"):
+        split_microbatch_indices(lens)
+
+
+@given(
+    st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(50, 200), st.integers(1, 4)
+)
+def test_split_keeps_every_trajectory_once_within_budget(
+    lens: list[int], budget: int, multiple: int
+) -> None:
+    budget = max(budget, -(-max(lens) // multiple) * multiple)
+    groups = split_microbatch_indices(lens, max_tokens=budget, multiple=multiple)
+    assert sorted(i for g in groups for i in g.tolist()) == list(range(len(lens)))
+    costs = [sum(-(-lens[i] // multiple) * multiple for i in g) for g in groups]
+    assert max(costs) <= budget
+    assert len(groups) <= len(lens)
+    assert len(groups) >= math.ceil(sum(-(-n // multiple) * multiple for n in lens) / budget)
+
+
+def test_split_microbatches_keeps_columns_and_routes_with_their_trajectory() -> None:
+    trajs = [dict(A, group=f"g{i}", reward=i) for i in range(3)] + [dict(B, reward=9)]
+    table = _table(SPEC, trajs)
+    parts = split_microbatches(table, max_tokens=12)
+    assert sum(p.num_rows for p in parts) == 4
+    assert all(r3arrow.route_spec(p) == r3arrow.route_spec(table) for p in parts)
+    for p in parts:
+        for i, tid in enumerate(p.column("trajectory_id").to_pylist()):
+            row = int(tid[1:])
+            assert p.column("routes")[i].as_py() == table.column("routes")[row].as_py()
+            assert p.column("reward")[i].as_py() == table.column("reward")[row].as_py()
+    collate = MegatronCollator(SPEC, packed=True, align=4)
+    assert [p.num_rows for p in collate.split(table, num_microbatches=2)] in (
+        [2, 2],
+        [3, 1],
+        [1, 3],
+    )
