@@ -28,6 +28,7 @@ import math
 import sys
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,8 @@ from r3arrow.table import flat_routes, route_spec, validate_rollouts
 
 #: Bytes of compact routes transposed per block (fits in L2 next to its int32 output).
 _BLOCK_BYTES = 1 << 17
+#: Output bytes from which route copies are split over worker threads.
+_PARALLEL_BYTES = 8 << 20
 _ALIGN = 64
 
 
@@ -373,6 +376,8 @@ class MegatronCollator:
     ``input_ids``/``labels`` at padding. ``validate`` runs the full rollout-table check
     (terminal-gap rule) first; shapes and lengths are always checked. ``reuse_buffers``
     recycles output memory once a microbatch and every tensor taken from it are gone.
+    ``num_threads`` (default: torch's intra-op threads, at most 8) split large route copies;
+    numpy releases the GIL while copying.
     """
 
     def __init__(
@@ -391,6 +396,7 @@ class MegatronCollator:
         pad_token_id: int = 0,
         validate: bool = True,
         reuse_buffers: bool = True,
+        num_threads: int | None = None,
     ) -> None:
         if not isinstance(spec, RouteSpec):
             raise SchemaError(f"expected a RouteSpec, found {type(spec).__name__}")
@@ -418,6 +424,11 @@ class MegatronCollator:
         self.pad_token_id = int(pad_token_id)
         self.validate = bool(validate)
         self._pool = _BufferPool() if reuse_buffers else None
+        threads = min(8, torch.get_num_threads()) if num_threads is None else num_threads
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ReplayError(f"num_threads: expected a positive int, found {num_threads!r}")
+        self.num_threads = threads
+        self._executor: ThreadPoolExecutor | None = None
         self._select = _layer_selector(self.layers)
         self._arange = np.arange(0, dtype=np.int64)
 
@@ -624,12 +635,17 @@ class MegatronCollator:
         )
         seg_cols = lay.seg_col.tolist()
         row0 = 0
+        sources: list[np.ndarray] = []
+        jobs: list[tuple[int, int, int, int, int]] = []  # (source, first row, rows, at, column)
+        pads: list[tuple[int, int, int]] = []  # (at, positions, column)
+        route_base: list[np.ndarray] = []  # first route row of each trajectory, all sources joined
         for batch, segs in zip(batches, seg_rows, strict=True):
             prompt, p_off = _flat_list(batch.column("prompt_ids"))
             resp, r_off = _flat_list(batch.column("response_ids"))
             mask, _ = _flat_list(batch.column("loss_mask"))
             routes, rt_off = flat_routes(batch)
-            copier = _RouteCopier(routes, self._select, lm)
+            route_base.append(rt_off[:-1] + sum(x.shape[0] for x in sources))
+            sources.append(routes)
             for s in segs.tolist():
                 i = int(tr[s]) - row0
                 g = int(tr[s])
@@ -651,14 +667,95 @@ class MegatronCollator:
                 pos[row, at : at + length] = ar[a : a + length]
                 pad[row, at : at + nr] = False
                 pad[row, at + nr : at + length] = True
-                if nr:
-                    copier.copy(int(rt_off[i]) + a, nr, at, c)
-                if nr < length:
-                    copier.pad(at + nr, length - nr, c)
+                if self.packed and nr:
+                    jobs.append((len(sources) - 1, int(rt_off[i]) + a, nr, at, c))
+                if self.packed and nr < length:
+                    pads.append((at + nr, length - nr, c))
                 if tok_index is not None:
                     g0 = int(lay.seg_global[s])
                     tok_index[at : at + length] = ar[g0 : g0 + length]
             row0 += batch.num_rows
+        if self.packed:
+            self._copy_routes(sources, jobs, pads, lm)
+        else:
+            self._copy_unpacked(sources, np.concatenate(route_base), cap, lay, lm)
+
+    def _copy_unpacked(
+        self,
+        sources: list[np.ndarray],
+        first_row: np.ndarray,
+        cap: np.ndarray,
+        lay: _Layout,
+        lm: np.ndarray,
+    ) -> None:
+        """Sequence-major ``[s, b]`` routes, block by block of positions over all rows at once:
+        each block of the output is contiguous per layer, so no write is strided."""
+        source = sources[0] if len(sources) == 1 else np.concatenate(sources)  # one compact copy
+        col0 = lay.seg_col == 0
+        t_of_p = np.concatenate(
+            [
+                self._arange[a : a + n]
+                for a, n in zip(
+                    lay.seg_start[col0].tolist(), lay.seg_len[col0].tolist(), strict=True
+                )
+            ]
+        )
+        gather = _RowGatherer(source, self._select, lm, first_row, cap)
+        positions, step = lay.positions, gather.block_positions
+        starts = list(range(0, positions, step))
+        total = positions * lay.columns * lm.shape[0] * lm.shape[3] * 4
+        workers = min(self.num_threads, len(starts)) if total >= _PARALLEL_BYTES else 1
+        if workers <= 1:
+            for p0 in starts:
+                gather.run(t_of_p, p0, min(positions, p0 + step))
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.num_threads, thread_name_prefix="r3arrow-collate"
+            )
+
+        def share(w: int) -> None:
+            g = gather if w == 0 else _RowGatherer(source, self._select, lm, first_row, cap)
+            for p0 in starts[w::workers]:
+                g.run(t_of_p, p0, min(positions, p0 + step))
+
+        for f in [self._executor.submit(share, w) for w in range(workers)]:
+            f.result()
+
+    def _copy_routes(
+        self,
+        sources: list[np.ndarray],
+        jobs: list[tuple[int, int, int, int, int]],
+        pads: list[tuple[int, int, int]],
+        lm: np.ndarray,
+    ) -> None:
+        """Run the route copies, split evenly by rows over the worker threads when large."""
+        rows = sum(j[2] for j in jobs)
+        row_bytes = lm.shape[0] * lm.shape[3] * 4
+        workers = self.num_threads if rows * row_bytes >= _PARALLEL_BYTES else 1
+        if workers <= 1:
+            _run_copies(sources, self._select, lm, jobs, pads)
+            return
+        groups: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(workers)]
+        per, filled, w = -(-rows // workers), 0, 0
+        for src, s0, count, at, col in jobs:
+            done = 0
+            while done < count:
+                take = min(count - done, per - filled)
+                groups[w].append((src, s0 + done, take, at + done, col))
+                done, filled = done + take, filled + take
+                if filled == per and w < workers - 1:
+                    w, filled = w + 1, 0
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.num_threads, thread_name_prefix="r3arrow-collate"
+            )
+        futures = [
+            self._executor.submit(_run_copies, sources, self._select, lm, g, pads if i == 0 else [])
+            for i, g in enumerate(groups)
+        ]
+        for f in futures:
+            f.result()
 
 
 def _put(
@@ -708,7 +805,6 @@ class _RouteCopier:
         self.wide = np.empty((n_local, self.block, k), dtype=np.int32)
         self.lm = lm
         self.lm_rows = lm.reshape(lm.shape[0], lm.shape[1], lm.shape[2] * k).view(self.out_row)
-        self.dummy = np.arange(k, dtype=np.int32).view(self.out_row)
 
     def _transposed(self, s0: int, c: int) -> np.ndarray:
         """``[n_local, c]`` row words of tokens ``[s0, s0+c)``, in cache."""
@@ -742,9 +838,86 @@ class _RouteCopier:
                 w.reshape(n_local, c * self.k).view(self.out_row),
             )
 
-    def pad(self, at: int, count: int, col: int) -> None:
-        """Dummy rows ``[0 .. K-1]`` at ``lm[:, at:at+count, col]``."""
-        self.lm_rows[:, at : at + count, col] = self.dummy[0]
+
+class _RowGatherer:
+    """Unpacked kernel: for positions ``[p0, p1)`` of every row, gather the local layers'
+    routes (dummy rows where not captured) with one ``take``, transpose in cache, widen into
+    the contiguous ``lm[:, p0:p1, :, :]``."""
+
+    def __init__(
+        self,
+        routes: np.ndarray,
+        select: slice | np.ndarray,
+        lm: np.ndarray,
+        first_row: np.ndarray,
+        captured: np.ndarray,
+    ) -> None:
+        tokens, layers, k = routes.shape
+        n_local, positions, columns, _ = lm.shape
+        self.k, self.dtype, self.columns, self.select = k, routes.dtype, columns, select
+        row_bytes = k * routes.dtype.itemsize
+        self.row_dtype: np.dtype[Any] = _ROW_VIEW.get(row_bytes, np.dtype((np.void, row_bytes)))
+        self.rows = routes.reshape(tokens, layers * k).view(self.row_dtype)
+        self.layer_index = np.arange(layers)[select]
+        self.first_row, self.captured = first_row, captured
+        self.empty = tokens == 0
+        self.block_positions = max(1, (4 * _BLOCK_BYTES) // max(1, columns * n_local * row_bytes))
+        self.tmp = np.empty((n_local, self.block_positions * columns), dtype=self.row_dtype)
+        dummy = np.tile(np.arange(k, dtype=routes.dtype), n_local)
+        self.dummy = np.frombuffer(dummy.tobytes(), dtype=self.row_dtype)
+        self.lm_flat = lm.reshape(n_local, positions * columns, k)
+        self.lm_rows = self.lm_flat.reshape(n_local, positions * columns * k).view(
+            np.dtype((np.void, 4 * k))
+        )
+
+    def run(self, t_of_p: np.ndarray, p0: int, p1: int) -> None:
+        t = t_of_p[p0:p1]
+        c = t.shape[0] * self.columns
+        idx = self.first_row[None, :] + t[:, None]
+        pad = (t[:, None] >= self.captured[None, :]).reshape(-1)
+        flat = idx.reshape(-1)
+        flat[pad] = 0
+        if self.empty:
+            stage = np.empty((c, self.tmp.shape[0]), dtype=self.row_dtype)
+            stage[:] = self.dummy
+        else:
+            # Advanced index on tokens + basic slice on layers: one row copy per token.
+            if isinstance(self.select, slice):
+                stage = self.rows[flat, self.select]
+            else:
+                stage = self.rows[flat[:, None], self.layer_index[None, :]]
+            stage[pad] = self.dummy
+        tmp = self.tmp[:, :c]
+        np.copyto(tmp, stage.T)
+        q0, q1 = p0 * self.columns, p1 * self.columns
+        if self.dtype == np.dtype(np.int32):
+            np.copyto(self.lm_rows[:, q0:q1], tmp.view(self.lm_rows.dtype))
+        else:
+            np.copyto(self.lm_flat[:, q0:q1], tmp.view(self.dtype).reshape(tmp.shape[0], c, self.k))
+
+
+def _run_copies(
+    sources: list[np.ndarray],
+    select: slice | np.ndarray,
+    lm: np.ndarray,
+    jobs: list[tuple[int, int, int, int, int]],
+    pads: list[tuple[int, int, int]],
+) -> None:
+    """Route copies ``(source, first row, rows, at, column)`` and dummy rows ``[0 .. K-1]``
+    at ``(at, positions, column)``; one worker's share, with its own scratch buffers."""
+    copiers: dict[int, _RouteCopier] = {}
+    for src, s0, count, at, col in jobs:
+        cp = copiers.get(src)
+        if cp is None:
+            cp = copiers[src] = _RouteCopier(sources[src], select, lm)
+        cp.copy(s0, count, at, col)
+    if pads:
+        k = lm.shape[3]
+        out_row = np.dtype((np.void, 4 * k))
+        lm_rows = lm.reshape(lm.shape[0], lm.shape[1], lm.shape[2] * k).view(out_row)
+        dummy = np.arange(k, dtype=np.int32).view(out_row)[0]
+        for at, count, col in pads:
+            lm_rows[:, at : at + count, col] = dummy
 
 
 # ---------------------------------------------------------------- microbatching

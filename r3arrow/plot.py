@@ -117,8 +117,7 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
     shown = np.where(rel == 0, -lim - 1.0, np.clip(logs, -lim, lim))  # dead: below the scale
     fig = _figure(_clamp(3.5 + 0.045 * len(experts), 6.5, 16), _clamp(1.8 + 0.2 * len(layers), 3.2, 12))
     ax = fig.add_subplot()
-    cmap = _cmap("RdBu_r")
-    cmap.set_under("black")
+    cmap = _cmap("RdBu_r", under="black")
     img = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-lim, vmax=lim)
     _layer_ticks(ax, layers)
     ax.set_xlabel("expert id")
@@ -140,12 +139,10 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
     return _save(fig, path)
 
 
-def _cmap(name: str) -> Any:
+def _cmap(name: str, under: str | None = None) -> Any:
     import matplotlib
 
-    cmap = matplotlib.colormaps[name].copy()
-    cmap.set_bad("#bbbbbb")
-    return cmap
+    return matplotlib.colormaps[name].with_extremes(bad="#bbbbbb", under=under)
 
 
 def _lines_and_heatmap(

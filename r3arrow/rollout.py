@@ -10,7 +10,8 @@ the rollout table from the store with one Arrow ``take`` (`r3arrow.table.rollout
 
 Routes come from the store; the trace is the per-turn gatekeeper (row counts, id range,
 dtype) and its captured count checks the terminal gap at the end. Traces are never
-finalized here, so the route bytes exist once (in the store's batches) until the table is built.
+finalized here, and the trace and the store's batch share each decoded response buffer, so
+the route bytes exist once until the table is built (one ``take``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow.client import EngineClient, GenerateOutput
-from r3arrow.errors import RouteShapeError
+from r3arrow.errors import EngineError, RouteShapeError
 from r3arrow.spec import RouteSpec
 from r3arrow.store import TurnStore
 from r3arrow.table import rollout_table
@@ -160,6 +161,7 @@ async def run_trajectory(
     ``max_turns`` turns, or when the next turn would start at or beyond ``max_total_tokens``
     (the final observation is then not appended). ``seed`` (if given) sets the sampling seed
     ``seed + turn``. ``reward_fn(conversation, summed step rewards)`` overrides the reward.
+    Requests are pinned to one server per ``group_id`` (else per trajectory).
     Raises the client's errors; the store then holds the turns completed so far.
     """
     if max_turns < 1:
@@ -171,6 +173,8 @@ async def run_trajectory(
     if not conv.prompt_ids:
         raise ValueError("prompt_ids: expected at least one token, found none")
     trace = RouteTrace(spec)
+    # a group shares its prompt: pin the whole group to one server so the prefix cache serves it
+    session = group_id or trajectory_id
     reward = 0.0
     stop = "max_turns"
     sp = dict(sampling_params or {})
@@ -178,8 +182,10 @@ async def run_trajectory(
         if seed is not None:
             sp["seed"] = seed + turn
         token_start = trace.captured
-        out = await client.generate(conv.token_ids, sampling_params=sp, trace=trace, session_id=trajectory_id)
-        assert out.routed_experts is not None  # a trace request without routes raises
+        out = await client.generate(conv.token_ids, sampling_params=sp, trace=trace, session_id=session)
+        if out.routed_experts is None:  # pragma: no cover - the client raises first
+            raise EngineError(f"trajectory {trajectory_id!r}: engine returned no routed_experts")
+        # zero-copy: the store's batch and the trace share the decoded (read-only) buffer
         store.append(trajectory_id, token_start, out.routed_experts)
         conv.outputs.append(out)
         conv.add_generated(out.token_ids)
@@ -260,13 +266,16 @@ async def run_rollouts(
     store: TurnStore | None = None,
     reward_fn: Callable[[Conversation, float], float] | None = None,
     progress: bool = False,
+    id_prefix: str = "",
 ) -> pa.Table:
     """Run ``group_size`` trajectories per prompt concurrently; return their rollout table.
 
-    Trajectory ``j`` of prompt ``i`` has group id ``"g{i}"`` and trajectory id ``"g{i}-{j}"``;
+    Trajectory ``j`` of prompt ``i`` has group id ``"{id_prefix}g{i}"`` and trajectory id
+    ``"{id_prefix}g{i}-{j}"`` (use ``id_prefix`` to keep ids unique in a shared ``store``);
     with ``seed``, its sampling seeds start at ``seed + (i * group_size + j) * max_turns`` so
     the members of a group differ. Concurrency is bounded by the client's ``max_concurrency``.
-    Rows are in prompt-then-member order. ``spec`` defaults to the client's.
+    Rows are in prompt-then-member order. ``spec`` defaults to the client's. The first failing
+    trajectory's error is raised after the others are cancelled.
     """
     if group_size < 1:
         raise ValueError(f"group_size: expected >= 1, found {group_size}")
@@ -288,8 +297,8 @@ async def run_rollouts(
             client,
             env,
             prompt,
-            trajectory_id=f"g{i}-{j}",
-            group_id=f"g{i}",
+            trajectory_id=f"{id_prefix}g{i}-{j}",
+            group_id=f"{id_prefix}g{i}",
             store=store,
             max_turns=max_turns,
             sampling_params=sampling_params,
@@ -301,8 +310,15 @@ async def run_rollouts(
             bar.update(1)
         return traj
 
+    tasks = [asyncio.ensure_future(one(i, j, p)) for i, j, p in jobs]
     try:
-        trajectories = await asyncio.gather(*(one(i, j, p) for i, j, p in jobs))
+        trajectories = await asyncio.gather(*tasks)
+    except BaseException:
+        # one failure fails the batch: stop the other trajectories instead of leaving them running
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     finally:
         if bar is not None:
             bar.close()

@@ -36,7 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar, cast
 
@@ -62,9 +63,11 @@ TOKEN_SUBSETS: tuple[str, ...] = ("all", "prompt", "response", "loss")
 Source: TypeAlias = "pa.Table | pa.RecordBatch | str | os.PathLike[str]"
 Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
 
-# Ids per chunk of the counting kernels: small enough that the intp codes and
-# bool temporaries stay in cache, large enough that the Python loop is noise.
-_CHUNK_IDS = 1 << 16
+# Ids per chunk of the kernels: small enough that codes and bool temporaries stay in
+# cache, large enough that the per-chunk Python overhead is noise (measured: 2**18).
+_CHUNK_IDS = 1 << 18
+_MAX_THREADS = 8
+_T = TypeVar("_T")
 _SEL_COLUMNS: dict[str, tuple[str, ...]] = {
     "all": (),
     "prompt": ("prompt_ids",),
@@ -234,41 +237,92 @@ def _range_error(block: np.ndarray, num_experts: int, layers: Sequence[int], wha
     )
 
 
+def _threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_THREADS, cpus))
+
+
+def _map_chunks(fn: Callable[[np.ndarray | slice], _T], chunks: list[np.ndarray | slice]) -> Iterator[_T]:
+    """``fn`` over chunks, on a thread pool when there are several (numpy and torch release the GIL)."""
+    if len(chunks) <= 1 or _threads() == 1:
+        yield from map(fn, chunks)
+        return
+    with ThreadPoolExecutor(_threads()) as pool:
+        yield from pool.map(fn, chunks)
+
+
+def _bincount(codes: np.ndarray) -> np.ndarray:
+    """Counts of non-negative integer ``codes`` (torch's bincount: faster than numpy's and GIL-free)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a core dependency
+        return np.bincount(codes.reshape(-1))
+    return torch.bincount(torch.from_numpy(codes.reshape(-1))).numpy()
+
+
 def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = None) -> ExpertCounts:
     """Per-layer expert counts of routes ``[T, L, K]`` (numpy or Arrow), router layers only.
 
-    ``select``: optional bool ``[T]`` of rows to count. One ``np.bincount`` over
-    ``layer * E + id`` codes per cache-sized chunk. Dense-layer rows are ignored.
-    Raises `ExpertRangeError` for an id outside ``[0, num_experts)`` on a router layer.
+    ``select``: optional bool ``[T]`` of rows to count. Vectorised: per
+    cache-sized chunk of tokens, codes ``layer * E + id`` (dense layers go to a
+    discard range) and one bincount, chunks on a thread pool. Raises
+    `ExpertRangeError` for an id outside ``[0, num_experts)`` on a router layer.
     """
     arr = as_route_rows(routes, spec)
     sel = _check_selection(select, arr.shape[0])
     layers = list(spec.router_layers)
-    pick = None if spec.moe_layers is None else layers
     nl, k = len(layers), spec.topk
     ntok = arr.shape[0] if sel is None else int(np.count_nonzero(sel))
     e = spec.num_experts
-    if e is None:
-        if ntok == 0:
-            return ExpertCounts(spec.router_layers, np.zeros((nl, 0), np.int64), 0)
-        # Unknown E: the expert axis spans the ids seen (one max pass).
-        e = int(max(int(_router_block(arr, pick, c).max()) for c in _chunks(arr.shape[0], 1 << 20, sel))) + 1
-    # Storage dtypes that cannot hold an id >= E need no range check.
-    need_hi = arr.dtype.kind == "i" or np.iinfo(arr.dtype).max >= e
-    rows = max(1, _CHUNK_IDS // (nl * k))
-    base = np.broadcast_to((np.arange(nl, dtype=np.intp) * e)[:, None], (nl, k))
-    buf = np.empty((rows, nl, k), dtype=np.intp)
-    out = np.zeros(nl * e, dtype=np.int64)
-    for chunk in _chunks(arr.shape[0], rows, sel):
-        block = _router_block(arr, pick, chunk)
-        if block.shape[0] == 0:
-            continue
-        if need_hi and (int(block.max()) >= e or (arr.dtype.kind == "i" and int(block.min()) < 0)):
-            raise _range_error(block, e, layers, "routes")
-        codes = buf[: block.shape[0]]
+    if ntok == 0:
+        return ExpertCounts(spec.router_layers, np.zeros((nl, e or 0), np.int64), 0)
+    signed = arr.dtype.kind == "i"
+    if e is None or signed:
+        # Unknown E: the expert axis spans the ids seen. Signed storage: negative ids
+        # would move codes backwards, which the per-layer totals below cannot detect.
+        sub = arr if spec.moe_layers is None else arr[:, layers, :]
+        lo, hi = (int(sub.min()), int(sub.max())) if sel is None else (int(sub[sel].min()), int(sub[sel].max()))
+        e = hi + 1 if e is None else e
+        if lo < 0 or hi >= e:
+            raise _range_error(sub if sel is None else sub[sel], e, layers, "routes")
+    if signed:  # ids checked: count the router layers only
+        arr, pick_all = arr[:, layers, :], True
+        top = nl * e
+    else:
+        pick_all = spec.moe_layers is None
+        top = nl * e + int(np.iinfo(arr.dtype).max) + 1  # any code an unsigned id can make
+    width = arr.shape[1]
+    pos = {layer: i for i, layer in enumerate(layers)}
+    base_l = np.array(
+        [pos[i] * e if (pick_all or i in pos) else nl * e for i in range(width)]
+        if not signed
+        else [i * e for i in range(width)],
+        dtype=np.int64,
+    )
+    code_dtype = np.int16 if top <= np.iinfo(np.int16).max else np.int32 if top <= np.iinfo(np.int32).max else np.int64
+    base = np.broadcast_to(base_l.astype(code_dtype)[:, None], (width, k))
+    rows = max(1, _CHUNK_IDS // (width * k))
+
+    def count(chunk: np.ndarray | slice) -> np.ndarray:
+        block = arr[chunk]
+        codes = np.empty(block.shape, dtype=code_dtype)
         np.add(block, base, out=codes, casting="unsafe")
-        out += np.bincount(codes.reshape(-1), minlength=nl * e)
-    return ExpertCounts(spec.router_layers, out.reshape(nl, e), ntok)
+        return _bincount(codes)
+
+    total = np.zeros(top, dtype=np.int64)
+    for part in _map_chunks(count, list(_chunks(arr.shape[0], rows, sel))):
+        total[: part.size] += part
+    counts = total[: nl * e].reshape(nl, e)
+    # Each router layer gets exactly K ids per token; an id >= E spills into a later
+    # layer's (or the discard) range, so the lowest layer with one comes up short.
+    short = np.flatnonzero(counts.sum(axis=1) != k * ntok)
+    if short.size:
+        sub = arr[:, layers, :] if not signed else arr
+        raise _range_error(sub if sel is None else sub[sel], e, layers, "routes")
+    return ExpertCounts(spec.router_layers, counts.copy(), ntok)
 
 
 # ================================================================ agreement
@@ -406,16 +460,13 @@ def compare_routes(a: Any, b: Any, spec: RouteSpec, *, select: np.ndarray | None
     layers = list(spec.router_layers)
     pick = None if spec.moe_layers is None else layers
     nl, k = len(layers), spec.topk
-    rows = max(1, _CHUNK_IDS // (nl * k))
-    identical = np.zeros(nl, dtype=np.int64)
-    overlap = np.zeros(nl, dtype=np.int64)
-    all_identical = 0
-    ntok = 0
-    for chunk in _chunks(x.shape[0], rows, sel):
+    rows = max(1, _CHUNK_IDS // (nl * k * 4))  # bool temporaries per id: keep them in cache
+
+    def agree(chunk: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray, int, int]:
         ba = _router_block(x, pick, chunk)
         bb = _router_block(y, pick, chunk)
         if ba.shape[0] == 0:
-            continue
+            return np.zeros(nl, np.int64), np.zeros(nl, np.int64), 0, 0
         for block, what in ((ba, "routes a"), (bb, "routes b")):
             _check_block(block, spec, layers, what)
         # Sets of distinct ids: each a_i matches at most one b_j, so |A∩B| = #a_i found in B.
@@ -424,10 +475,21 @@ def compare_routes(a: Any, b: Any, spec: RouteSpec, *, select: np.ndarray | None
             found |= ba == bb[..., j : j + 1]
         ov = np.count_nonzero(found, axis=-1)  # [c, nl]
         same = ov == k
-        identical += np.count_nonzero(same, axis=0)
-        overlap += ov.sum(axis=0, dtype=np.int64)
-        all_identical += int(np.count_nonzero(same.all(axis=1)))
-        ntok += ba.shape[0]
+        return (
+            np.count_nonzero(same, axis=0).astype(np.int64),
+            ov.sum(axis=0, dtype=np.int64),
+            int(np.count_nonzero(same.all(axis=1))),
+            int(ba.shape[0]),
+        )
+
+    identical = np.zeros(nl, dtype=np.int64)
+    overlap = np.zeros(nl, dtype=np.int64)
+    all_identical = ntok = 0
+    for ident, ov_sum, all_same, n in _map_chunks(agree, list(_chunks(x.shape[0], rows, sel))):
+        identical += ident
+        overlap += ov_sum
+        all_identical += all_same
+        ntok += n
     return RouteAgreement(spec.router_layers, k, ntok, identical, overlap, all_identical)
 
 

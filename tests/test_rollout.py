@@ -187,3 +187,49 @@ def test_trajectories_table_checks_store_against_traces(engine: ReferenceEngine,
     other = TurnStore(engine.spec)
     with pytest.raises(r3arrow.RouteShapeError, match=r"expected \d+ route rows in the store, found 0"):
         trajectories_table([traj], other)
+
+
+def test_one_failed_trajectory_fails_the_batch_and_stops_the_rest(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
+    env = ArithmeticEnv(vocab_size=512, turns=3)
+    plan.then(Fault.status(400))
+
+    async def main() -> None:
+        async with EngineClient(server.url, engine.spec, max_concurrency=2) as client:
+            await run_rollouts(client, env, [[1, 2, 3]] * 8, max_turns=3, sampling_params=SP)
+
+    with pytest.raises(r3arrow.EngineError, match="HTTP 400"):
+        run(main())
+    assert server.log.count(GEN) < 8 * 3  # the other trajectories did not run to the end
+
+
+def test_groups_stick_to_one_server_and_prefixes_share_a_store(engine: ReferenceEngine) -> None:
+    env = ArithmeticEnv(vocab_size=512, turns=2)
+    prompts = [[(i * 37 + k) % 512 for k in range(6)] for i in range(6)]
+    store = TurnStore(engine.spec)
+    with EngineServer(engine) as a, EngineServer(engine) as b:
+
+        async def main() -> list[pa.Table]:
+            async with EngineClient([a.url, b.url], engine.spec) as client:
+                kw: dict[str, Any] = {"group_size": 3, "max_turns": 2, "sampling_params": SP, "store": store}
+                out = [await run_rollouts(client, env, prompts, id_prefix="s1/", **kw)]
+                marks.extend([a.log.count(GEN), b.log.count(GEN)])
+                out.append(await run_rollouts(client, env, prompts, id_prefix="s2/", **kw))
+                return out
+
+        marks: list[int] = []
+        first, second = run(main())
+        for batch in (0, 1):
+            for i, prompt in enumerate(prompts):
+                hits = []
+                for s, mark in zip((a, b), marks, strict=True):
+                    bodies = s.log.bodies(GEN)
+                    bodies = bodies[:mark] if batch == 0 else bodies[mark:]
+                    hits.append(sum(body["token_ids"][:6] == prompt for body in bodies))
+                assert sorted(hits) == [0, 3 * 2], (batch, i, hits)  # 3 members x 2 turns on one server
+        assert a.log.count(GEN) > 0 and b.log.count(GEN) > 0
+    assert first.column("trajectory_id")[0].as_py() == "s1/g0-0" and second.column("group_id")[-1].as_py() == "s2/g5"
+    # greedy: both batches are the same conversations, with the same routes, from one shared store
+    assert first.column("routes").equals(second.column("routes"))
+    assert store.num_turns == 2 * 18 * 2

@@ -1,0 +1,321 @@
+"""Benchmark: expert-load statistics (r3arrow.stats, r3arrow.ray) against their baselines.
+
+Part 1, in memory (≥ 100M expert ids in the full run): `r3arrow.stats.expert_load`
+(one ``np.bincount`` over ``layer * E + id`` codes per cache-sized chunk) vs a
+numpy ``np.bincount`` per layer and vs a naive Polars explode + group-by.
+Part 2, a multi-step Parquet directory: the single-process streamed path vs
+`r3arrow.ray.expert_load` on a local 2-CPU Ray cluster (driver and Ray
+hash-aggregate reduction).
+
+Every case runs in its own subprocess (peak RSS per case); results are checked
+equal (sha256 of the count matrix) and reported with the memory-copy speed
+measured in the same run. Run from the repository root::
+
+    .venv/bin/python benchmarks/bench_stats.py [--quick] [--no-ray]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    arrow_peak_mb,
+    best_of,
+    machine_line,
+    markdown_table,
+    memcpy_gbps,
+    parser,
+    peak_rss_mb,
+    run_isolated,
+)
+
+LAYERS, TOPK, EXPERTS = 48, 8, 128
+STEPS, PARTS = 8, 2
+
+
+def _sizes(quick: bool) -> tuple[int, int]:
+    """(trajectories, tokens per trajectory); full: 64 × 4095 rows × 384 ids = 100.6M ids."""
+    return (16, 512) if quick else (64, 4096)
+
+
+def make_table(trajectories: int, tokens: int, seed: int = 0) -> Any:
+    """A valid rollout table: distinct ids per (token, layer), uint8 storage."""
+    from r3arrow.spec import RouteSpec
+    from r3arrow.table import rollout_table
+
+    spec = RouteSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+    rng = np.random.default_rng(seed)
+    prompt = min(96, tokens // 4)
+    response = tokens - prompt
+    rows = tokens - 1  # the last sampled token has no row
+    # Skewed starts (some experts hot) plus K distinct offsets: valid top-k sets.
+    weights = rng.dirichlet(np.full(EXPERTS, 0.7), size=LAYERS)
+    routes = []
+    for _ in range(trajectories):
+        u = rng.random((rows, LAYERS, 1))
+        starts = (np.cumsum(weights, axis=1)[None, :, :] < u).sum(axis=2, keepdims=True)
+        routes.append(((starts + np.arange(TOPK)) % EXPERTS).astype(np.uint8))
+    masks = [(rng.random(response) < 0.8).astype(np.uint8) for _ in range(trajectories)]
+    for m in masks:
+        m[-1] = 0  # the last token's row is missing (terminal gap)
+    return rollout_table(
+        trajectory_id=[f"t{i}" for i in range(trajectories)],
+        group_id=[f"g{i // 8}" for i in range(trajectories)],
+        prompt_ids=[np.zeros(prompt, np.int32) for _ in range(trajectories)],
+        response_ids=[np.ones(response, np.int32) for _ in range(trajectories)],
+        loss_mask=masks,
+        reward=rng.random(trajectories),
+        routes=routes,
+        spec=spec,
+    )
+
+
+def digest(counts: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(counts, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ child cases
+def case_memory(name: str, trajectories: int, tokens: int) -> dict[str, Any]:
+    import polars as pl
+    import pyarrow as pa
+
+    from r3arrow import stats
+    from r3arrow.table import flat_routes
+
+    table = make_table(trajectories, tokens)
+    rows, _ = flat_routes(table)
+    ids = int(rows.size)
+    rss_data = peak_rss_mb()
+    result: dict[str, np.ndarray] = {}
+    repeat = 3
+    if name == "r3arrow":
+        fn = lambda: result.__setitem__("c", stats.expert_load(table)["tokens"].to_numpy())  # noqa: E731
+    elif name == "r3arrow-loss":
+        fn = lambda: result.__setitem__("c", stats.expert_load(table, tokens="loss")["tokens"].to_numpy())  # noqa: E731
+    elif name == "bincount":
+
+        def fn() -> None:
+            result["c"] = np.stack([np.bincount(rows[:, i, :].ravel(), minlength=EXPERTS) for i in range(LAYERS)])
+
+    elif name == "polars-naive":
+        repeat = 1
+        df = pl.from_arrow(table.select(["routes"]))
+        assert isinstance(df, pl.DataFrame)
+
+        def fn() -> None:
+            out = (
+                df.lazy()
+                .select(pl.col("routes").explode())  # a row per token: Array(UInt8, (L, K))
+                .select(pl.col("routes").arr.explode())  # a row per (token, layer): Array(UInt8, K)
+                .with_columns((pl.int_range(pl.len()) % LAYERS).alias("layer"))
+                .explode("routes")  # a row per expert id
+                .group_by("layer", "routes")
+                .len()
+                .collect()
+            )
+            dense = np.zeros((LAYERS, EXPERTS), np.int64)
+            dense[out["layer"].to_numpy(), out["routes"].to_numpy().astype(np.int64)] = out["len"].to_numpy()
+            result["c"] = dense
+
+    else:
+        raise SystemExit(f"unknown case {name}")
+    seconds = best_of(fn, repeat, warmup=0 if repeat == 1 else 1)
+    return {
+        "seconds": seconds,
+        "ids": ids,
+        "digest": digest(result["c"]),
+        "rss_data_mb": rss_data,
+        "peak_rss_mb": peak_rss_mb(),
+        "arrow_peak_mb": arrow_peak_mb(),
+        "pa_version": pa.__version__,
+    }
+
+
+def case_directory(name: str, root: str) -> dict[str, Any]:
+    from r3arrow import stats
+
+    rss_data = peak_rss_mb()
+    result: dict[str, Any] = {}
+    cold = None
+    if name == "dir-local":
+        fn = lambda: result.__setitem__("c", stats.expert_load(root)["tokens"].to_numpy())  # noqa: E731
+        repeat = 3
+    else:
+        import ray
+
+        from r3arrow import ray as r3ray
+
+        t0 = time.perf_counter()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        init = time.perf_counter() - t0
+        reduce = "ray" if name == "dir-ray-hash" else "driver"
+
+        def fn() -> None:
+            result["c"] = r3ray.expert_load(root, reduce=reduce)["tokens"].to_numpy()
+
+        t0 = time.perf_counter()
+        fn()
+        cold = time.perf_counter() - t0
+        result["init"] = init
+        repeat = 2
+    seconds = best_of(fn, repeat, warmup=0)
+    out = {
+        "seconds": seconds,
+        "digest": digest(result["c"]),
+        "ids": int(result["c"].sum()),
+        "rss_data_mb": rss_data,
+        "peak_rss_mb": peak_rss_mb(),
+        "arrow_peak_mb": arrow_peak_mb(),
+    }
+    if cold is not None:
+        out["cold_seconds"] = cold
+        out["init_seconds"] = result["init"]
+        import ray
+
+        ray.shutdown()
+    return out
+
+
+# ------------------------------------------------------------------ parent
+def main() -> None:
+    p = parser(__doc__ or "")
+    p.add_argument("--no-ray", action="store_true", help="skip the Ray Data cases")
+    p.add_argument("--case", help=argparse_hidden())
+    p.add_argument("--trajectories", type=int, default=0, help=argparse_hidden())
+    p.add_argument("--tokens", type=int, default=0, help=argparse_hidden())
+    p.add_argument("--root", default="", help=argparse_hidden())
+    args = p.parse_args()
+    if args.case:
+        if args.case.startswith("dir-"):
+            print(json.dumps(case_directory(args.case, args.root)))
+        else:
+            print(json.dumps(case_memory(args.case, args.trajectories, args.tokens)))
+        return
+
+    trajectories, tokens = _sizes(args.quick)
+    me = str(Path(__file__).resolve())
+    print(f"# bench_stats ({'quick' if args.quick else 'full'})\n\n{machine_line()}")
+    copy = memcpy_gbps(64 << 20 if args.quick else 256 << 20)
+    print(f"memcpy: {copy:.1f} GB/s\n")
+
+    # Part 1: in memory.
+    cases = ["r3arrow", "r3arrow-loss", "bincount", "polars-naive"]
+    size = ["--trajectories", str(trajectories), "--tokens", str(tokens)]
+    res = {c: run_isolated(me, ["--case", c, *size]) for c in cases}
+    ids = res["r3arrow"]["ids"]
+    digests = {res[c]["digest"] for c in ("r3arrow", "bincount", "polars-naive")}
+    if len(digests) != 1:
+        raise SystemExit(f"results differ: { {c: res[c]['digest'] for c in cases} }")
+    naive, binc = res["polars-naive"]["seconds"], res["bincount"]["seconds"]
+    fastest_baseline = min(naive, binc)
+    labels = {
+        "r3arrow": "r3arrow.stats.expert_load (all tokens)",
+        "r3arrow-loss": "r3arrow.stats.expert_load (tokens='loss')",
+        "bincount": "numpy bincount per layer",
+        "polars-naive": "Polars explode + group_by (naive)",
+    }
+    rows = []
+    for c in cases:
+        r = res[c]
+        s = r["seconds"]
+        rows.append(
+            [
+                labels[c],
+                s * 1e3,
+                ids / s / 1e6,
+                ids / s / 1e9 / copy,
+                naive / s,
+                fastest_baseline / s,
+                r["peak_rss_mb"] - r["rss_data_mb"],
+                r["arrow_peak_mb"],
+            ]
+        )
+    print(f"## Expert load in memory: {ids / 1e6:.1f}M expert ids ({LAYERS} layers × top-{TOPK}, {EXPERTS} experts, uint8)\n")
+    print(
+        markdown_table(
+            rows,
+            ["case", "ms", "M ids/s", "GB/s ÷ memcpy", "× naive", "× fastest baseline", "extra peak RSS MB", "Arrow peak MB"],
+        )
+    )
+    ratio = fastest_baseline / res["r3arrow"]["seconds"]
+    print(
+        f"\ntargets: within 2× of the faster baseline → {ratio:.2f}× "
+        f"({'met' if ratio >= 0.5 else 'MISSED'}); ≥ 10× naive → {naive / res['r3arrow']['seconds']:.1f}× "
+        f"({'met' if naive / res['r3arrow']['seconds'] >= 10 else 'MISSED'})\n"
+    )
+
+    # Part 2: a multi-step directory, single process vs Ray.
+    from r3arrow.io import write_rollouts
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_stats_"))
+    try:
+        table = make_table(trajectories, tokens, seed=1)
+        per = max(1, table.num_rows // (STEPS * PARTS))
+        written = 0
+        for step in range(STEPS):
+            for part in range(PARTS):
+                start = (step * PARTS + part) * per
+                if start < table.num_rows:
+                    write_rollouts(table.slice(start, per), tmp, step=step)
+                    written += 1
+        del table
+        disk = sum(f.stat().st_size for f in tmp.rglob("*.parquet"))
+        ray_cases = ["dir-ray-driver"] + ([] if args.quick else ["dir-ray-hash"])
+        dir_cases = ["dir-local"] + ([] if args.no_ray else ray_cases)
+        dres = {c: run_isolated(me, ["--case", c, "--root", str(tmp)]) for c in dir_cases}
+        if len({d["digest"] for d in dres.values()}) != 1:
+            raise SystemExit(f"directory results differ: { {c: d['digest'] for c, d in dres.items()} }")
+        local = dres["dir-local"]["seconds"]
+        dir_ids = dres["dir-local"]["ids"]
+        dlabels = {
+            "dir-local": "r3arrow.stats.expert_load(dir), 1 process, streamed by step",
+            "dir-ray-driver": "r3arrow.ray.expert_load(dir), 2 CPUs, reduce='driver'",
+            "dir-ray-hash": "r3arrow.ray.expert_load(dir), 2 CPUs, reduce='ray' (hash aggregate)",
+        }
+        drows = []
+        for c, d in dres.items():
+            drows.append(
+                [
+                    dlabels[c],
+                    d["seconds"] * 1e3,
+                    d.get("cold_seconds", float("nan")) * 1e3,
+                    dir_ids / d["seconds"] / 1e6,
+                    local / d["seconds"],
+                    d["peak_rss_mb"],
+                ]
+            )
+        print(
+            f"## Multi-file directory: {written} Parquet files ({STEPS} steps), {disk / 2**20:.0f} MiB on disk "
+            f"(page cache warm), {dir_ids / 1e6:.1f}M expert ids\n"
+        )
+        print(markdown_table(drows, ["case", "ms (warm)", "ms (first run)", "M ids/s", "× single process", "driver peak RSS MB"]))
+        if not args.no_ray:
+            print(
+                f"\nRay init: {dres['dir-ray-driver']['init_seconds']:.1f} s (not included). Worker memory is not in the "
+                "driver's RSS. The machine has 2 cores shared with the driver, the raylet and the object store."
+            )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    main()

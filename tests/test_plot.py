@@ -1,0 +1,94 @@
+"""r3arrow.plot: PNG heatmaps and over-step plots from the stats frames (headless)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from test_stats import SPEC, make_table
+
+pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot extra)")
+
+from r3arrow import plot, stats  # noqa: E402
+from r3arrow.errors import SchemaError  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the IHDR chunk; asserts a well-formed PNG header."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert data[12:16] == b"IHDR"
+    assert data.rstrip(b"\x00")[-8:-4] == b"IEND"
+    width, height = struct.unpack(">II", data[16:24])
+    return int(width), int(height)
+
+
+@pytest.fixture(scope="module")
+def by_step() -> tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]:
+    rng = np.random.default_rng(5)
+    tables = [
+        make_table(rng, SPEC, [(4, 60, 63), (9, 30, 38)], tag=f"s{s}", trainer_flip=0.1 + 0.2 * i)
+        for i, s in enumerate((0, 10, 20, 30))
+    ]
+    load = pl.concat(
+        [stats.expert_load(t).select(pl.lit(s, dtype=pl.Int64).alias("step"), pl.all()) for s, t in zip((0, 10, 20, 30), tables, strict=True)]
+    )
+    agreement = {s: stats.route_agreement(t, "trainer_routes") for s, t in zip((0, 10, 20, 30), tables, strict=True)}
+    return load, agreement
+
+
+def test_expert_load_heatmap(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]) -> None:
+    load, _ = by_step
+    one = load.filter(pl.col("step") == 0).drop("step")
+    out = plot.plot_expert_load(one, tmp_path / "sub" / "load.png")
+    assert out == tmp_path / "sub" / "load.png"
+    width, height = png_size(out)
+    assert 600 <= width <= 2500 and 300 <= height <= 1600
+    assert out.stat().st_size > 10_000
+    # A step column is summed over: same picture as the summed frame.
+    summed = plot.plot_expert_load(load, tmp_path / "all.png")
+    total = load.group_by("layer", "expert").agg(pl.col("tokens").sum()).sort("layer", "expert")
+    again = plot.plot_expert_load(total, tmp_path / "total.png")
+    assert summed.read_bytes() == again.read_bytes()
+    assert summed.read_bytes() != out.read_bytes()
+
+
+def test_imbalance_over_steps(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]) -> None:
+    load, _ = by_step
+    a = plot.plot_imbalance(load, tmp_path / "imb.png")
+    b = plot.plot_imbalance(stats.load_summary(load), tmp_path / "imb2.png")
+    assert a.read_bytes() == b.read_bytes()  # load frame or its summary: same plot
+    width, height = png_size(a)
+    assert width >= 600 and height >= 500
+    c = plot.plot_imbalance(load, tmp_path / "cv.png", metric="cv")
+    assert c.read_bytes() != a.read_bytes()
+    with pytest.raises(SchemaError, match="step column"):
+        plot.plot_imbalance(load.drop("step"), tmp_path / "x.png")
+    with pytest.raises(SchemaError, match="metric"):
+        plot.plot_imbalance(load, tmp_path / "x.png", metric="nope")
+
+
+def test_agreement_over_steps(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]) -> None:
+    _, agreement = by_step
+    a = plot.plot_agreement(agreement, tmp_path / "agr.png")
+    b = plot.plot_agreement(stats.agreement_over_steps(agreement), tmp_path / "agr2.png")
+    assert a.read_bytes() == b.read_bytes()
+    width, height = png_size(a)
+    assert width >= 600 and height >= 500
+    assert a.stat().st_size > 10_000
+
+
+def test_bad_inputs(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]) -> None:
+    load, _ = by_step
+    with pytest.raises(ValueError, match=r"\.png"):
+        plot.plot_expert_load(load, tmp_path / "load.jpg")
+    with pytest.raises(SchemaError, match="expert_load frame"):
+        plot.plot_expert_load(load.drop("tokens"), tmp_path / "load.png")
+    with pytest.raises(SchemaError, match="agreement_over_steps"):
+        plot.plot_agreement(load, tmp_path / "agr.png")
+    assert not list(tmp_path.iterdir())
