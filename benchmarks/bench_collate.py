@@ -117,12 +117,9 @@ def run_case(args: Any) -> dict[str, Any]:
     per_stage = args.layers // args.pp
     layers = list(range(args.stage * per_stage, (args.stage + 1) * per_stage))
     spec = r3arrow.route_spec(table)
-    if args.case == "dense":
-
-        def fn() -> Any:
-            return dense_baseline(table, layers)
-
-    else:
+    def make() -> Any:
+        if args.case == "dense":
+            return lambda t: dense_baseline(t, layers)
         collate = r3arrow.MegatronCollator(
             spec,
             layers=layers,
@@ -131,9 +128,15 @@ def run_case(args: Any) -> dict[str, Any]:
             validate=not args.no_validate,
             num_threads=args.threads,
         )
+        return lambda t: collate(t).replay_targets()
 
-        def fn() -> Any:
-            return collate(table).replay_targets()
+    # Warm the code paths (lazy imports, kernel caches) on two rows with another instance,
+    # so the peak below is the path's own memory on the full batch.
+    make()(table.slice(0, 2))
+    path = make()
+
+    def fn() -> Any:
+        return path(table)
 
     gc.collect()
     rss_before = _status_kib("VmRSS")

@@ -102,22 +102,26 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from r3arrow import stats
 
-    summary = stats.summarize(Path(args.path), tokens=args.tokens)
+    path = Path(args.path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such rollout file or directory")
+    load = stats.expert_load(path, tokens=args.tokens)
+    summary = stats.load_summary(load)
     if args.plot:
-        from r3arrow import plot
+        from r3arrow.plot import plot_expert_load
 
-        plot.load_heatmap(summary["load"], args.plot, title=f"expert load: {Path(args.path).name}")
+        plot_expert_load(load, args.plot, title=f"expert load ({args.tokens} tokens): {path.name}")
     if args.json:
-        out = {k: (v.to_dicts() if hasattr(v, "to_dicts") else v) for k, v in summary.items()}
-        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
-    else:
-        for name, value in summary.items():
-            if name == "load":
-                continue
-            print(f"== {name}")
-            print(value)
-        if args.plot:
-            print(f"heatmap written to {args.plot}")
+        out = {"tokens": args.tokens, "load": load.to_dicts(), "layers": summary.to_dicts()}
+        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return EXIT_OK
+    import polars as pl
+
+    with pl.Config(tbl_rows=64, tbl_cols=16, float_precision=3):
+        print(f"per-layer routing ({args.tokens} tokens) of {path}")
+        print(summary)
+    if args.plot:
+        print(f"heatmap written to {args.plot}")
     return EXIT_OK
 
 
@@ -281,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("path")
     st.add_argument("--plot", metavar="PNG", help="write an expert-load heatmap (layer x expert)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.add_argument("--tokens", choices=("all", "loss", "prompt"), default="all",
-                    help="which tokens to count (default all)")
+    st.add_argument("--tokens", choices=("all", "prompt", "response", "loss"), default="all",
+                    help="which route rows to count; loss = rows whose next token is trained (default all)")
     st.set_defaults(func=_cmd_stats)
 
     conv = sub.add_parser("convert", help="payload dumps (JSON lines, .npy) to a rollout Parquet",

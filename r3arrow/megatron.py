@@ -195,37 +195,46 @@ def _check_ids(
     num_experts: int | None,
     layer_ids: Sequence[int],
     *,
-    block_rows: int = 1 << 15,
+    block_rows: int = 1 << 14,
 ) -> None:
     """Ids in ``[0, num_experts)`` and distinct within each row; ``arr`` is ``[layers, tokens, K]``.
 
-    Blockwise over tokens, all layers at once; the transposed block makes every compare a
-    contiguous vector op.
+    Blockwise over tokens, all layers at once: each block is transposed to ``[K, layers, c]``
+    (in cache) so the range check and the K-1 shifted equality tests are contiguous vector
+    ops. CPU tensors go through numpy (zero-copy), others stay in torch on their device.
     """
     n_layers, tokens, k = arr.shape
     if tokens == 0:
         return
     step = max(1, block_rows // max(1, n_layers))
+    on_cpu = arr.device.type == "cpu"
+    data: Any = arr.numpy() if on_cpu else arr
     for a in range(0, tokens, step):
-        blk = arr[:, a : a + step]
-        lo, hi = torch.aminmax(blk)
-        if int(lo) < 0 or (num_experts is not None and int(hi) >= num_experts):
-            bad = (blk < 0) | (blk >= (num_experts if num_experts is not None else int(hi) + 1))
-            layer, tok, _ = (int(v) for v in torch.nonzero(bad)[0])
-            raise ReplayRangeError(
-                f"replay target of layer {layer_ids[layer]}: expected expert ids in [0, {num_experts}), found "
-                f"{blk[layer, tok].tolist()} at token {a + tok}"
+        blk = data[:, a : a + step]
+        xt = (
+            np.ascontiguousarray(blk.transpose(2, 0, 1))
+            if on_cpu
+            else blk.permute(2, 0, 1).contiguous()
+        )
+        lo, hi = int(xt.min()), int(xt.max())
+        if lo < 0 or (num_experts is not None and hi >= num_experts):
+            bad = (blk < 0) | (blk >= (num_experts if num_experts is not None else hi + 1))
+            layer, tok, _ = (
+                int(v) for v in (np.argwhere(bad)[0] if on_cpu else torch.nonzero(bad)[0])
             )
-        if k == 1:
-            continue
-        xt = blk.permute(2, 0, 1).contiguous()  # [K, layers, c]
+            raise ReplayRangeError(
+                f"replay target of layer {layer_ids[layer]}: expected expert ids in [0, {num_experts}), "
+                f"found {blk[layer, tok].tolist()} at token {a + tok}"
+            )
         for r in range(1, k):
             eq = xt[: k - r] == xt[r:]
             if bool(eq.any()):
-                _, layer, tok = (int(v) for v in torch.nonzero(eq)[0])
+                _, layer, tok = (
+                    int(v) for v in (np.argwhere(eq)[0] if on_cpu else torch.nonzero(eq)[0])
+                )
                 raise ReplayDuplicateError(
-                    f"replay target of layer {layer_ids[layer]}: expected {k} distinct experts per token, found "
-                    f"{blk[layer, tok].tolist()} at token {a + tok}"
+                    f"replay target of layer {layer_ids[layer]}: expected {k} distinct experts per token, "
+                    f"found {blk[layer, tok].tolist()} at token {a + tok}"
                 )
 
 

@@ -138,6 +138,42 @@ def test_large_random_load_and_multichunk_table(rng: np.random.Generator) -> Non
     np.testing.assert_array_equal(as_matrix(stats.expert_load(table), spec), reference_load(rows, spec, 200))
 
 
+@pytest.mark.parametrize("num_experts", [12, 256, 1000, 70_000])
+def test_kernels_over_many_chunks(num_experts: int) -> None:
+    """Large inputs: several chunks on the thread pool, every storage dtype, with and without a selection."""
+    spec = RouteSpec(num_layers=5, topk=3, num_experts=num_experts, moe_layers=(1, 2, 4))
+    rng = np.random.default_rng(num_experts)
+    rows = random_routes(rng, 60_000, spec)
+    rows[:, 0] = rng.integers(0, np.iinfo(spec.dtype).max, size=(60_000, 3))  # dense layers: junk, ignored
+    sel = rng.random(60_000) < 0.7
+    counts = stats.count_routes(rows, spec)
+    np.testing.assert_array_equal(counts.counts, reference_load(rows, spec, num_experts))
+    picked = stats.count_routes(rows, spec, select=sel)
+    np.testing.assert_array_equal(picked.counts, reference_load(rows[sel], spec, num_experts))
+    assert (counts.tokens, picked.tokens) == (60_000, int(sel.sum()))
+    other = rows.copy()
+    flip = rng.random((60_000, 5)) < 0.1
+    other[flip] = random_routes(rng, 60_000, spec)[flip]
+    got = stats.route_agreement(rows, other, spec, tokens=sel)
+    a, b = rows[sel][:, [1, 2, 4]], other[sel][:, [1, 2, 4]]
+    ov = (a[..., :, None] == b[..., None, :]).sum(axis=(-1, -2))
+    np.testing.assert_array_equal(got.overlap, ov.sum(axis=0))
+    np.testing.assert_array_equal(got.identical, (ov == 3).sum(axis=0))
+    assert got.all_identical == int((ov == 3).all(axis=1).sum())
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int32])
+def test_out_of_range_id_in_a_late_chunk(dtype: Any) -> None:
+    spec = RouteSpec(num_layers=4, topk=2, num_experts=10, moe_layers=(0, 1, 3))
+    rows = random_routes(np.random.default_rng(1), 50_000, spec, dtype=dtype)
+    rows[45_000, 1] = [3, 10]  # spills into layer 3's codes
+    with pytest.raises(ExpertRangeError, match=r"found 10 \(layer 1\)"):
+        stats.count_routes(rows, spec)
+    with pytest.raises(ExpertRangeError, match=r"found 10 \(layer 1\)"):
+        stats.count_routes(rows, spec, select=np.arange(50_000) > 40_000)
+    assert stats.count_routes(rows, spec, select=np.arange(50_000) < 40_000).tokens == 40_000
+
+
 def test_unknown_num_experts_spans_ids_seen() -> None:
     spec = RouteSpec(num_layers=2, topk=2, num_experts=None)
     rows = np.array([[[0, 5], [1, 2]], [[5, 3], [2, 1]]], np.uint8)

@@ -1,0 +1,336 @@
+"""`r3arrow demo`: the whole pipeline, end to end, on the embedded engine (or a vLLM URL).
+
+engine → multi-turn rollouts with incremental route capture → rollout table →
+dynamic sampling → Parquet → routing statistics + heatmap → Megatron
+microbatches → (with megatron-core) replay into real routers, checked against
+what the engine routed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from r3arrow.errors import R3ArrowError
+from r3arrow.spec import RouteSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """Sizes and endpoints of one demo run (CLI flags map 1:1)."""
+
+    groups: int = 8
+    samples: int = 4
+    turns: int = 3
+    max_tokens: int = 16
+    out_dir: Path = Path("r3arrow-demo")
+    engine_url: str | None = None
+    num_layers: int | None = None
+    topk: int | None = None
+    num_experts: int | None = None
+    moe_layers: tuple[int, ...] | None = None
+    vocab_size: int = 512
+    seed: int = 0
+    progress: bool = True
+    replay: bool = True
+    microbatch_tokens: int = 2048
+    temperature: float = 0.5
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """What the demo produced and checked; ``ok`` is False if any check failed."""
+
+    ok: bool
+    table: pa.Table
+    kept: pa.Table
+    parquet: Path
+    heatmap: Path | None
+    microbatches: int
+    replay_tokens: int | None = None
+    replay_mismatches: int | None = None
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@contextlib.contextmanager
+def _engine(cfg: DemoConfig) -> Iterator[tuple[str, RouteSpec | None]]:
+    """Yield (url, spec): the embedded engine on 127.0.0.1, or the external URL."""
+    if cfg.engine_url is not None:
+        spec = None
+        if cfg.num_layers is not None and cfg.topk is not None:
+            spec = RouteSpec(cfg.num_layers, cfg.topk, cfg.num_experts, moe_layers=cfg.moe_layers)
+        yield cfg.engine_url, spec
+        return
+    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
+
+    engine = ReferenceEngine(TinyMoEConfig(seed=cfg.seed, vocab_size=cfg.vocab_size))
+    with EngineServer(engine) as server:
+        yield server.url, engine.config.route_spec()
+
+
+async def _rollouts(cfg: DemoConfig, url: str, spec: RouteSpec | None) -> pa.Table:
+    from r3arrow.client import EngineClient
+    from r3arrow.rollout import ArithmeticEnv, run_rollouts
+
+    rng = np.random.default_rng(cfg.seed)
+    prompts = [rng.integers(1, cfg.vocab_size, size=int(rng.integers(8, 33))).tolist() for _ in range(cfg.groups)]
+    async with EngineClient(url, spec, vocab_size=cfg.vocab_size) as client:
+        if client.spec is None:
+            await client.probe_spec(num_experts=cfg.num_experts)
+        table = await run_rollouts(
+            client,
+            ArithmeticEnv(vocab_size=cfg.vocab_size, turns=cfg.turns),
+            prompts,
+            group_size=cfg.samples,
+            max_turns=cfg.turns,
+            sampling_params={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "ignore_eos": True},
+            seed=cfg.seed,
+            progress=cfg.progress,
+            # Binary outcome reward (every turn solved), as in RLVR: some groups come out uniform.
+            reward_fn=lambda _conv, summed: float(summed >= cfg.turns),
+        )
+        stats = client.stats
+    _say(
+        f"  {stats['requests']} requests, {stats['retries']} retries, "
+        f"{stats['payload_bytes'] / 1e3:.1f} kB of route payload, {stats['route_rows']} route rows"
+    )
+    return table
+
+
+def _megatron_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
+@contextlib.contextmanager
+def _cpu_router_harness() -> Iterator[Any]:
+    """A gloo world of one with Megatron model parallel (1, 1), for routers on this CPU.
+
+    megatron-core 0.16.1's router calls ``torch.cuda.current_device()``; without a GPU
+    the demo points it at the CPU for the duration of this block only and restores it.
+    """
+    import os
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    patched_cuda = not torch.cuda.is_available()
+    saved_device = torch.cuda.current_device
+    had_te = hasattr(moe_utils, "te_general_gemm")
+    if patched_cuda:
+        setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # noqa: B010
+    if not had_te:
+        moe_utils.te_general_gemm = None
+    started = not dist.is_initialized()
+    if started:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield RouterReplay
+    finally:
+        RouterReplay.clear_global_router_replay_instances()
+        parallel_state.destroy_model_parallel()
+        if started:
+            dist.destroy_process_group()
+        if patched_cuda:
+            setattr(torch.cuda, "current_device", saved_device)  # noqa: B010
+        if not had_te:
+            del moe_utils.te_general_gemm
+
+
+_HIDDEN = 16
+
+
+def _build_routers(spec: RouteSpec, layers: tuple[int, ...]) -> list[Any]:
+    """Real megatron-core TopKRouters (random weights) for the given global layers."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=_HIDDEN,
+        num_attention_heads=2,
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=_HIDDEN,
+        moe_router_topk=spec.topk,
+        moe_enable_routing_replay=True,
+        moe_router_load_balancing_type="none",
+        use_cpu_initialization=True,
+    )
+    torch.manual_seed(0)
+    routers = []
+    for layer in layers:
+        router = TopKRouter(config, pg_collection=get_default_pg_collection())
+        router.set_layer_number(layer + 1)
+        routers.append(router)
+    return routers
+
+
+def _replay_check(routers: list[Any], mb: Any, spec: RouteSpec, table: pa.Table) -> tuple[int, int]:
+    """Replay ``mb`` into ``routers``; return (tokens checked, tokens whose experts differ).
+
+    The routers' own weights are random: every captured token must nevertheless select
+    exactly the engine's experts on every layer, because the targets are replayed.
+    """
+    import torch
+
+    from r3arrow.megatron import install_replay, replay_schedule
+    from r3arrow.table import flat_routes
+
+    assert spec.num_experts is not None
+    hidden = torch.randn(mb.num_tokens, 1, _HIDDEN)  # packed: [s = T, b = 1, h]
+    with replay_schedule(), torch.no_grad():
+        install_replay(mb)
+        maps = [router(hidden, padding_mask=mb.padding_mask.reshape(-1))[1] for router in routers]
+    chosen = torch.stack(maps, dim=1)  # [T, L_local, E] bool
+    captured = ~mb.padding_mask.reshape(-1)
+    got = chosen[captured]
+    engine_rows, _ = flat_routes(table)
+    want = np.zeros((engine_rows.shape[0], len(mb.layers), spec.num_experts), dtype=bool)
+    ids = engine_rows[:, list(mb.layers), :].astype(np.int64)
+    np.put_along_axis(want, ids, True, axis=-1)
+    differ = (got.numpy() != want).any(axis=(1, 2))
+    return int(got.shape[0]), int(differ.sum())
+
+
+def run_demo(cfg: DemoConfig) -> DemoResult:
+    """Run the pipeline, printing what each stage did; raise on errors, report checks in the result."""
+    from r3arrow.collate import MegatronCollator, split_microbatches
+    from r3arrow.io import read_rollouts, write_rollouts
+    from r3arrow.table import (
+        captured_lengths,
+        filter_groups,
+        replace_groups,
+        route_spec,
+        sequence_lengths,
+    )
+
+    timings: dict[str, float] = {}
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with _engine(cfg) as (url, spec):
+        where = "embedded engine" if cfg.engine_url is None else "external engine"
+        _say(f"[1/6] rollouts: {cfg.groups} groups x {cfg.samples} samples, up to {cfg.turns} turns, {where} at {url}")
+        table = asyncio.run(_rollouts(cfg, url, spec))
+    timings["rollouts"] = time.perf_counter() - t0
+    spec = route_spec(table)
+    tokens, captured = sequence_lengths(table), captured_lengths(table)
+    _say(
+        f"  {table.num_rows} trajectories, {int(tokens.sum())} tokens, {int(captured.sum())} route rows "
+        f"({spec.num_layers} layers x top-{spec.topk} of {spec.num_experts} experts, ids {spec.dtype}), "
+        f"{table.nbytes / 1e3:.1f} kB in Arrow"
+    )
+
+    t = time.perf_counter()
+    kept = filter_groups(table)
+    timings["dynamic_sampling"] = time.perf_counter() - t
+    groups = len(set(table.column("group_id").to_pylist()))
+    kept_groups = len(set(kept.column("group_id").to_pylist()))
+    _say(
+        f"[2/6] dynamic sampling: kept {kept_groups}/{groups} groups with varied rewards "
+        f"({kept.num_rows} trajectories, routes travel with their rows)"
+    )
+    if kept.num_rows == 0:
+        _say("  every group had uniform rewards; continuing with the unfiltered table")
+        kept = table
+    elif kept_groups < groups:
+        replaced = replace_groups(table, seed=cfg.seed)
+        _say(f"  or, with replacement: {replaced.num_rows} rows, uniform groups redrawn from kept ones (seed {cfg.seed})")
+
+    t = time.perf_counter()
+    parquet = write_rollouts(kept, cfg.out_dir / "rollouts.parquet")
+    back = read_rollouts(parquet)
+    timings["parquet"] = time.perf_counter() - t
+    exact = back.equals(kept) and back.schema.metadata == kept.schema.metadata
+    _say(f"[3/6] parquet: {parquet} ({parquet.stat().st_size / 1e3:.1f} kB), round trip exact: {exact}")
+
+    t = time.perf_counter()
+    heatmap: Path | None = None
+    from r3arrow import stats
+
+    load = stats.expert_load(kept)
+    summary = stats.load_summary(load)
+    worst = summary.sort("max_over_mean", descending=True).row(0, named=True)
+    _say(
+        f"[4/6] routing stats: {summary.height} MoE layers; most imbalanced layer {worst['layer']} "
+        f"(max/mean {worst['max_over_mean']:.2f}, entropy {worst['entropy_norm']:.2f} of uniform, "
+        f"{worst['dead']} dead experts)"
+    )
+    try:
+        from r3arrow.plot import plot_expert_load
+
+        heatmap = plot_expert_load(load, cfg.out_dir / "expert_load.png", title="expert load (demo rollouts)")
+        _say(f"  heatmap: {heatmap}")
+    except ImportError as exc:  # matplotlib is an optional extra
+        _say(f"  heatmap skipped ({exc})")
+    timings["stats"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    collate = MegatronCollator(spec, layers=spec.router_layers, packed=True, align=8)
+    parts = split_microbatches(kept, max_tokens=cfg.microbatch_tokens, multiple=collate.multiple)
+    batches = [collate(part) for part in parts]
+    timings["collate"] = time.perf_counter() - t
+    mb0 = batches[0]
+    _say(
+        f"[5/6] megatron collation: {len(batches)} packed microbatches (<= {cfg.microbatch_tokens} tokens); "
+        f"first: routes {tuple(mb0.routes.shape)} int32, {int(mb0.padding_mask.sum())} padded positions, "
+        f"{len(mb0.replay_targets())} replay targets of {tuple(mb0.replay_targets()[0].shape)}"
+    )
+
+    result = DemoResult(ok=exact, table=table, kept=kept, parquet=parquet, heatmap=heatmap,
+                        microbatches=len(batches), timings=timings)
+    if not cfg.replay:
+        _say("[6/6] replay: skipped (--no-replay)")
+    elif not _megatron_available():
+        _say("[6/6] replay: skipped (megatron-core not installed: pip install 'r3arrow[megatron]')")
+    else:
+        t = time.perf_counter()
+        checked = differ = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # megatron-core: TE/Apex absent, config notes
+            with _cpu_router_harness():
+                routers = _build_routers(spec, mb0.layers)
+                for part, mb in zip(parts, batches, strict=True):
+                    n, d = _replay_check(routers, mb, spec, part)
+                    checked, differ = checked + n, differ + d
+        timings["replay"] = time.perf_counter() - t
+        result.replay_tokens, result.replay_mismatches = checked, differ
+        result.ok = result.ok and differ == 0
+        verdict = "identical" if differ == 0 else f"DIFFERENT on {differ} tokens"
+        _say(
+            f"[6/6] replay into {len(mb0.layers)} real megatron-core TopKRouters: {checked} tokens, "
+            f"routing {verdict} to the engine's"
+        )
+    total = sum(timings.values())
+    _say(f"done in {total:.1f} s: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    if not result.ok:
+        raise R3ArrowError("demo checks failed (see above)")
+    return result
+
+
+__all__ = ["DemoConfig", "DemoResult", "run_demo"]
