@@ -117,10 +117,9 @@ def run_case(args: Any) -> dict[str, Any]:
     per_stage = args.layers // args.pp
     layers = list(range(args.stage * per_stage, (args.stage + 1) * per_stage))
     spec = r3arrow.route_spec(table)
-    def make() -> Any:
-        if args.case == "dense":
-            return lambda t: dense_baseline(t, layers)
-        collate = r3arrow.MegatronCollator(
+
+    def collator() -> Any:
+        return r3arrow.MegatronCollator(
             spec,
             layers=layers,
             packed=args.case != "unpacked",
@@ -128,7 +127,14 @@ def run_case(args: Any) -> dict[str, Any]:
             validate=not args.no_validate,
             num_threads=args.threads,
         )
+
+    def make() -> Any:
+        if args.case == "dense":
+            return lambda t: dense_baseline(t, layers)
+        collate = collator()
         return lambda t: collate(t).replay_targets()
+
+    collate_for_check = collator()
 
     # Warm the code paths (lazy imports, kernel caches) on two rows with another instance,
     # so the peak below is the path's own memory on the full batch.
@@ -154,7 +160,14 @@ def run_case(args: Any) -> dict[str, Any]:
     for _ in range(args.repeat):
         copy = min(copy, best_of(lambda: np.copyto(dst, src), 1, warmup=0))
         warm = min(warm, best_of(fn, 1, warmup=0))
+    check = float("nan")
+    if args.case != "dense":  # install-time check of the targets (ids in range, no duplicates)
+        from r3arrow.megatron import _check_microbatch_ids
+
+        mb = collate_for_check(table)
+        check = best_of(lambda: _check_microbatch_ids(mb, spec.num_experts), 3)
     return {
+        "check_s": check,
         "case": args.case,
         "warm_s": warm,
         "cold_s": cold,
@@ -232,6 +245,7 @@ def main() -> None:
                 dense["peak_extra_mb"] / r["peak_extra_mb"]
                 if r["peak_extra_mb"] > 0
                 else float("nan"),
+                r["check_s"] * 1e3,
             ]
         )
     print(
@@ -254,6 +268,7 @@ def main() -> None:
                 "output MiB",
                 "peak above input MiB",
                 "dense ÷ this (peak)",
+                "install check ms",
             ],
         )
     )

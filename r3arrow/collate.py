@@ -13,11 +13,15 @@
   every row) split into 2·cp chunks; sequence parallelism slices the router tokens by
   TP rank (the model inputs stay whole: Megatron scatters them itself).
 
-The routes are never materialised for all layers nor left-padded: the compact Arrow
-buffer is sliced to the local layers and widened once, straight into the final
-layer-major int32 buffer, in cache-sized blocks. Output buffers come from a pool and
-are reused once nothing references them (first touch of fresh pages costs more than
-the copy, DESIGN §6).
+Routes are never materialised for all layers nor left-padded. The output is one
+layer-major int32 buffer ``[L_local, P, C, K]`` whose per-layer slices are the replay
+targets (contiguous, no copy); it is written once, in cache-sized blocks: gather the
+local layers of a block of tokens from the compact Arrow buffer, transpose in cache,
+widen into place (packed: per trajectory chunk; unpacked: per block of positions over
+all rows, so the sequence-major output is written contiguously too). Python loops run
+per trajectory chunk or per block, never per token or per layer. Output buffers come
+from a pool and are reused once nothing references them (first touch of fresh pages
+costs more than the copy, DESIGN §6); large copies are split over threads.
 """
 
 from __future__ import annotations
@@ -101,17 +105,24 @@ class _BufferPool:
             if best >= 0:
                 return self._buffers[best]
             # Replace free buffers that are too small rather than keeping them around.
-            self._buffers = [b for i, b in enumerate(self._buffers) if not self._is_free(i)]
+            self._drop_free()
             # 1/8 headroom so the next, slightly larger batch fits.
             buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)
             if len(self._buffers) < self.max_buffers:
                 self._buffers.append(buf)
             return buf
 
+    def _drop_free(self) -> None:
+        busy = [not self._is_free(i) for i in range(len(self._buffers))]
+        self._buffers = [self._buffers[i] for i in range(len(busy)) if busy[i]]
+
     def clear(self) -> None:
         """Drop every free buffer."""
         with self._lock:
-            self._buffers = [b for i, b in enumerate(self._buffers) if not self._is_free(i)]
+            self._drop_free()
+
+    def __len__(self) -> int:
+        return len(self._buffers)
 
     @property
     def nbytes(self) -> int:
@@ -490,6 +501,9 @@ class MegatronCollator:
             raise SchemaError(
                 f"expected a pyarrow Table or RecordBatch, found {type(table).__name__}"
             )
+        for name in ("prompt_ids", "response_ids", "loss_mask", "routes"):
+            if name not in table.schema.names:
+                raise SchemaError(f"expected column {name!r}, found columns {table.schema.names}")
         spec = validate_rollouts(table) if self.validate else route_spec(table)
         if not self.spec.same_shape(spec):
             raise SchemaError(
@@ -511,9 +525,6 @@ class MegatronCollator:
             for b in (table.to_batches() if isinstance(table, pa.Table) else [table])
             if b.num_rows
         ]
-        for name in ("prompt_ids", "response_ids", "loss_mask", "routes"):
-            if name not in table.schema.names:
-                raise SchemaError(f"expected column {name!r}, found columns {table.schema.names}")
         return batches, spec
 
     def _check_lengths(self, batches: list[pa.RecordBatch], n: np.ndarray, cap: np.ndarray) -> None:
@@ -569,7 +580,7 @@ class MegatronCollator:
         if self._arange.shape[0] < need:
             self._arange = np.arange(max(need, 2 * self._arange.shape[0]), dtype=np.int64)
         self._write(
-            batches, spec, lay, plen, n, cap, lm, ids, pos, labels, loss, lab_mask, pad, tok_index
+            batches, lay, plen, n, cap, lm, ids, pos, labels, loss, lab_mask, pad, tok_index
         )
 
         def t(a: np.ndarray) -> torch.Tensor:
@@ -607,7 +618,6 @@ class MegatronCollator:
     def _write(
         self,
         batches: list[pa.RecordBatch],
-        spec: RouteSpec,
         lay: _Layout,
         plen: np.ndarray,
         n: np.ndarray,
@@ -636,8 +646,8 @@ class MegatronCollator:
         seg_cols = lay.seg_col.tolist()
         row0 = 0
         sources: list[np.ndarray] = []
-        jobs: list[tuple[int, int, int, int, int]] = []  # (source, first row, rows, at, column)
-        pads: list[tuple[int, int, int]] = []  # (at, positions, column)
+        jobs: list[tuple[int, int, int, int]] = []  # packed: (source, first row, rows, at)
+        pads: list[tuple[int, int]] = []  # packed: (at, positions)
         route_base: list[np.ndarray] = []  # first route row of each trajectory, all sources joined
         for batch, segs in zip(batches, seg_rows, strict=True):
             prompt, p_off = _flat_list(batch.column("prompt_ids"))
@@ -668,10 +678,10 @@ class MegatronCollator:
                 pad[row, at : at + nr] = False
                 pad[row, at + nr : at + length] = True
                 if self.packed and nr:
-                    jobs.append((len(sources) - 1, int(rt_off[i]) + a, nr, at, c))
+                    jobs.append((len(sources) - 1, int(rt_off[i]) + a, nr, at))
                 if self.packed and nr < length:
-                    pads.append((at + nr, length - nr, c))
-                if tok_index is not None:
+                    pads.append((at + nr, length - nr))
+                if tok_index is not None and (self.packed or c == 0):
                     g0 = int(lay.seg_global[s])
                     tok_index[at : at + length] = ar[g0 : g0 + length]
             row0 += batch.num_rows
@@ -690,7 +700,11 @@ class MegatronCollator:
     ) -> None:
         """Sequence-major ``[s, b]`` routes, block by block of positions over all rows at once:
         each block of the output is contiguous per layer, so no write is strided."""
-        source = sources[0] if len(sources) == 1 else np.concatenate(sources)  # one compact copy
+        select: slice | np.ndarray = self._select
+        source = sources[0]
+        if len(sources) > 1:  # several record batches: join their local layers, compact dtype
+            source = np.concatenate([src[:, select] for src in sources])
+            select = slice(0, len(self.layers))
         col0 = lay.seg_col == 0
         t_of_p = np.concatenate(
             [
@@ -700,7 +714,7 @@ class MegatronCollator:
                 )
             ]
         )
-        gather = _RowGatherer(source, self._select, lm, first_row, cap)
+        gather = _RowGatherer(source, select, lm, first_row, cap)
         positions, step = lay.positions, gather.block_positions
         starts = list(range(0, positions, step))
         total = positions * lay.columns * lm.shape[0] * lm.shape[3] * 4
@@ -715,7 +729,7 @@ class MegatronCollator:
             )
 
         def share(w: int) -> None:
-            g = gather if w == 0 else _RowGatherer(source, self._select, lm, first_row, cap)
+            g = gather if w == 0 else _RowGatherer(source, select, lm, first_row, cap)
             for p0 in starts[w::workers]:
                 g.run(t_of_p, p0, min(positions, p0 + step))
 
@@ -725,24 +739,24 @@ class MegatronCollator:
     def _copy_routes(
         self,
         sources: list[np.ndarray],
-        jobs: list[tuple[int, int, int, int, int]],
-        pads: list[tuple[int, int, int]],
+        jobs: list[tuple[int, int, int, int]],
+        pads: list[tuple[int, int]],
         lm: np.ndarray,
     ) -> None:
-        """Run the route copies, split evenly by rows over the worker threads when large."""
+        """Run the packed route copies, split evenly by rows over worker threads when large."""
         rows = sum(j[2] for j in jobs)
         row_bytes = lm.shape[0] * lm.shape[3] * 4
         workers = self.num_threads if rows * row_bytes >= _PARALLEL_BYTES else 1
         if workers <= 1:
             _run_copies(sources, self._select, lm, jobs, pads)
             return
-        groups: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(workers)]
+        groups: list[list[tuple[int, int, int, int]]] = [[] for _ in range(workers)]
         per, filled, w = -(-rows // workers), 0, 0
-        for src, s0, count, at, col in jobs:
+        for src, s0, count, at in jobs:
             done = 0
             while done < count:
                 take = min(count - done, per - filled)
-                groups[w].append((src, s0 + done, take, at + done, col))
+                groups[w].append((src, s0 + done, take, at + done))
                 done, filled = done + take, filled + take
                 if filled == per and w < workers - 1:
                     w, filled = w + 1, 0
@@ -779,20 +793,19 @@ def _put(
 
 
 class _RouteCopier:
-    """Copies compact rows ``[s0, s0+count)`` of the local layers into ``lm[:, at:at+count, col, :]``.
+    """Packed kernel: compact rows ``[s0, s0+count)`` of the local layers → ``lm[:, at:at+count, 0]``.
 
     Per cache-sized block: (1) gather the block's local layers into a contiguous buffer
-    (one element per token when the layers are a contiguous range: a single strided
-    loop instead of one call per token), (2) transpose it in cache, each token's ``[K]``
-    ids moving as one machine word (or a K·itemsize void), (3) widen into the int32
-    output. A destination strided between tokens (unpacked, sequence-major) is written
-    as 4·K-byte void elements so the inner loop runs over tokens, not over K ids.
+    (one element per token when the layers are a contiguous range: a single strided loop
+    instead of one call per token), (2) transpose it in cache, each token's ``[K]`` ids
+    moving as one machine word (or a K·itemsize void), (3) widen into the int32 output,
+    contiguous per layer.
     """
 
     def __init__(self, routes: np.ndarray, select: slice | np.ndarray, lm: np.ndarray) -> None:
         tokens, layers, k = routes.shape
         n_local = lm.shape[0]
-        self.routes, self.select, self.k, self.dtype = routes, select, k, routes.dtype
+        self.select, self.k, self.dtype, self.lm = select, k, routes.dtype, lm
         row_bytes = k * routes.dtype.itemsize
         self.row_dtype: np.dtype[Any] = _ROW_VIEW.get(row_bytes, np.dtype((np.void, row_bytes)))
         self.rows = routes.reshape(tokens, layers * k).view(self.row_dtype)
@@ -801,42 +814,27 @@ class _RouteCopier:
         self.block = max(64, _BLOCK_BYTES // max(1, n_local * row_bytes))
         self.gathered = np.empty((self.block, n_local), dtype=self.row_dtype)
         self.tmp = np.empty((n_local, self.block), dtype=self.row_dtype)
+        # int32 storage needs no widening: copy whole 4·K-byte rows.
         self.out_row = np.dtype((np.void, 4 * k))
-        self.wide = np.empty((n_local, self.block, k), dtype=np.int32)
-        self.lm = lm
-        self.lm_rows = lm.reshape(lm.shape[0], lm.shape[1], lm.shape[2] * k).view(self.out_row)
+        self.lm_rows = lm.reshape(n_local, lm.shape[1] * lm.shape[2] * k).view(self.out_row)
 
-    def _transposed(self, s0: int, c: int) -> np.ndarray:
-        """``[n_local, c]`` row words of tokens ``[s0, s0+c)``, in cache."""
-        t: np.ndarray = self.tmp[:, :c]
-        if self.span is not None:
-            g = self.gathered[:c]
-            np.copyto(g.view(self.span), self.rows[s0 : s0 + c, self.select].view(self.span))
-            np.copyto(t, g.T)
-        else:
-            np.copyto(t, self.rows[s0 : s0 + c, self.select].T)
-        return t
-
-    def copy(self, s0: int, count: int, at: int, col: int) -> None:
+    def copy(self, s0: int, count: int, at: int) -> None:
         n_local = self.lm.shape[0]
-        strided = self.lm.shape[2] > 1
-        direct = self.dtype == np.dtype(np.int32)
         for off in range(0, count, self.block):
             c = min(self.block, count - off)
-            t = self._transposed(s0 + off, c)
-            if direct:  # int32 storage: the row words already are the output rows
-                np.copyto(self.lm_rows[:, at + off : at + off + c, col], t.view(self.out_row))
-                continue
-            ids = t.view(self.dtype).reshape(n_local, c, self.k)
-            if not strided:
-                np.copyto(self.lm[:, at + off : at + off + c, 0, :], ids)
-                continue
-            w = self.wide[:, :c]
-            np.copyto(w, ids)
-            np.copyto(
-                self.lm_rows[:, at + off : at + off + c, col],
-                w.reshape(n_local, c * self.k).view(self.out_row),
-            )
+            t = self.tmp[:, :c]
+            src = self.rows[s0 + off : s0 + off + c, self.select]
+            if self.span is not None:
+                g = self.gathered[:c]
+                np.copyto(g.view(self.span), src.view(self.span))
+                np.copyto(t, g.T)
+            else:
+                np.copyto(t, src.T)
+            a, b = at + off, at + off + c
+            if self.dtype == np.dtype(np.int32):
+                np.copyto(self.lm_rows[:, a:b], t.view(self.out_row))
+            else:
+                np.copyto(self.lm[:, a:b, 0, :], t.view(self.dtype).reshape(n_local, c, self.k))
 
 
 class _RowGatherer:
@@ -900,24 +898,24 @@ def _run_copies(
     sources: list[np.ndarray],
     select: slice | np.ndarray,
     lm: np.ndarray,
-    jobs: list[tuple[int, int, int, int, int]],
-    pads: list[tuple[int, int, int]],
+    jobs: list[tuple[int, int, int, int]],
+    pads: list[tuple[int, int]],
 ) -> None:
-    """Route copies ``(source, first row, rows, at, column)`` and dummy rows ``[0 .. K-1]``
-    at ``(at, positions, column)``; one worker's share, with its own scratch buffers."""
+    """Packed route copies ``(source, first row, rows, at)`` and dummy rows ``[0 .. K-1]`` at
+    ``(at, positions)``; one worker's share, with its own scratch buffers."""
     copiers: dict[int, _RouteCopier] = {}
-    for src, s0, count, at, col in jobs:
+    for src, s0, count, at in jobs:
         cp = copiers.get(src)
         if cp is None:
             cp = copiers[src] = _RouteCopier(sources[src], select, lm)
-        cp.copy(s0, count, at, col)
+        cp.copy(s0, count, at)
     if pads:
         k = lm.shape[3]
         out_row = np.dtype((np.void, 4 * k))
-        lm_rows = lm.reshape(lm.shape[0], lm.shape[1], lm.shape[2] * k).view(out_row)
+        lm_rows = lm.reshape(lm.shape[0], lm.shape[1] * lm.shape[2] * k).view(out_row)
         dummy = np.arange(k, dtype=np.int32).view(out_row)[0]
-        for at, count, col in pads:
-            lm_rows[:, at : at + count, col] = dummy
+        for at, count in pads:
+            lm_rows[:, at : at + count] = dummy
 
 
 # ---------------------------------------------------------------- microbatching

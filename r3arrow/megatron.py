@@ -195,7 +195,7 @@ def _check_ids(
     num_experts: int | None,
     layer_ids: Sequence[int],
     *,
-    block_rows: int = 1 << 14,
+    block_rows: int = 1 << 15,
 ) -> None:
     """Ids in ``[0, num_experts)`` and distinct within each row; ``arr`` is ``[layers, tokens, K]``.
 
@@ -245,9 +245,11 @@ def validate_targets(
     topk: int | None = None,
     num_experts: int | None = None,
     layers: Sequence[int] | None = None,
+    check_ids: bool = True,
 ) -> None:
-    """Raise `ReplayError` unless every target is an int32/int64 ``[num_tokens, topk]`` tensor with
-    ids in ``[0, num_experts)`` and no expert twice in a row. ``layers`` names them in errors."""
+    """Raise `ReplayError` unless every target is an int32/int64 ``[num_tokens, topk]`` tensor
+    (top-k: the first target's when None) and, with ``check_ids``, has ids in
+    ``[0, num_experts)`` and no expert twice in a row. ``layers`` names the targets in errors."""
     names = list(layers) if layers is not None else list(range(len(targets)))
     if len(names) != len(targets):
         raise ReplayError(f"expected one layer id per target ({len(targets)}), found {len(names)}")
@@ -260,12 +262,16 @@ def validate_targets(
             raise ReplayError(
                 f"replay target of layer {name}: expected int32 or int64, found {t.dtype}"
             )
-        k = topk if topk is not None else (t.shape[1] if t.dim() == 2 else -1)
-        if t.dim() != 2 or t.shape[0] != num_tokens or t.shape[1] != k:
+        if topk is None and t.dim() == 2:
+            topk = int(t.shape[1])
+        if t.dim() != 2 or t.shape[0] != num_tokens or t.shape[1] != topk:
             raise ReplayError(
-                f"replay target of layer {name}: expected [{num_tokens}, {k}] (tokens this rank's router sees, "
-                f"top-k), found {list(t.shape)}"
+                f"replay target of layer {name}: expected [{num_tokens}, {topk}] (tokens this rank's "
+                f"router sees, top-k), found {list(t.shape)}"
             )
+    if check_ids:
+        for name, t in zip(names, targets, strict=True):
+            _check_ids(t.unsqueeze(0), num_experts, [name])
 
 
 def _check_microbatch_ids(mb: Microbatch, num_experts: int | None) -> None:
@@ -326,13 +332,18 @@ def install_replay(
             f"expected one target per RouterReplay instance of this process ({len(instances)} routers), found "
             f"{len(targets)} targets for layers {ids}"
         )
-    validate_targets(targets, num_tokens=tokens, topk=topk, num_experts=experts, layers=ids)
-    if check:
-        if isinstance(mb, Microbatch):
-            _check_microbatch_ids(mb, experts)
-        else:
-            for name, t in zip(ids, targets, strict=True):
-                _check_ids(t.unsqueeze(0), experts, [name])
+    # A microbatch's targets share one buffer: scan all its layers in one blockwise pass.
+    fast = isinstance(mb, Microbatch)
+    validate_targets(
+        targets,
+        num_tokens=tokens,
+        topk=topk,
+        num_experts=experts,
+        layers=ids,
+        check_ids=check and not fast,
+    )
+    if check and isinstance(mb, Microbatch):
+        _check_microbatch_ids(mb, experts)
     rr.set_replay_data(ordered)
     return ordered
 

@@ -27,7 +27,11 @@ if TYPE_CHECKING:
 
 PathLike = str | os.PathLike[str]
 _DPI = 120
-_REFERENCE = {"max_over_mean": (1.0, "balanced (1)"), "cv": (0.0, "balanced (0)"), "entropy_norm": (1.0, "uniform (1)")}
+_REFERENCE = {
+    "max_over_mean": (1.0, "balanced (1)"),
+    "cv": (0.0, "balanced (0)"),
+    "entropy_norm": (1.0, "uniform (1)"),
+}
 _METRICS = {
     "max_over_mean": "max / mean expert load",
     "cv": "coefficient of variation of expert load",
@@ -80,7 +84,9 @@ def _step_ticks(ax: Axes, steps: Sequence[int], max_ticks: int = 16) -> None:
     ax.set_xticks(pos, [str(steps[i]) for i in pos])
 
 
-def _matrix(frame: pl.DataFrame, row: str, col: str, value: str) -> tuple[list[int], list[int], np.ndarray]:
+def _matrix(
+    frame: pl.DataFrame, row: str, col: str, value: str
+) -> tuple[list[int], list[int], np.ndarray]:
     """Pivot a long frame to a dense ``[rows, cols]`` float matrix (missing cells NaN)."""
     rows = sorted(frame[row].unique().to_list())
     cols = sorted(frame[col].unique().to_list())
@@ -101,7 +107,9 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
     (0 tokens); grey = a layer that routed nothing.
     """
     if not {"layer", "expert", "tokens"} <= set(load.columns):
-        raise SchemaError(f"expected an expert_load frame (layer, expert, tokens), found {load.columns}")
+        raise SchemaError(
+            f"expected an expert_load frame (layer, expert, tokens), found {load.columns}"
+        )
     if load.height == 0:
         raise SchemaError("expected a non-empty expert_load frame, found no rows")
     if "step" in load.columns:
@@ -115,7 +123,9 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
     finite = np.isfinite(logs)
     lim = float(np.clip(np.ceil(np.abs(logs[finite]).max()), 1, 4)) if finite.any() else 1.0
     shown = np.where(rel == 0, -lim - 1.0, np.clip(logs, -lim, lim))  # dead: below the scale
-    fig = _figure(_clamp(3.5 + 0.045 * len(experts), 6.5, 16), _clamp(1.8 + 0.2 * len(layers), 3.2, 12))
+    fig = _figure(
+        _clamp(3.5 + 0.045 * len(experts), 6.5, 16), _clamp(1.8 + 0.2 * len(layers), 3.2, 12)
+    )
     ax = fig.add_subplot()
     cmap = _cmap("RdBu_r", under="black")
     img = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-lim, vmax=lim)
@@ -124,7 +134,9 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
     ax.set_ylabel("MoE layer (global id)")
     bar = fig.colorbar(img, ax=ax, pad=0.01, extend="min")
     ticks = np.arange(-lim, lim + 1)
-    bar.set_ticks(list(ticks), labels=[f"{2.0**t:g}×" if t >= 0 else f"1/{2.0**-t:g}×" for t in ticks])
+    bar.set_ticks(
+        list(ticks), labels=[f"{2.0**t:g}×" if t >= 0 else f"1/{2.0**-t:g}×" for t in ticks]
+    )
     bar.set_label("load ÷ layer mean (log scale; black = dead)")
     worst_per_layer = np.where(np.isfinite(rel), rel, -np.inf).max(axis=1)
     worst = int(np.argmax(worst_per_layer)) if counts.size else 0
@@ -162,7 +174,9 @@ def _lines_and_heatmap(
     reference: tuple[float, str] | None = None,
 ) -> Path:
     """Top: summary lines over steps; bottom: layer × step heatmap of ``values`` with a colour bar."""
-    fig = _figure(_clamp(4.5 + 0.12 * len(steps), 7.5, 16), _clamp(4.2 + 0.16 * len(layers), 6.0, 14))
+    fig = _figure(
+        _clamp(4.5 + 0.12 * len(steps), 7.5, 16), _clamp(4.2 + 0.16 * len(layers), 6.0, 14)
+    )
     top, bottom = fig.subplots(2, 1, height_ratios=[1.0, _clamp(len(layers) / 10, 1.0, 3.0)])
     x = np.arange(len(steps))
     marker = "o" if len(steps) <= 40 else None
@@ -201,7 +215,9 @@ def plot_imbalance(
     entropy_norm, dead, hot).
     """
     if "step" not in frame.columns:
-        raise SchemaError(f"expected a frame with a step column (by_step=True), found {frame.columns}")
+        raise SchemaError(
+            f"expected a frame with a step column (by_step=True), found {frame.columns}"
+        )
     summary = load_summary(frame) if "expert" in frame.columns else frame
     if metric not in summary.columns:
         raise SchemaError(f"metric: expected one of {list(_METRICS)}, found {metric!r}")
@@ -237,7 +253,10 @@ def _floor_tenth(values: np.ndarray) -> float:
 
 
 def plot_agreement(
-    agreement: pl.DataFrame | Mapping[int, RouteAgreement], path: PathLike, *, title: str | None = None
+    agreement: pl.DataFrame | Mapping[int, RouteAgreement],
+    path: PathLike,
+    *,
+    title: str | None = None,
 ) -> Path:
     """Route agreement over steps: identical-set and overlap fractions, tokens differing anywhere.
 
@@ -247,7 +266,9 @@ def plot_agreement(
     frame = agreement if isinstance(agreement, pl.DataFrame) else agreement_over_steps(agreement)
     need = {"step", "layer", "tokens", "identical", "overlap", "differing"}
     if not need <= set(frame.columns):
-        raise SchemaError(f"expected an agreement_over_steps frame ({sorted(need)}), found {frame.columns}")
+        raise SchemaError(
+            f"expected an agreement_over_steps frame ({sorted(need)}), found {frame.columns}"
+        )
     layers, steps, ident = _matrix(frame, "layer", "step", "identical")
     _, _, overlap = _matrix(frame, "layer", "step", "overlap")
     per_step = frame.group_by("step").agg(pl.col("differing").first()).sort("step")

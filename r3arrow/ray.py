@@ -92,14 +92,20 @@ def rollout_spec(path: PathLike, *, steps: Sequence[int] | None = None) -> Route
         try:
             schema = pq.read_schema(f)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise SchemaError(f"{f}: expected an r3arrow rollout Parquet file, found an unreadable file ({exc})") from exc
+            raise SchemaError(
+                f"{f}: expected an r3arrow rollout Parquet file, found an unreadable file ({exc})"
+            ) from exc
         if SPEC_METADATA_KEY not in (schema.metadata or {}):
-            raise SchemaError(f"{f}: expected an r3arrow rollout file (metadata {SPEC_METADATA_KEY.decode()!r}), found none")
+            raise SchemaError(
+                f"{f}: expected an r3arrow rollout file (metadata {SPEC_METADATA_KEY.decode()!r}), found none"
+            )
         s = RouteSpec.from_schema(schema)
         if spec is None:
             spec, first = s, f
         elif s != spec:
-            raise SchemaError(f"expected one RouteSpec under {path}, found {spec} in {first} and {s} in {f}")
+            raise SchemaError(
+                f"expected one RouteSpec under {path}, found {spec} in {first} and {s} in {f}"
+            )
     assert spec is not None
     return spec
 
@@ -114,12 +120,16 @@ class _Restore:
         from r3arrow.io import from_storage
 
         meta = {**(batch.schema.metadata or {}), SPEC_METADATA_KEY: self.spec_json}
-        if "routes" in batch.schema.names and pa.types.is_fixed_size_binary(batch.schema.field("routes").type.value_type):
+        if "routes" in batch.schema.names and pa.types.is_fixed_size_binary(
+            batch.schema.field("routes").type.value_type
+        ):
             meta[b"r3arrow.routes_storage"] = b"fixed_size_binary/little-endian"
         out = from_storage(batch.replace_schema_metadata(meta))
         if "step" in out.schema.names and out.schema.field("step").type != pa.int64():
             i = out.schema.get_field_index("step")
-            out = out.set_column(i, pa.field("step", pa.int64()), out.column("step").cast(pa.int64()))
+            out = out.set_column(
+                i, pa.field("step", pa.int64()), out.column("step").cast(pa.int64())
+            )
         return out
 
 
@@ -152,20 +162,35 @@ def read_rollouts(
     spec = rollout_spec(path, steps=steps)
     kwargs: dict[str, Any] = {}
     if root is not None:
-        kwargs["partitioning"] = Partitioning(PartitionStyle.HIVE, base_dir=str(root), field_types={"step": int})
+        kwargs["partitioning"] = Partitioning(
+            PartitionStyle.HIVE, base_dir=str(root), field_types={"step": int}
+        )
         if steps is not None:
             kwargs["partition_filter"] = PathPartitionFilter.of(
-                _StepIn(steps), style=PartitionStyle.HIVE, base_dir=str(root), field_types={"step": int}
+                _StepIn(steps),
+                style=PartitionStyle.HIVE,
+                base_dir=str(root),
+                field_types={"step": int},
             )
     else:
         kwargs["partitioning"] = None
-    cols = None if columns is None else list(dict.fromkeys([*columns, *(["step"] if root is not None else [])]))
+    cols = (
+        None
+        if columns is None
+        else list(dict.fromkeys([*columns, *(["step"] if root is not None else [])]))
+    )
     # One seed path, not a list of files: Ray 2.60 resolves list entries on parallel threads, which
     # races on an optional fsspec import (fsspec.implementations.http without aiohttp).
     ds = ray.data.read_parquet(
-        str(path), columns=cols, file_extensions=["parquet"], override_num_blocks=override_num_blocks, **kwargs
+        str(path),
+        columns=cols,
+        file_extensions=["parquet"],
+        override_num_blocks=override_num_blocks,
+        **kwargs,
     )
-    return ds.map_batches(_Restore(spec.to_json()), batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
+    return ds.map_batches(
+        _Restore(spec.to_json()), batch_format="pyarrow", batch_size=None, zero_copy_batch=True
+    )
 
 
 # =========================================================== aggregation
@@ -182,7 +207,9 @@ class _Partials:
         table = batch.replace_schema_metadata({SPEC_METADATA_KEY: self.spec_json})
         parts: Mapping[int, ExpertCounts | RouteAgreement]
         if "step" not in table.schema.names:
-            table = table.append_column("step", pa.array(np.full(table.num_rows, _NO_STEP, np.int64)))
+            table = table.append_column(
+                "step", pa.array(np.full(table.num_rows, _NO_STEP, np.int64))
+            )
         tok: Any = self.tokens
         if self.kind == "counts":
             parts = _stats.expert_counts_by_step(table, tokens=tok)
@@ -192,7 +219,9 @@ class _Partials:
         return pa.table(
             {
                 "step": pa.array(list(parts), type=pa.int64()),
-                "partial": pa.array([p.to_vector() for p in parts.values()], type=pa.large_list(pa.int64())),
+                "partial": pa.array(
+                    [p.to_vector() for p in parts.values()], type=pa.large_list(pa.int64())
+                ),
             }
         )
 
@@ -222,7 +251,9 @@ def _sum_aggregate(kind: _Kind) -> Any:
 
     class SumPartials(AggregateFnV2[np.ndarray, np.ndarray]):
         def __init__(self) -> None:
-            super().__init__("partial", zero_factory=lambda: np.zeros(0, np.int64), on=None, ignore_nulls=False)
+            super().__init__(
+                "partial", zero_factory=lambda: np.zeros(0, np.int64), on=None, ignore_nulls=False
+            )
 
         def aggregate_block(self, block: Any) -> np.ndarray:
             col = BlockAccessor.for_block(block).to_arrow().column("partial")
@@ -240,14 +271,23 @@ def _sum_aggregate(kind: _Kind) -> Any:
     return SumPartials()
 
 
-def _as_dataset(source: Any, spec: RouteSpec | None, columns: list[str], steps: Sequence[int] | None) -> tuple[Any, RouteSpec]:
+def _as_dataset(
+    source: Any, spec: RouteSpec | None, columns: list[str], steps: Sequence[int] | None
+) -> tuple[Any, RouteSpec]:
     if isinstance(source, str | os.PathLike):
-        return read_rollouts(source, columns=columns, steps=steps), rollout_spec(source, steps=steps)
+        return read_rollouts(source, columns=columns, steps=steps), rollout_spec(
+            source, steps=steps
+        )
     if spec is None:
-        raise SchemaError("expected spec= with a Ray Dataset (Ray blocks carry no schema metadata), found None")
+        raise SchemaError(
+            "expected spec= with a Ray Dataset (Ray blocks carry no schema metadata), found None"
+        )
     if steps is not None:
         source = source.map_batches(
-            _KeepSteps([int(s) for s in steps]), batch_format="pyarrow", batch_size=None, zero_copy_batch=True
+            _KeepSteps([int(s) for s in steps]),
+            batch_format="pyarrow",
+            batch_size=None,
+            zero_copy_batch=True,
         )
     return source, spec
 
@@ -283,7 +323,14 @@ def _check_reduce(reduce: str) -> None:
         raise ValueError(f"reduce: expected 'driver' or 'ray', found {reduce!r}")
 
 
-def _partials(source: Any, spec: RouteSpec | None, kind: _Kind, tokens: str, other: str | None, steps: Sequence[int] | None) -> tuple[Any, RouteSpec]:
+def _partials(
+    source: Any,
+    spec: RouteSpec | None,
+    kind: _Kind,
+    tokens: str,
+    other: str | None,
+    steps: Sequence[int] | None,
+) -> tuple[Any, RouteSpec]:
     ds, spec = _as_dataset(source, spec, _columns(tokens, other), steps)
     fn = _Partials(spec.to_json(), kind, tokens, other)
     return ds.map_batches(fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True), spec
@@ -384,12 +431,17 @@ def expert_load(
 ) -> pl.DataFrame:
     """`r3arrow.stats.expert_load` computed on Ray: same columns, dtypes, order and values."""
     if not by_step:
-        return expert_counts(source, spec=spec, tokens=tokens, steps=steps, reduce=reduce).to_polars()
+        return expert_counts(
+            source, spec=spec, tokens=tokens, steps=steps, reduce=reduce
+        ).to_polars()
     per = expert_counts_by_step(source, spec=spec, tokens=tokens, steps=steps, reduce=reduce)
     if not per:
         raise SchemaError("by step: expected at least one step, found none")
     return pl.concat(
-        [c.to_polars().select(pl.lit(s, dtype=pl.Int64).alias("step"), pl.all()) for s, c in per.items()]
+        [
+            c.to_polars().select(pl.lit(s, dtype=pl.Int64).alias("step"), pl.all())
+            for s, c in per.items()
+        ]
     )
 
 
@@ -427,7 +479,9 @@ def _tensor_fields(mb: Any) -> Iterable[tuple[str, Any]]:
         return mb.items()
     if dataclasses.is_dataclass(mb) and not isinstance(mb, type):
         return ((f.name, getattr(mb, f.name)) for f in dataclasses.fields(mb))
-    raise TypeError(f"collator: expected a dataclass or mapping of arrays, found {type(mb).__name__}")
+    raise TypeError(
+        f"collator: expected a dataclass or mapping of arrays, found {type(mb).__name__}"
+    )
 
 
 def _as_numpy(value: Any) -> np.ndarray | None:
@@ -452,7 +506,9 @@ def microbatch_row(mb: Any, trajectory_ids: Sequence[str], step: int | None) -> 
         arr = _as_numpy(value)
         if arr is not None:
             flat = pa.array(np.ascontiguousarray(arr).reshape(-1))
-            cols[name] = pa.LargeListArray.from_arrays(pa.array([0, len(flat)], type=pa.int64()), flat)
+            cols[name] = pa.LargeListArray.from_arrays(
+                pa.array([0, len(flat)], type=pa.int64()), flat
+            )
             cols[f"{name}.shape"] = pa.array([list(arr.shape)], type=pa.list_(pa.int64()))
         elif isinstance(value, bool | int | float | np.integer | np.floating):
             cols[name] = pa.array([value.item() if isinstance(value, np.generic) else value])
@@ -484,7 +540,9 @@ def microbatch_arrays(rows: pa.Table) -> list[dict[str, Any]]:
 class _Collate:
     """Batch → one microbatch row per step present (a microbatch never mixes steps)."""
 
-    def __init__(self, make_collator: Callable[[], Callable[[pa.Table], Any]], spec_json: bytes) -> None:
+    def __init__(
+        self, make_collator: Callable[[], Callable[[pa.Table], Any]], spec_json: bytes
+    ) -> None:
         self.make_collator = make_collator
         self.spec_json = spec_json
         self._collator: Callable[[pa.Table], Any] | None = None
@@ -528,7 +586,10 @@ def collate(
     `microbatch_arrays` decodes them; ``trajectory_ids`` names each row's inputs.
     """
     return dataset.map_batches(
-        _Collate(make_collator, spec.to_json()), batch_format="pyarrow", batch_size=batch_size, zero_copy_batch=True
+        _Collate(make_collator, spec.to_json()),
+        batch_format="pyarrow",
+        batch_size=batch_size,
+        zero_copy_batch=True,
     )
 
 

@@ -1,6 +1,8 @@
 """Routing analytics: expert load, imbalance, entropy, drift and route agreement.
 
-Every statistic is built from *partial counts that add up exactly*
+Counting is vectorised: per cache-sized chunk of tokens, ``layer * E + id``
+codes and one bincount (torch's: GIL-free, so chunks run on a thread pool),
+no loop per token or layer. Every statistic is built from *partial counts that add up exactly*
 (`ExpertCounts`, `RouteAgreement`): a table is processed one record batch at a
 time, a ``step=N`` Parquet directory one step at a time (only that step's
 routes are resident), and the Ray path (`r3arrow.ray`) sums the same partials
@@ -97,7 +99,9 @@ def token_selection(table: pa.Table | pa.RecordBatch, tokens: str) -> np.ndarray
         return None
     for name in _SEL_COLUMNS[tokens]:
         if name not in table.schema.names:
-            raise SchemaError(f"tokens={tokens!r}: expected column {name!r}, found {table.schema.names}")
+            raise SchemaError(
+                f"tokens={tokens!r}: expected column {name!r}, found {table.schema.names}"
+            )
     cap = _list_lengths(table.column("routes"))
     plen = _list_lengths(table.column("prompt_ids"))
     starts = np.zeros(cap.size + 1, dtype=np.int64)
@@ -112,7 +116,9 @@ def token_selection(table: pa.Table | pa.RecordBatch, tokens: str) -> np.ndarray
     mlen = _list_lengths(table.column("loss_mask"))
     if not np.array_equal(mlen, rlen):
         i = int(np.flatnonzero(mlen != rlen)[0])
-        raise SchemaError(f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}")
+        raise SchemaError(
+            f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}"
+        )
     mask = np.asarray(pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False))
     rstart = np.zeros(rlen.size + 1, dtype=np.int64)
     np.cumsum(rlen, out=rstart[1:])
@@ -143,7 +149,9 @@ class ExpertCounts:
     def __post_init__(self) -> None:
         c = np.asarray(self.counts)
         if c.ndim != 2 or c.shape[0] != len(self.layers):
-            raise RouteShapeError(f"ExpertCounts: expected counts [{len(self.layers)}, E], found {list(c.shape)}")
+            raise RouteShapeError(
+                f"ExpertCounts: expected counts [{len(self.layers)}, E], found {list(c.shape)}"
+            )
         object.__setattr__(self, "counts", c.astype(np.int64, copy=False))
 
     @property
@@ -173,14 +181,20 @@ class ExpertCounts:
     @classmethod
     def empty(cls, spec: RouteSpec) -> ExpertCounts:
         """Zero counts for ``spec`` (``num_experts`` wide, or 0 wide when unknown)."""
-        return cls(spec.router_layers, np.zeros((len(spec.router_layers), spec.num_experts or 0), np.int64), 0)
+        return cls(
+            spec.router_layers,
+            np.zeros((len(spec.router_layers), spec.num_experts or 0), np.int64),
+            0,
+        )
 
     def to_polars(self) -> pl.DataFrame:
         """Long frame ``layer`` (Int32, global id), ``expert`` (Int32), ``tokens`` (Int64), (layer, expert) order."""
         n, e = self.counts.shape
         return pl.DataFrame(
             {
-                "layer": pl.Series(np.repeat(np.asarray(self.layers, dtype=np.int32), e), dtype=pl.Int32),
+                "layer": pl.Series(
+                    np.repeat(np.asarray(self.layers, dtype=np.int32), e), dtype=pl.Int32
+                ),
                 "expert": pl.Series(np.tile(np.arange(e, dtype=np.int32), n), dtype=pl.Int32),
                 "tokens": pl.Series(self.counts.reshape(-1), dtype=pl.Int64),
             }
@@ -196,11 +210,15 @@ class ExpertCounts:
         v = np.asarray(vec, dtype=np.int64)
         n, e = int(v[0]), int(v[1])
         if v.size != 3 + n + n * e:
-            raise SchemaError(f"ExpertCounts vector: expected {3 + n + n * e} values, found {v.size}")
+            raise SchemaError(
+                f"ExpertCounts vector: expected {3 + n + n * e} values, found {v.size}"
+            )
         return cls(tuple(int(x) for x in v[3 : 3 + n]), v[3 + n :].reshape(n, e).copy(), int(v[2]))
 
 
-def _router_block(arr: np.ndarray, layers: list[int] | None, rows: np.ndarray | slice) -> np.ndarray:
+def _router_block(
+    arr: np.ndarray, layers: list[int] | None, rows: np.ndarray | slice
+) -> np.ndarray:
     """``arr[rows][:, layers]`` with one gather (a view when both are trivial)."""
     if layers is None:
         return arr[rows]
@@ -224,11 +242,15 @@ def _check_selection(sel: np.ndarray | None, n: int) -> np.ndarray | None:
         return None
     s = np.asarray(sel)
     if s.dtype != np.bool_ or s.shape != (n,):
-        raise RouteShapeError(f"token selection: expected bool [{n}], found {s.dtype} {list(s.shape)}")
+        raise RouteShapeError(
+            f"token selection: expected bool [{n}], found {s.dtype} {list(s.shape)}"
+        )
     return s
 
 
-def _range_error(block: np.ndarray, num_experts: int, layers: Sequence[int], what: str) -> ExpertRangeError:
+def _range_error(
+    block: np.ndarray, num_experts: int, layers: Sequence[int], what: str
+) -> ExpertRangeError:
     bad = np.argwhere((block < 0) | (block >= num_experts))[0]
     value = int(block[tuple(bad)])
     return ExpertRangeError(
@@ -245,7 +267,9 @@ def _threads() -> int:
     return max(1, min(_MAX_THREADS, cpus))
 
 
-def _map_chunks(fn: Callable[[np.ndarray | slice], _T], chunks: list[np.ndarray | slice]) -> Iterator[_T]:
+def _map_chunks(
+    fn: Callable[[np.ndarray | slice], _T], chunks: list[np.ndarray | slice]
+) -> Iterator[_T]:
     """``fn`` over chunks, on a thread pool when there are several (numpy and torch release the GIL)."""
     if len(chunks) <= 1 or _threads() == 1:
         yield from map(fn, chunks)
@@ -284,7 +308,11 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
         # Unknown E: the expert axis spans the ids seen. Signed storage: negative ids
         # would move codes backwards, which the per-layer totals below cannot detect.
         sub = arr if spec.moe_layers is None else arr[:, layers, :]
-        lo, hi = (int(sub.min()), int(sub.max())) if sel is None else (int(sub[sel].min()), int(sub[sel].max()))
+        lo, hi = (
+            (int(sub.min()), int(sub.max()))
+            if sel is None
+            else (int(sub[sel].min()), int(sub[sel].max()))
+        )
         e = hi + 1 if e is None else e
         if lo < 0 or hi >= e:
             raise _range_error(sub if sel is None else sub[sel], e, layers, "routes")
@@ -302,7 +330,13 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
         else [i * e for i in range(width)],
         dtype=np.int64,
     )
-    code_dtype = np.int16 if top <= np.iinfo(np.int16).max else np.int32 if top <= np.iinfo(np.int32).max else np.int64
+    code_dtype = (
+        np.int16
+        if top <= np.iinfo(np.int16).max
+        else np.int32
+        if top <= np.iinfo(np.int32).max
+        else np.int64
+    )
     base = np.broadcast_to(base_l.astype(code_dtype)[:, None], (width, k))
     rows = max(1, _CHUNK_IDS // (width * k))
 
@@ -347,7 +381,9 @@ class RouteAgreement:
         for name in ("identical", "overlap"):
             v = np.asarray(getattr(self, name), dtype=np.int64)
             if v.shape != (len(self.layers),):
-                raise RouteShapeError(f"RouteAgreement.{name}: expected [{len(self.layers)}], found {list(v.shape)}")
+                raise RouteShapeError(
+                    f"RouteAgreement.{name}: expected [{len(self.layers)}], found {list(v.shape)}"
+                )
             object.__setattr__(self, name, v)
 
     def __eq__(self, other: object) -> bool:
@@ -380,11 +416,15 @@ class RouteAgreement:
     @classmethod
     def empty(cls, spec: RouteSpec) -> RouteAgreement:
         n = len(spec.router_layers)
-        return cls(spec.router_layers, spec.topk, 0, np.zeros(n, np.int64), np.zeros(n, np.int64), 0)
+        return cls(
+            spec.router_layers, spec.topk, 0, np.zeros(n, np.int64), np.zeros(n, np.int64), 0
+        )
 
     def _frac(self, num: Any, den: float) -> Any:
         with np.errstate(invalid="ignore", divide="ignore"):
-            return np.asarray(num, dtype=np.float64) / den if den else np.full(np.shape(num), np.nan)
+            return (
+                np.asarray(num, dtype=np.float64) / den if den else np.full(np.shape(num), np.nan)
+            )
 
     @property
     def identical_fraction(self) -> np.ndarray:
@@ -406,7 +446,9 @@ class RouteAgreement:
         return pl.DataFrame(
             {
                 "layer": pl.Series(np.asarray(self.layers, np.int32), dtype=pl.Int32),
-                "tokens": pl.Series(np.full(len(self.layers), self.tokens, np.int64), dtype=pl.Int64),
+                "tokens": pl.Series(
+                    np.full(len(self.layers), self.tokens, np.int64), dtype=pl.Int64
+                ),
                 "identical": pl.Series(self.identical_fraction, dtype=pl.Float64),
                 "overlap": pl.Series(self.mean_overlap, dtype=pl.Float64),
             }
@@ -419,14 +461,20 @@ class RouteAgreement:
             "tokens": float(self.tokens),
             "identical": float(self._frac(self.identical.sum(), self.tokens * len(self.layers))),
             "identical_min": float(ident.min()) if ident.size else math.nan,
-            "overlap": float(self._frac(self.overlap.sum(), self.tokens * self.topk * len(self.layers))),
+            "overlap": float(
+                self._frac(self.overlap.sum(), self.tokens * self.topk * len(self.layers))
+            ),
             "differing": self.differing_fraction,
         }
 
     def to_vector(self) -> np.ndarray:
         """Flat int64 encoding (inverse: `from_vector`)."""
-        head = np.array([len(self.layers), self.topk, self.tokens, self.all_identical], dtype=np.int64)
-        return np.concatenate([head, np.asarray(self.layers, np.int64), self.identical, self.overlap])
+        head = np.array(
+            [len(self.layers), self.topk, self.tokens, self.all_identical], dtype=np.int64
+        )
+        return np.concatenate(
+            [head, np.asarray(self.layers, np.int64), self.identical, self.overlap]
+        )
 
     @classmethod
     def from_vector(cls, vec: Any) -> RouteAgreement:
@@ -444,7 +492,9 @@ class RouteAgreement:
         )
 
 
-def compare_routes(a: Any, b: Any, spec: RouteSpec, *, select: np.ndarray | None = None) -> RouteAgreement:
+def compare_routes(
+    a: Any, b: Any, spec: RouteSpec, *, select: np.ndarray | None = None
+) -> RouteAgreement:
     """Agreement of two aligned route arrays ``[T, L, K]`` (any integer dtypes) on the router layers.
 
     Row ``t`` of ``a`` and of ``b`` must route the same token. Raises
@@ -455,7 +505,9 @@ def compare_routes(a: Any, b: Any, spec: RouteSpec, *, select: np.ndarray | None
     x = as_route_rows(a, spec, what="routes a")
     y = as_route_rows(b, spec, what="routes b")
     if x.shape != y.shape:
-        raise RouteShapeError(f"expected two route arrays of one shape, found {list(x.shape)} and {list(y.shape)}")
+        raise RouteShapeError(
+            f"expected two route arrays of one shape, found {list(x.shape)} and {list(y.shape)}"
+        )
     sel = _check_selection(select, x.shape[0])
     layers = list(spec.router_layers)
     pick = None if spec.moe_layers is None else layers
@@ -496,7 +548,9 @@ def compare_routes(a: Any, b: Any, spec: RouteSpec, *, select: np.ndarray | None
 def _check_block(block: np.ndarray, spec: RouteSpec, layers: Sequence[int], what: str) -> None:
     e = spec.num_experts
     if block.dtype.kind == "i" and int(block.min()) < 0:
-        raise _range_error(block, e if e is not None else int(np.iinfo(block.dtype).max), layers, what)
+        raise _range_error(
+            block, e if e is not None else int(np.iinfo(block.dtype).max), layers, what
+        )
     if e is not None and int(block.max()) >= e:
         raise _range_error(block, e, layers, what)
     k = block.shape[-1]
@@ -513,18 +567,24 @@ def _check_block(block: np.ndarray, spec: RouteSpec, layers: Sequence[int], what
 
 
 # ============================================================ table plumbing
-def _route_rows(col: pa.Array | pa.ChunkedArray, spec: RouteSpec, name: str) -> tuple[np.ndarray, np.ndarray]:
+def _route_rows(
+    col: pa.Array | pa.ChunkedArray, spec: RouteSpec, name: str
+) -> tuple[np.ndarray, np.ndarray]:
     """(rows ``[T, L, K]``, lengths ``[B]``) of a ragged routes column, nested or fixed_size_binary storage."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if not (pa.types.is_large_list(col.type) or pa.types.is_list(col.type)):
-        raise SchemaError(f"column {name!r}: expected a large_list of per-token routes, found {col.type}")
+        raise SchemaError(
+            f"column {name!r}: expected a large_list of per-token routes, found {col.type}"
+        )
     lengths = _list_lengths(col)
     values = col.flatten()
     if pa.types.is_fixed_size_binary(values.type):
         per = spec.num_layers * spec.topk
         width = values.type.byte_width
-        dtype = {1: np.uint8, 2: np.uint16, 4: np.int32}.get(width // per) if width % per == 0 else None
+        dtype = (
+            {1: np.uint8, 2: np.uint16, 4: np.int32}.get(width // per) if width % per == 0 else None
+        )
         if dtype is None:
             raise SchemaError(
                 f"column {name!r}: expected fixed_size_binary of {per} ids (1, 2 or 4 bytes each), found {values.type}"
@@ -581,7 +641,9 @@ def _iter_source(
                 yield step, batches.pop(0)
         return
     if not isinstance(source, pa.Table | pa.RecordBatch):
-        raise TypeError(f"expected a rollout table, record batch or Parquet path, found {type(source).__name__}")
+        raise TypeError(
+            f"expected a rollout table, record batch or Parquet path, found {type(source).__name__}"
+        )
     missing_cols = [c for c in columns if c not in source.schema.names]
     if missing_cols:
         raise SchemaError(f"expected columns {missing_cols}, found {source.schema.names}")
@@ -595,7 +657,11 @@ def _iter_source(
     if step_col.null_count:
         raise SchemaError(f"step: expected no nulls, found {step_col.null_count}")
     values = np.asarray(step_col.to_numpy(), dtype=np.int64)
-    wanted = np.unique(values) if steps is None else np.asarray(sorted({int(s) for s in steps}), np.int64)
+    wanted = (
+        np.unique(values)
+        if steps is None
+        else np.asarray(sorted({int(s) for s in steps}), np.int64)
+    )
     table = source if isinstance(source, pa.Table) else pa.Table.from_batches([source])
     for s in wanted:
         rows = np.flatnonzero(values == s)
@@ -636,7 +702,9 @@ def _aligned_rows(
     return rows_b
 
 
-def batch_agreement(batch: pa.Table | pa.RecordBatch, other: str, tokens: str = "all") -> RouteAgreement:
+def batch_agreement(
+    batch: pa.Table | pa.RecordBatch, other: str, tokens: str = "all"
+) -> RouteAgreement:
     """`RouteAgreement` of ``routes`` vs the routes column ``other`` of one table or record batch."""
     spec = route_spec(batch)
     rows_a, _ = flat_routes(batch)
@@ -651,7 +719,9 @@ def _source_spec(source: Source) -> RouteSpec | None:
 
 
 # ============================================================== public API
-def expert_counts(source: Source, *, tokens: TokenSubset = "all", steps: Sequence[int] | None = None) -> ExpertCounts:
+def expert_counts(
+    source: Source, *, tokens: TokenSubset = "all", steps: Sequence[int] | None = None
+) -> ExpertCounts:
     """Total `ExpertCounts` of a rollout table, a Parquet file or a ``step=N`` directory (streamed by step)."""
     _check_subset(tokens)
     total: ExpertCounts | None = None
@@ -675,7 +745,9 @@ def expert_counts_by_step(
     out: dict[int, ExpertCounts] = {}
     for step, batch in _iter_source(source, _columns_for(tokens), steps):
         if step is None:
-            raise SchemaError("by step: expected a step=N/ directory or a table with a 'step' column, found neither")
+            raise SchemaError(
+                "by step: expected a step=N/ directory or a table with a 'step' column, found neither"
+            )
         part = batch_counts(batch, tokens)
         out[step] = out[step] + part if step in out else part
         del batch
@@ -719,7 +791,9 @@ def _agreement_parts(
 ) -> Iterator[tuple[int | None, RouteAgreement]]:
     if isinstance(a, pa.Table | pa.RecordBatch) or _is_path(a):
         if isinstance(tokens, np.ndarray):
-            raise TypeError("tokens: a bool mask is for numpy inputs; tables and paths take a subset name")
+            raise TypeError(
+                "tokens: a bool mask is for numpy inputs; tables and paths take a subset name"
+            )
         _check_subset(tokens)
         if isinstance(b, str):
             for step, batch in _iter_source(a, _columns_for(tokens, (b,)), steps):
@@ -728,7 +802,9 @@ def _agreement_parts(
                 yield step, part
             return
         if _is_path(a) or steps is not None:
-            raise TypeError("route_agreement: with a path or steps=, b must name a routes column of the same files")
+            raise TypeError(
+                "route_agreement: with a path or steps=, b must name a routes column of the same files"
+            )
         ta = cast("pa.Table | pa.RecordBatch", a)
         sa = route_spec(ta) if spec is None else spec
         rows_a, _ = flat_routes(ta)
@@ -798,7 +874,9 @@ def route_agreement_by_step(
     out: dict[int, RouteAgreement] = {}
     for step, part in _agreement_parts(source, other, None, tokens, steps):
         if step is None:
-            raise SchemaError("by step: expected a step=N/ directory or a table with a 'step' column, found neither")
+            raise SchemaError(
+                "by step: expected a step=N/ directory or a table with a 'step' column, found neither"
+            )
         out[step] = out[step] + part if step in out else part
     return dict(sorted(out.items()))
 
@@ -810,7 +888,9 @@ def agreement_over_steps(results: Mapping[int, RouteAgreement]) -> pl.DataFrame:
     layer (the same value on each of the step's rows).
     """
     frames = {
-        s: r.per_layer().with_columns(pl.lit(r.differing_fraction, dtype=pl.Float64).alias("differing"))
+        s: r.per_layer().with_columns(
+            pl.lit(r.differing_fraction, dtype=pl.Float64).alias("differing")
+        )
         for s, r in sorted(results.items())
     }
     return _stack_steps(frames)
@@ -821,7 +901,9 @@ def _keys(frame: pl.DataFrame | pl.LazyFrame) -> list[str]:
     names = frame.collect_schema().names()
     for need in ("layer", "expert", "tokens"):
         if need not in names:
-            raise SchemaError(f"expected an expert_load frame (layer, expert, tokens), found columns {names}")
+            raise SchemaError(
+                f"expected an expert_load frame (layer, expert, tokens), found columns {names}"
+            )
     return ["step", "layer"] if "step" in names else ["layer"]
 
 
@@ -854,7 +936,9 @@ def load_summary(load: Frame, *, hot_factor: float = 2.0) -> Frame:
             .otherwise(float("nan"))
             .alias("entropy")
         )
-        .with_columns((pl.col("entropy") / pl.col("experts").cast(pl.Float64).log(2)).alias("entropy_norm"))
+        .with_columns(
+            (pl.col("entropy") / pl.col("experts").cast(pl.Float64).log(2)).alias("entropy_norm")
+        )
         .sort(keys)
     )
 
@@ -887,7 +971,11 @@ def _drift(joined: Frame, keys: list[str]) -> Frame:
     )
 
     def kl(x: str) -> pl.Expr:
-        return pl.when(pl.col(x) > 0).then(pl.col(x) * (pl.col(x) / pl.col("_m")).log(2)).otherwise(0.0)
+        return (
+            pl.when(pl.col(x) > 0)
+            .then(pl.col(x) * (pl.col(x) / pl.col("_m")).log(2))
+            .otherwise(0.0)
+        )
 
     return (
         framed.group_by(keys, maintain_order=True)
@@ -909,13 +997,22 @@ def load_drift(a: pl.DataFrame, b: pl.DataFrame) -> pl.DataFrame:
     """
     for f in (a, b):
         if _keys(f) != ["layer"]:
-            raise SchemaError("load_drift: expected expert_load frames without a step column; use drift_over_steps")
+            raise SchemaError(
+                "load_drift: expected expert_load frames without a step column; use drift_over_steps"
+            )
     layers_a, layers_b = set(a["layer"].unique().to_list()), set(b["layer"].unique().to_list())
     if layers_a != layers_b:
-        raise SchemaError(f"load_drift: expected the same layers, found {sorted(layers_a)} and {sorted(layers_b)}")
+        raise SchemaError(
+            f"load_drift: expected the same layers, found {sorted(layers_a)} and {sorted(layers_b)}"
+        )
     joined = (
         a.select("layer", "expert", pl.col("tokens").alias("tokens_a"))
-        .join(b.select("layer", "expert", pl.col("tokens").alias("tokens_b")), on=["layer", "expert"], how="full", coalesce=True)
+        .join(
+            b.select("layer", "expert", pl.col("tokens").alias("tokens_b")),
+            on=["layer", "expert"],
+            how="full",
+            coalesce=True,
+        )
         .fill_null(0)
     )
     return _drift(joined, ["layer"])
@@ -927,25 +1024,26 @@ def drift_over_steps(load: Frame) -> Frame:
     Columns ``step``, ``prev_step``, ``layer``, ``tv``, ``js``, ``max_shift``; the first step has no row.
     """
     if _keys(load) != ["step", "layer"]:
-        raise SchemaError("drift_over_steps: expected an expert_load frame with a step column (by_step=True)")
+        raise SchemaError(
+            "drift_over_steps: expected an expert_load frame with a step column (by_step=True)"
+        )
     steps = load.select(pl.col("step").unique().sort())
     order = steps.with_columns(pl.col("step").shift(-1).alias("next_step")).drop_nulls()
-    prev = (
-        load.join(order, on="step")
-        .select(
-            pl.col("next_step").alias("step"),
-            pl.col("step").alias("prev_step"),
-            "layer",
-            "expert",
-            pl.col("tokens").alias("tokens_a"),
-        )
+    prev = load.join(order, on="step").select(
+        pl.col("next_step").alias("step"),
+        pl.col("step").alias("prev_step"),
+        "layer",
+        "expert",
+        pl.col("tokens").alias("tokens_a"),
     )
     cur = load.join(order.select(pl.col("next_step").alias("step")), on="step").select(
         "step", "layer", "expert", pl.col("tokens").alias("tokens_b")
     )
-    joined = prev.join(cur, on=["step", "layer", "expert"], how="full", coalesce=True).with_columns(
-        pl.col("tokens_a").fill_null(0), pl.col("tokens_b").fill_null(0)
-    ).with_columns(pl.col("prev_step").max().over("step"))
+    joined = (
+        prev.join(cur, on=["step", "layer", "expert"], how="full", coalesce=True)
+        .with_columns(pl.col("tokens_a").fill_null(0), pl.col("tokens_b").fill_null(0))
+        .with_columns(pl.col("prev_step").max().over("step"))
+    )
     return _drift(joined, ["step", "prev_step", "layer"])
 
 
@@ -976,7 +1074,9 @@ def routes_torch(table: pa.Table | pa.RecordBatch) -> tuple[torch.Tensor, torch.
         raise RouteShapeError(f"expected no null tokens in routes, found {tokens.null_count}")
     leaf = tokens.flatten().flatten()
     if len(leaf) != len(tokens) * spec.num_layers * spec.topk:
-        raise RouteShapeError(f"expected {len(tokens) * spec.num_layers * spec.topk} expert ids, found {len(leaf)}")
+        raise RouteShapeError(
+            f"expected {len(tokens) * spec.num_layers * spec.topk} expert ids, found {len(leaf)}"
+        )
     rows = torch.utils.dlpack.from_dlpack(leaf).view(len(tokens), spec.num_layers, spec.topk)
     return rows, torch.from_numpy((offsets - offsets[0]).copy())
 

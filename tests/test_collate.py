@@ -249,7 +249,12 @@ def test_multi_chunk_table_equals_single_chunk() -> None:
     joined = pa.concat_tables([_table(SPEC, [A, B]), c])
     assert joined.column("routes").num_chunks == 2
     single = joined.combine_chunks()
-    for kw in ({}, {"packed": True, "align": 4}, {"packed": True, "cp_size": 2, "cp_rank": 1}):
+    for kw in (
+        {},
+        {"layers": [2, 1]},
+        {"packed": True, "align": 4},
+        {"packed": True, "cp_size": 2, "cp_rank": 1},
+    ):
         a, b = MegatronCollator(SPEC, **kw)(joined), MegatronCollator(SPEC, **kw)(single)  # type: ignore[arg-type]
         assert torch.equal(a.layer_major, b.layer_major) and torch.equal(a.input_ids, b.input_ids)
 
@@ -274,8 +279,62 @@ def test_output_buffers_reused_only_when_unreferenced() -> None:
     fourth = collate(table)
     assert fourth.layer_major.data_ptr() != ptr
     assert kept.tolist() == snapshot[0, :, 0].tolist()
+    del second, fourth, kept
+    gc.collect()
+    big = _table(SPEC, [A, B] * 40)
+    held = collate(big)  # needs more than any pooled buffer: the small free ones are replaced
+    assert len(collate._pool) == 1 and collate.pooled_bytes >= held.layer_major.nbytes
+    collate.release_buffers()
+    assert collate.pooled_bytes > 0  # held is still in use
+    del held
+    gc.collect()
+    collate.release_buffers()
+    assert collate.pooled_bytes == 0
     fresh = MegatronCollator(SPEC, packed=True, reuse_buffers=False)
     assert fresh.pooled_bytes == 0 and torch.equal(fresh(table).routes, snapshot)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"packed": True}, {"packed": False}, {"packed": True, "cp_size": 2, "cp_rank": 1, "align": 3}],
+)
+def test_threaded_route_copies_equal_single_thread(
+    monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any]
+) -> None:
+    rng = np.random.default_rng(3)
+    spec = RouteSpec(num_layers=4, topk=2, num_experts=100, moe_layers=(1, 2, 3))
+    trajs = []
+    for i in range(7):
+        n = int(rng.integers(3, 40))
+        c = n - 1 if i % 2 else n // 2
+        trajs.append(
+            {
+                "prompt": [1],
+                "response": list(range(2, n + 1)),
+                "mask": [int(1 + j <= c) for j in range(n - 1)],
+                "routes": _rows(c, i, spec),
+            }
+        )
+    table = _table(spec, trajs)
+    single = MegatronCollator(spec, num_threads=1, **kw)(table)
+    monkeypatch.setattr(r3arrow.collate, "_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(r3arrow.collate, "_BLOCK_BYTES", 64)  # many small blocks per thread
+    threaded = MegatronCollator(spec, num_threads=3, **kw)(table)
+    assert torch.equal(single.layer_major, threaded.layer_major)
+    assert torch.equal(single.padding_mask, threaded.padding_mask)
+    with pytest.raises(ReplayError, match="num_threads"):
+        MegatronCollator(spec, num_threads=0)
+
+
+def test_microbatch_to_device_and_repr() -> None:
+    mb = MegatronCollator(SPEC, packed=True, align=4)(_table(SPEC, [A, B]))
+    moved = mb.to("cpu")
+    assert torch.equal(moved.routes, mb.routes) and moved.cu_seqlens is not None
+    assert "packed 1x12" in repr(mb) and "layers=[1, 2]" in repr(mb)
+    assert (
+        r3arrow.MegatronCollator is MegatronCollator
+        and r3arrow.split_microbatches is split_microbatches
+    )
 
 
 # ------------------------------------------------------------ reference check

@@ -16,7 +16,10 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.megatron
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning"),
+]
 
 import r3arrow  # noqa: E402
 from r3arrow import RouteSpec  # noqa: E402
@@ -86,6 +89,8 @@ def _config(**kw: Any) -> Any:
         "hidden_size": HIDDEN,
         "num_attention_heads": 2,
         "num_moe_experts": EXPERTS,
+        "ffn_hidden_size": 2 * HIDDEN,
+        "moe_ffn_hidden_size": 2 * HIDDEN,
         "moe_router_topk": TOPK,
         "moe_enable_routing_replay": True,
         "moe_router_load_balancing_type": "none",
@@ -317,6 +322,14 @@ def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace)
             )
         with pytest.raises(ReplayError, match="expected one target per RouterReplay instance"):
             install_replay(good[:2], num_tokens=n)
+        dup = [t.clone() for t in good]
+        dup[1][0, 1] = dup[1][0, 0]
+        with pytest.raises(DuplicateExpertError, match="layer 2: expected 2 distinct"):
+            install_replay(dup, num_tokens=n, layers=MOE, num_experts=EXPERTS)
+        high = [t.clone() for t in good]
+        high[0][3, 0] = EXPERTS
+        with pytest.raises(ExpertRangeError, match="at token 3"):
+            install_replay(high, num_tokens=n, num_experts=EXPERTS)
         with pytest.raises(ReplayError, match="int32 or int64"):
             install_replay([t.to(torch.uint8) for t in good], num_tokens=n)
         mb = collate(table)

@@ -12,8 +12,8 @@ from test_stats import SPEC, make_table
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (the plot extra)")
 
-from r3arrow import plot, stats  # noqa: E402
-from r3arrow.errors import SchemaError  # noqa: E402
+from r3arrow import plot, stats
+from r3arrow.errors import SchemaError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -36,13 +36,21 @@ def by_step() -> tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]:
         for i, s in enumerate((0, 10, 20, 30))
     ]
     load = pl.concat(
-        [stats.expert_load(t).select(pl.lit(s, dtype=pl.Int64).alias("step"), pl.all()) for s, t in zip((0, 10, 20, 30), tables, strict=True)]
+        [
+            stats.expert_load(t).select(pl.lit(s, dtype=pl.Int64).alias("step"), pl.all())
+            for s, t in zip((0, 10, 20, 30), tables, strict=True)
+        ]
     )
-    agreement = {s: stats.route_agreement(t, "trainer_routes") for s, t in zip((0, 10, 20, 30), tables, strict=True)}
+    agreement = {
+        s: stats.route_agreement(t, "trainer_routes")
+        for s, t in zip((0, 10, 20, 30), tables, strict=True)
+    }
     return load, agreement
 
 
-def test_expert_load_heatmap(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]) -> None:
+def test_expert_load_heatmap(
+    tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]
+) -> None:
     load, _ = by_step
     one = load.filter(pl.col("step") == 0).drop("step")
     out = plot.plot_expert_load(one, tmp_path / "sub" / "load.png")
@@ -58,7 +66,9 @@ def test_expert_load_heatmap(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[i
     assert summed.read_bytes() != out.read_bytes()
 
 
-def test_imbalance_over_steps(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]) -> None:
+def test_imbalance_over_steps(
+    tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]
+) -> None:
     load, _ = by_step
     a = plot.plot_imbalance(load, tmp_path / "imb.png")
     b = plot.plot_imbalance(stats.load_summary(load), tmp_path / "imb2.png")
@@ -73,7 +83,9 @@ def test_imbalance_over_steps(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[
         plot.plot_imbalance(load, tmp_path / "x.png", metric="nope")
 
 
-def test_agreement_over_steps(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]) -> None:
+def test_agreement_over_steps(
+    tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]
+) -> None:
     _, agreement = by_step
     a = plot.plot_agreement(agreement, tmp_path / "agr.png")
     b = plot.plot_agreement(stats.agreement_over_steps(agreement), tmp_path / "agr2.png")
@@ -83,7 +95,9 @@ def test_agreement_over_steps(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[
     assert a.stat().st_size > 10_000
 
 
-def test_bad_inputs(tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]) -> None:
+def test_bad_inputs(
+    tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]
+) -> None:
     load, _ = by_step
     with pytest.raises(ValueError, match=r"\.png"):
         plot.plot_expert_load(load, tmp_path / "load.jpg")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ STEPS = (0, 2, 5)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     try:
@@ -85,7 +86,9 @@ def test_ray_hash_aggregate_equals_local_path(cluster: None, step_dir: Path) -> 
     assert {s: a.differing_fraction > 0 for s, a in got.items()} == dict.fromkeys(STEPS, True)
 
 
-def test_collate_as_map_batches_and_write_back(cluster: None, step_dir: Path, tmp_path: Path) -> None:
+def test_collate_as_map_batches_and_write_back(
+    cluster: None, step_dir: Path, tmp_path: Path
+) -> None:
     collate_mod = pytest.importorskip("r3arrow.collate")
     make = functools.partial(collate_mod.MegatronCollator, SPEC, packed=True, align=4)
     collator = make()
@@ -94,14 +97,26 @@ def test_collate_as_map_batches_and_write_back(cluster: None, step_dir: Path, tm
     r3ray.collate(ds, make, spec=SPEC, batch_size=4).write_parquet(str(out))
     rows = r3ray.microbatch_arrays(pq.read_table(out))
     local = read_rollouts(step_dir)
-    index = {(s, t): i for i, (s, t) in enumerate(zip(local["step"].to_pylist(), local["trajectory_id"].to_pylist(), strict=True))}
+    index = {
+        (s, t): i
+        for i, (s, t) in enumerate(
+            zip(local["step"].to_pylist(), local["trajectory_id"].to_pylist(), strict=True)
+        )
+    }
     seen: list[Any] = []
     for row in rows:
         ids = row["trajectory_ids"]
         assert 1 <= len(ids) <= 4
         part = take_rows(local, [index[(row["step"], t)] for t in ids])
         mb = collator(part)
-        for name in ("input_ids", "position_ids", "loss_mask", "padding_mask", "layer_major", "cu_seqlens"):
+        for name in (
+            "input_ids",
+            "position_ids",
+            "loss_mask",
+            "padding_mask",
+            "layer_major",
+            "cu_seqlens",
+        ):
             np.testing.assert_array_equal(row[name], getattr(mb, name).numpy(), err_msg=name)
         np.testing.assert_array_equal(row["seq_lens"], mb.seq_lens)
         seen += [(row["step"], t) for t in ids]
