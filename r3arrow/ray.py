@@ -110,37 +110,31 @@ def rollout_spec(path: PathLike, *, steps: Sequence[int] | None = None) -> Route
     return spec
 
 
-class _Restore:
-    """Block transform: storage routes → nested per-token type, ``step`` → int64."""
+class _ReadUnits:
+    """Batch of read units (path, row group, step) → the rollout rows, routes restored, ``step`` int64."""
 
-    def __init__(self, spec_json: bytes) -> None:
-        self.spec_json = spec_json
+    def __init__(self, columns: list[str] | None) -> None:
+        self.columns = columns
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         from r3arrow.io import from_storage
 
-        meta = {**(batch.schema.metadata or {}), SPEC_METADATA_KEY: self.spec_json}
-        if "routes" in batch.schema.names and pa.types.is_fixed_size_binary(
-            batch.schema.field("routes").type.value_type
-        ):
-            meta[b"r3arrow.routes_storage"] = b"fixed_size_binary/little-endian"
-        out = from_storage(batch.replace_schema_metadata(meta))
-        if "step" in out.schema.names and out.schema.field("step").type != pa.int64():
-            i = out.schema.get_field_index("step")
-            out = out.set_column(
-                i, pa.field("step", pa.int64()), out.column("step").cast(pa.int64())
-            )
-        return out
-
-
-class _StepIn:
-    """Partition filter: keep ``step=N`` directories whose N is in ``steps``."""
-
-    def __init__(self, steps: Sequence[int]) -> None:
-        self.steps = {int(s) for s in steps}
-
-    def __call__(self, partition: Mapping[str, Any]) -> bool:
-        return int(partition["step"]) in self.steps
+        parts = []
+        units = zip(
+            batch.column("path").to_pylist(),
+            batch.column("row_group").to_pylist(),
+            batch.column("step").to_pylist(),
+            strict=True,
+        )
+        for path, row_group, step in units:  # one Parquet row group each: not a hot loop
+            pf = pq.ParquetFile(path)
+            table = pf.read_row_group(row_group, columns=self.columns)
+            table = from_storage(table.replace_schema_metadata(pf.schema_arrow.metadata))
+            if step is not None:
+                steps = pa.array(np.full(table.num_rows, step, np.int64))
+                table = table.append_column(pa.field("step", pa.int64()), steps)
+            parts.append(table.replace_schema_metadata(None))
+        return pa.concat_tables(parts)
 
 
 def read_rollouts(
@@ -148,49 +142,32 @@ def read_rollouts(
     *,
     columns: Sequence[str] | None = None,
     steps: Sequence[int] | None = None,
-    override_num_blocks: int | None = None,
 ) -> ray.data.Dataset:
     """A lazy Ray Dataset over a rollout file or ``step=N`` directory, routes restored, ``step`` int64.
 
-    ``columns`` projects (``step`` is added for a directory); ``steps`` selects
-    partitions. Blocks carry no schema metadata: keep ``rollout_spec(path)``.
+    One read task per Parquet row group, with r3arrow's reader (storage routes
+    restored to the nested type without a copy). ``columns`` projects (``step``
+    is added for a directory); ``steps`` selects partitions. Blocks carry no
+    schema metadata: keep ``rollout_spec(path)`` for the spec.
     """
     import ray.data
-    from ray.data.datasource.partitioning import Partitioning, PartitionStyle, PathPartitionFilter
 
-    _, root = _files(path, steps)
-    spec = rollout_spec(path, steps=steps)
-    kwargs: dict[str, Any] = {}
-    if root is not None:
-        kwargs["partitioning"] = Partitioning(
-            PartitionStyle.HIVE, base_dir=str(root), field_types={"step": int}
-        )
-        if steps is not None:
-            kwargs["partition_filter"] = PathPartitionFilter.of(
-                _StepIn(steps),
-                style=PartitionStyle.HIVE,
-                base_dir=str(root),
-                field_types={"step": int},
-            )
-    else:
-        kwargs["partitioning"] = None
-    cols = (
-        None
-        if columns is None
-        else list(dict.fromkeys([*columns, *(["step"] if root is not None else [])]))
-    )
-    # One seed path, not a list of files: Ray 2.60 resolves list entries on parallel threads, which
-    # races on an optional fsspec import (fsspec.implementations.http without aiohttp).
-    ds = ray.data.read_parquet(
-        str(path),
-        columns=cols,
-        file_extensions=["parquet"],
-        override_num_blocks=override_num_blocks,
-        **kwargs,
-    )
-    return ds.map_batches(
-        _Restore(spec.to_json()), batch_format="pyarrow", batch_size=None, zero_copy_batch=True
-    )
+    files, root = _files(path, steps)
+    rollout_spec(path, steps=steps)  # fail early on foreign files or mixed specs
+    units = [
+        {
+            "path": f,
+            "row_group": g,
+            "step": int(Path(f).parent.name.split("=", 1)[1]) if root is not None else None,
+        }
+        for f in files
+        for g in range(pq.ParquetFile(f).metadata.num_row_groups)
+    ]
+    if not units:
+        raise SchemaError(f"{path}: expected rollout row groups, found none")
+    cols = None if columns is None else list(dict.fromkeys(c for c in columns if c != "step"))
+    ds = ray.data.from_items(units, override_num_blocks=len(units))
+    return ds.map_batches(_ReadUnits(cols), batch_format="pyarrow", batch_size=1)
 
 
 # =========================================================== aggregation

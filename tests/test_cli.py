@@ -1,0 +1,193 @@
+"""The `r3arrow` command line on files the tests write: exit codes, output, errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pytest
+from conftest import random_routes
+
+import r3arrow
+from r3arrow import codec
+from r3arrow.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
+from r3arrow.spec import RouteSpec
+
+SPEC = RouteSpec(num_layers=4, topk=2, num_experts=8, moe_layers=(1, 2, 3))
+
+
+def _table(rng: np.random.Generator, rows: int = 5) -> pa.Table:
+    prompts = [rng.integers(0, 100, size=int(rng.integers(2, 6))).tolist() for _ in range(rows)]
+    responses = [rng.integers(0, 100, size=int(rng.integers(1, 6))).tolist() for _ in range(rows)]
+    routes = [random_routes(rng, len(p) + len(r) - 1, SPEC) for p, r in zip(prompts, responses, strict=True)]
+    return r3arrow.rollout_table(
+        trajectory_id=[f"t{i}" for i in range(rows)],
+        group_id=[f"g{i // 2}" for i in range(rows)],
+        prompt_ids=prompts,
+        response_ids=responses,
+        loss_mask=[[1] * len(r) for r in responses],
+        reward=rng.random(rows).tolist(),
+        routes=routes,
+        spec=SPEC,
+    )
+
+
+@pytest.fixture
+def rollout_file(tmp_path: Path, rng: np.random.Generator) -> Path:
+    return r3arrow.write_rollouts(_table(rng), tmp_path / "r.parquet")
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "inspect", "stats", "convert", "bench"):
+        assert command in out
+
+
+def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect"])
+    assert exc.value.code == EXIT_USAGE
+    assert "path" in capsys.readouterr().err
+
+
+def test_console_script_entry_point(rollout_file: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "r3arrow", "inspect", str(rollout_file), "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert orjson.loads(proc.stdout)["rows"] == 5
+
+
+def test_inspect_reports_rows_tokens_captured_and_size(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = r3arrow.read_rollouts(rollout_file)
+    assert main(["inspect", str(rollout_file), "--json"]) == EXIT_OK
+    info = orjson.loads(capsys.readouterr().out)
+    tokens = sum(len(p) + len(r) for p, r in zip(
+        table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), strict=True))
+    captured = sum(len(r) for r in table.column("routes").to_pylist())
+    assert info["rows"] == 5 and info["tokens"] == tokens and info["captured_rows"] == captured
+    assert info["captured_fraction"] == pytest.approx(captured / tokens)
+    assert info["size_on_disk"] == rollout_file.stat().st_size
+    assert info["spec"]["moe_layers"] == [1, 2, 3]
+    assert main(["inspect", str(rollout_file)]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "rows (trajectories): 5" in text and "of tokens" in text
+
+
+def test_inspect_step_directory_and_ipc(tmp_path: Path, rng: np.random.Generator,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    for step in (0, 3):
+        r3arrow.write_rollouts(_table(rng), tmp_path / "run", step=step)
+    assert main(["inspect", str(tmp_path / "run"), "--json"]) == EXIT_OK
+    info = orjson.loads(capsys.readouterr().out)
+    assert info["rows"] == 10 and info["steps"] == [0, 3]
+    ipc = r3arrow.write_ipc(_table(rng), tmp_path / "r.arrow")
+    assert main(["inspect", str(ipc), "--json"]) == EXIT_OK
+    assert orjson.loads(capsys.readouterr().out)["rows"] == 5
+
+
+@pytest.mark.parametrize("content", [b"", b"PAR1 not really parquet", b"\x00" * 100])
+def test_inspect_corrupt_file_fails_clearly(tmp_path: Path, content: bytes,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(content)
+    assert main(["inspect", str(bad)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("r3arrow: error:") and str(bad) in err
+
+
+def test_inspect_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path / "nope.parquet")]) == EXIT_ERROR
+    assert "nope.parquet" in capsys.readouterr().err
+
+
+def test_stats_json_and_plot(rollout_file: Path, tmp_path: Path,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "load.png"
+    assert main(["stats", str(rollout_file), "--json", "--plot", str(png)]) == EXIT_OK
+    out = orjson.loads(capsys.readouterr().out)
+    table = r3arrow.read_rollouts(rollout_file)
+    want = r3arrow.expert_load(table).to_dicts()
+    assert out["load"] == want
+    assert {row["layer"] for row in out["layers"]} == {1, 2, 3}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["stats", str(rollout_file), "--tokens", "loss"]) == EXIT_OK
+    assert "per-layer routing (loss tokens)" in capsys.readouterr().out
+
+
+def _dump(path: Path, records: list[dict[str, object]]) -> Path:
+    path.write_bytes(b"\n".join(orjson.dumps(r) for r in records) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "packed", "sglang", "npy"])
+def test_convert_payload_dumps_round_trip(tmp_path: Path, rng: np.random.Generator, fmt: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    records, expected = [], []
+    for i in range(3):
+        prompt, response = list(range(1, 4 + i)), list(range(10, 12 + i))
+        routes = random_routes(rng, len(prompt) + len(response) - 1, SPEC)
+        expected.append(routes)
+        rec: dict[str, object] = {"trajectory_id": f"x{i}", "prompt_ids": prompt, "response_ids": response,
+                                  "reward": float(i)}
+        if fmt == "vllm":
+            rec["routed_experts"] = codec.encode_vllm(routes)
+        elif fmt == "packed":
+            rec["routed_experts"] = codec.encode_packed(routes)
+        elif fmt == "sglang":
+            rec["routed_experts"] = codec.encode_sglang(routes.astype(np.int32))
+        else:
+            np.save(tmp_path / f"x{i}.npy", routes, allow_pickle=False)
+            rec["routes_npy"] = f"x{i}.npy"
+        records.append(rec)
+    src = _dump(tmp_path / "dump.jsonl", records)
+    out = tmp_path / "out.parquet"
+    args = ["convert", str(src), "--out", str(out), "--num-layers", "4", "--topk", "2",
+            "--num-experts", "8", "--moe-layers", "1", "2", "3", "--format", fmt]
+    assert main(args) == EXIT_OK, capsys.readouterr().err
+    table = r3arrow.read_rollouts(out)
+    assert table.column("trajectory_id").to_pylist() == ["x0", "x1", "x2"]
+    assert table.column("reward").to_pylist() == [0.0, 1.0, 2.0]
+    values, offsets = r3arrow.table.flat_routes(table)
+    for i, want in enumerate(expected):
+        np.testing.assert_array_equal(values[offsets[i]:offsets[i + 1]], want)
+
+
+def test_convert_bad_payload_names_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = codec.encode_vllm(np.zeros((3, 4, 2), np.uint8) + np.array([0, 1], np.uint8))
+    src = _dump(tmp_path / "d.jsonl", [
+        {"prompt_ids": [1, 2], "response_ids": [3, 4], "routed_experts": good},
+        {"prompt_ids": [1, 2], "response_ids": [3, 4], "routed_experts": "!!not base64!!"},
+    ])
+    out = tmp_path / "o.parquet"
+    code = main(["convert", str(src), "--out", str(out), "--num-layers", "4", "--topk", "2",
+                 "--num-experts", "8"])
+    assert code == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "d.jsonl:2" in err
+    assert not out.exists()
+
+
+def test_convert_ids_out_of_range_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    routes = np.full((3, 4, 2), 9, np.uint8)
+    src = _dump(tmp_path / "d.jsonl", [
+        {"prompt_ids": [1, 2], "response_ids": [3, 4], "routed_experts": codec.encode_vllm(routes)}])
+    code = main(["convert", str(src), "--out", str(tmp_path / "o.parquet"), "--num-layers", "4",
+                 "--topk", "2", "--num-experts", "8"])
+    assert code == EXIT_ERROR
+    assert "num_experts=8" in capsys.readouterr().err
+
+
+def test_bench_rejects_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--only", "no-such-benchmark"]) == EXIT_ERROR
+    assert "no benchmark matched" in capsys.readouterr().err
