@@ -1,7 +1,8 @@
 """Ray Data scale-out: rollout Parquet directories as Ray Datasets of Arrow blocks.
 
-- `read_rollouts`: a ``step=N`` directory (or files) → ``ray.data.Dataset`` with
-  routes restored to the nested per-token type and ``step`` as int64.
+- `read_rollouts`: a ``step=N`` directory (or a file) → ``ray.data.Dataset`` of
+  Arrow blocks with routes restored to the nested per-token type and ``step``
+  as int64; one read task per Parquet row group.
 - `expert_counts` / `expert_load` / `route_agreement` (and ``*_by_step``): the
   statistics of `r3arrow.stats` as a distributed aggregation — each block is
   reduced to exact integer partial counts in ``map_batches`` (in parallel, only
@@ -152,6 +153,9 @@ def read_rollouts(
     """
     import ray.data
 
+    # Not ray.data.read_parquet: its Parquet reader (Ray 2.60) bin-packs small files into
+    # one read task (no parallelism below ~128 MB), and a list of paths is resolved on
+    # parallel threads that race on an optional fsspec import when aiohttp is absent.
     files, root = _files(path, steps)
     rollout_spec(path, steps=steps)  # fail early on foreign files or mixed specs
     units = [

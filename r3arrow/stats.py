@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -304,6 +305,7 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
     if ntok == 0:
         return ExpertCounts(spec.router_layers, np.zeros((nl, e or 0), np.int64), 0)
     signed = arr.dtype.kind == "i"
+    sub = arr
     if e is None or signed:
         # Unknown E: the expert axis spans the ids seen. Signed storage: negative ids
         # would move codes backwards, which the per-layer totals below cannot detect.
@@ -317,7 +319,7 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
         if lo < 0 or hi >= e:
             raise _range_error(sub if sel is None else sub[sel], e, layers, "routes")
     if signed:  # ids checked: count the router layers only
-        arr, pick_all = arr[:, layers, :], True
+        arr, pick_all = sub, True
         top = nl * e
     else:
         pick_all = spec.moe_layers is None
@@ -340,9 +342,14 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
     base = np.broadcast_to(base_l.astype(code_dtype)[:, None], (width, k))
     rows = max(1, _CHUNK_IDS // (width * k))
 
+    local = threading.local()  # one codes buffer per worker thread, reused across chunks
+
     def count(chunk: np.ndarray | slice) -> np.ndarray:
         block = arr[chunk]
-        codes = np.empty(block.shape, dtype=code_dtype)
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = np.empty((rows, width, k), dtype=code_dtype)
+        codes = buf[: block.shape[0]]
         np.add(block, base, out=codes, casting="unsafe")
         return _bincount(codes)
 

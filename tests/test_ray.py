@@ -62,6 +62,12 @@ def test_read_restores_routes(cluster: None, step_dir: Path) -> None:
     assert got.schema.field("step").type == pa.int64()
     assert got.select(want.column_names).to_pylist() == want.to_pylist()
     assert r3ray.rollout_spec(step_dir) == SPEC
+    one_file = sorted((step_dir / "step=5").glob("*.parquet"))[0]  # no step column
+    assert r3ray.expert_load(one_file, tokens="response").equals(
+        stats.expert_load(one_file, tokens="response")
+    )
+    with pytest.raises(SchemaError, match="step"):
+        r3ray.expert_load(one_file, by_step=True)
 
 
 def test_stats_equal_local_path(cluster: None, step_dir: Path) -> None:
