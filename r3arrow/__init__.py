@@ -16,11 +16,14 @@ from r3arrow.errors import (
     ContiguityError,
     DuplicateExpertError,
     EngineError,
+    EngineHTTPError,
     ExpertRangeError,
     PayloadError,
     PayloadTooLargeError,
     R3ArrowError,
+    ReplayDuplicateError,
     ReplayError,
+    ReplayRangeError,
     RouteDTypeError,
     RouteShapeError,
     SchemaError,
@@ -61,14 +64,19 @@ _LAZY: dict[str, str] = {
     "Microbatch": "r3arrow.collate",
     "split_microbatches": "r3arrow.collate",
     "expert_load": "r3arrow.stats",
+    "load_summary": "r3arrow.stats",
     "route_agreement": "r3arrow.stats",
+    "EngineServer": "r3arrow.engine",
+    "ReferenceEngine": "r3arrow.engine",
+    "TinyMoEConfig": "r3arrow.engine",
 }
 _LAZY_MODULES = ("client", "collate", "engine", "megatron", "rollout", "stats", "plot", "ray", "cli", "demo")
 
 if TYPE_CHECKING:
     from r3arrow.client import EngineClient, GenerateOutput
     from r3arrow.collate import MegatronCollator, Microbatch, split_microbatches
-    from r3arrow.stats import expert_load, route_agreement
+    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
+    from r3arrow.stats import expert_load, load_summary, route_agreement
 
 
 def __getattr__(name: str) -> Any:
@@ -86,6 +94,8 @@ __all__ = [
     "DuplicateExpertError",
     "EngineClient",
     "EngineError",
+    "EngineHTTPError",
+    "EngineServer",
     "ExpertRangeError",
     "GenerateOutput",
     "MegatronCollator",
@@ -93,13 +103,17 @@ __all__ = [
     "PayloadError",
     "PayloadTooLargeError",
     "R3ArrowError",
+    "ReferenceEngine",
+    "ReplayDuplicateError",
     "ReplayError",
+    "ReplayRangeError",
     "RouteDTypeError",
     "RouteShapeError",
     "RouteSpec",
     "RouteTrace",
     "SchemaError",
     "TerminalGapError",
+    "TinyMoEConfig",
     "TokenTrace",
     "TraceStateError",
     "TurnStore",
@@ -109,6 +123,7 @@ __all__ = [
     "filter_groups",
     "filter_rows",
     "iter_rollouts",
+    "load_summary",
     "numpy_to_routes",
     "read_ipc",
     "read_rollouts",

@@ -30,7 +30,13 @@ import numpy as np
 import orjson
 
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_packed, decode_vllm
-from r3arrow.errors import EngineError, PayloadError, RouteShapeError, TraceStateError
+from r3arrow.errors import (
+    EngineError,
+    EngineHTTPError,
+    PayloadError,
+    RouteShapeError,
+    TraceStateError,
+)
 from r3arrow.spec import RouteSpec, check_route_ids
 from r3arrow.trace import RouteTrace, expected_rows
 
@@ -43,16 +49,6 @@ ENDPOINT_PATHS: dict[str, str] = {
 }
 _RETRY_STATUS_MIN = 500
 _OFFLOAD_BYTES = 1 << 20  # decode larger responses in a worker thread
-
-
-class EngineHTTPError(EngineError):
-    """The engine answered with an HTTP error status (``status``) or could not be reached (``None``)."""
-
-    def __init__(self, message: str, *, status: int | None = None, body: str = "", url: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body
-        self.url = url
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,19 +55,40 @@ class EngineError(R3ArrowError, RuntimeError):
     """An inference engine answered with an error or an unusable response."""
 
 
+class EngineHTTPError(EngineError):
+    """The engine answered with an HTTP error status (``status``) or could not be reached (``None``)."""
+
+    def __init__(self, message: str, *, status: int | None = None, body: str = "", url: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+        self.url = url
+
+
 class ReplayError(R3ArrowError, ValueError):
-    """Replay targets do not fit the routers they are meant for."""
+    """Replay targets (or a collator's layout) do not fit the routers they are meant for."""
+
+
+class ReplayRangeError(ReplayError, ExpertRangeError):
+    """A replay target names an expert outside ``[0, num_experts)``."""
+
+
+class ReplayDuplicateError(ReplayError, DuplicateExpertError):
+    """A replay target names the same expert twice for one token."""
 
 
 __all__ = [
     "ContiguityError",
     "DuplicateExpertError",
     "EngineError",
+    "EngineHTTPError",
     "ExpertRangeError",
     "PayloadError",
     "PayloadTooLargeError",
     "R3ArrowError",
+    "ReplayDuplicateError",
     "ReplayError",
+    "ReplayRangeError",
     "RouteDTypeError",
     "RouteShapeError",
     "SchemaError",

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -29,7 +30,7 @@ from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
 from r3arrow.table import validate_rollouts
 
 _STORAGE_KEY = b"r3arrow.routes_storage"
-_STORAGE_VALUE = b"fixed_size_binary/little-endian"
+_STORAGE_FORMAT = "fixed_size_binary/little-endian"
 _STEP_DIR = re.compile(r"^step=(\d+)$")
 PathLike = str | os.PathLike[str]
 
@@ -65,33 +66,47 @@ def _nested_routes(col: pa.Array, spec: RouteSpec) -> pa.LargeListArray:
     return pa.LargeListArray.from_arrays(col.offsets, tokens)
 
 
-def _map_routes(table: pa.Table, fn: Callable[[pa.Array, RouteSpec], pa.Array], spec: RouteSpec, typ: pa.DataType) -> pa.Table:
-    idx = table.schema.get_field_index("routes")
-    if idx < 0:
-        return table
-    chunks = [fn(c, spec) for c in table.column(idx).chunks]
-    col = pa.chunked_array(chunks, type=typ)
-    field = table.schema.field(idx).with_type(typ)
-    return table.set_column(idx, field, col)
+def _map_columns(
+    table: pa.Table, names: list[str], fn: Callable[[pa.Array, RouteSpec], pa.Array], spec: RouteSpec, typ: pa.DataType
+) -> pa.Table:
+    for name in names:
+        idx = table.schema.get_field_index(name)
+        if idx < 0:  # projected away
+            continue
+        col = pa.chunked_array([fn(c, spec) for c in table.column(idx).chunks], type=typ)
+        table = table.set_column(idx, table.schema.field(idx).with_type(typ), col)
+    return table
 
 
 def to_storage(table: pa.Table) -> pa.Table:
-    """The table with routes as ``large_list<fixed_size_binary>`` (what Parquet stores)."""
+    """The table with every routes-typed column (``routes`` and e.g. trainer routes) as
+    ``large_list<fixed_size_binary>``, what Parquet stores; the column names go in the metadata."""
     spec = RouteSpec.from_schema(table.schema)
-    out = _map_routes(table, _storage_routes, spec, pa.large_list(pa.binary(spec.row_nbytes)))
-    meta = {**(table.schema.metadata or {}), _STORAGE_KEY: _STORAGE_VALUE}
+    names = [f.name for f in table.schema if f.type == spec.routes_type]
+    out = _map_columns(table, names, _storage_routes, spec, pa.large_list(pa.binary(spec.row_nbytes)))
+    meta = {**(table.schema.metadata or {}), _STORAGE_KEY: orjson.dumps({"format": _STORAGE_FORMAT, "columns": names})}
     return out.replace_schema_metadata(meta)
 
 
 def from_storage(table: pa.Table) -> pa.Table:
-    """Restore nested routes from the storage column (spec from schema metadata); zero-copy."""
+    """Restore nested routes columns from their storage form (spec from schema metadata); zero-copy."""
     spec = RouteSpec.from_schema(table.schema)
     meta = dict(table.schema.metadata or {})
-    if "routes" in table.schema.names and not pa.types.is_large_list(table.schema.field("routes").type):
-        raise SchemaError(f"routes storage: expected large_list, found {table.schema.field('routes').type}")
-    if meta.pop(_STORAGE_KEY, None) is None:
+    raw = meta.pop(_STORAGE_KEY, None)
+    if raw is None:
         return table
-    out = _map_routes(table, _nested_routes, spec, spec.routes_type)
+    try:
+        info = orjson.loads(raw)
+        names = [str(n) for n in info["columns"]]
+        fmt = info["format"]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise SchemaError(f"routes storage metadata: expected {{format, columns}} JSON, found {raw!r:.120}") from exc
+    if fmt != _STORAGE_FORMAT:
+        raise SchemaError(f"routes storage: expected format {_STORAGE_FORMAT!r}, found {fmt!r}")
+    for name in names:
+        if name in table.schema.names and not pa.types.is_large_list(table.schema.field(name).type):
+            raise SchemaError(f"{name} storage: expected large_list, found {table.schema.field(name).type}")
+    out = _map_columns(table, names, _nested_routes, spec, spec.routes_type)
     return out.replace_schema_metadata(meta)
 
 

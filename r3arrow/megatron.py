@@ -28,16 +28,8 @@ import numpy as np
 import torch
 
 from r3arrow.collate import MegatronCollator, Microbatch
-from r3arrow.errors import DuplicateExpertError, ExpertRangeError, ReplayError
+from r3arrow.errors import ReplayDuplicateError, ReplayError, ReplayRangeError
 from r3arrow.spec import RouteSpec
-
-
-class ReplayRangeError(ReplayError, ExpertRangeError):
-    """A replay target names an expert outside ``[0, num_experts)``."""
-
-
-class ReplayDuplicateError(ReplayError, DuplicateExpertError):
-    """A replay target names the same expert twice for one token."""
 
 
 # --------------------------------------------------------------- megatron access

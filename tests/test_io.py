@@ -983,3 +983,22 @@ def test_concurrent_writers_to_one_step_keep_both_parts(
     got = read_rollouts(tmp_path)
     assert sorted(got.column("trajectory_id").to_pylist()) == ["a-0", "b-0"]
     assert len(list((tmp_path / "step=0").glob("part-*.parquet"))) == 2
+
+
+def test_every_routes_typed_column_is_stored_compactly(tmp_path: Path) -> None:
+    """A second routes column (e.g. the trainer router's picks) gets the same compact storage."""
+    spec = RouteSpec(num_layers=3, topk=2, num_experts=8, moe_layers=(1, 2))
+    base = make_table(np.random.default_rng(3), spec, [(4, 3, 6), (2, 5, 6)])
+    trainer = base.column("routes").combine_chunks()
+    table = r3arrow.table.with_columns(base, {"trainer_routes": trainer})
+    path = write_rollouts(table, tmp_path / "r.parquet")
+    pf = pq.ParquetFile(path)
+    kinds = {
+        pf.schema.column(i).path.split(".")[0]: pf.schema.column(i).physical_type
+        for i in range(len(pf.schema))
+    }
+    assert kinds["routes"] == kinds["trainer_routes"] == "FIXED_LEN_BYTE_ARRAY"
+    back = read_rollouts(path)
+    assert back.equals(table) and back.schema.metadata == table.schema.metadata
+    only = read_rollouts(path, columns=["trainer_routes"])
+    assert only.column("trainer_routes").type == spec.routes_type
