@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from r3arrow import stats as _stats
 from r3arrow.errors import SchemaError
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
-from r3arrow.stats import TOKEN_SUBSETS, ExpertCounts, RouteAgreement, TokenSubset
+from r3arrow.stats import TOKEN_SUBSETS, ExpertCounts, RouteAgreement, TokenSubset, stack_steps
 
 if TYPE_CHECKING:
     import ray.data
@@ -416,14 +416,7 @@ def expert_load(
             source, spec=spec, tokens=tokens, steps=steps, reduce=reduce
         ).to_polars()
     per = expert_counts_by_step(source, spec=spec, tokens=tokens, steps=steps, reduce=reduce)
-    if not per:
-        raise SchemaError("by step: expected at least one step, found none")
-    return pl.concat(
-        [
-            c.to_polars().select(pl.lit(s, dtype=pl.Int64).alias("step"), pl.all())
-            for s, c in per.items()
-        ]
-    )
+    return stack_steps({s: c.to_polars() for s, c in per.items()})
 
 
 def route_agreement(

@@ -781,10 +781,11 @@ def expert_load(
     if not by_step:
         return expert_counts(source, tokens=tokens, steps=steps).to_polars()
     per = expert_counts_by_step(source, tokens=tokens, steps=steps)
-    return _stack_steps({s: c.to_polars() for s, c in per.items()})
+    return stack_steps({s: c.to_polars() for s, c in per.items()})
 
 
-def _stack_steps(frames: Mapping[int, pl.DataFrame]) -> pl.DataFrame:
+def stack_steps(frames: Mapping[int, pl.DataFrame]) -> pl.DataFrame:
+    """Per-step frames stacked with a leading ``step`` (Int64) column, in mapping order."""
     if not frames:
         raise SchemaError("by step: expected at least one step, found none")
     return pl.concat(
@@ -900,7 +901,7 @@ def agreement_over_steps(results: Mapping[int, RouteAgreement]) -> pl.DataFrame:
         )
         for s, r in sorted(results.items())
     }
-    return _stack_steps(frames)
+    return stack_steps(frames)
 
 
 # ============================================================== summaries

@@ -270,27 +270,29 @@ def router_padding_mask(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray:
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flags, type=pa.bool_()))
 
 
+def _join_prompt_response(
+    table: pa.Table | pa.RecordBatch, prompt: np.ndarray | None, response: str, dtype: Any, typ: pa.DataType
+) -> pa.LargeListArray:
+    """Per trajectory, ``prompt`` values (None = zeros) then the ``response`` column's, as large_list."""
+    plen = _lengths(table.column("prompt_ids"))
+    offsets, parent, pos = _ragged_positions(plen + _lengths(table.column("response_ids")))
+    out = np.zeros(offsets[-1], dtype=dtype)
+    is_prompt = pos < plen[parent]
+    if prompt is not None:
+        out[is_prompt] = prompt
+    out[~is_prompt] = np.asarray(pc.list_flatten(table.column(response)).to_numpy(zero_copy_only=False))
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(out, type=typ))
+
+
 def sequence_loss_mask(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray:
     """``large_list<uint8>`` over prompt+response: 0 on the prompt, the response mask after."""
-    plen = _lengths(table.column("prompt_ids"))
-    rlen = _lengths(table.column("response_ids"))
-    offsets, parent, pos = _ragged_positions(plen + rlen)
-    out = np.zeros(offsets[-1], dtype=np.uint8)
-    resp = np.asarray(pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False))
-    out[pos >= plen[parent]] = resp
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(out, type=pa.uint8()))
+    return _join_prompt_response(table, None, "loss_mask", np.uint8, pa.uint8())
 
 
 def input_ids(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray:
     """``large_list<int32>``: prompt_ids followed by response_ids, per trajectory."""
-    plen = _lengths(table.column("prompt_ids"))
-    rlen = _lengths(table.column("response_ids"))
-    offsets, parent, pos = _ragged_positions(plen + rlen)
-    out = np.empty(offsets[-1], dtype=np.int32)
-    is_prompt = pos < plen[parent]
-    out[is_prompt] = np.asarray(pc.list_flatten(table.column("prompt_ids")).to_numpy(zero_copy_only=False))
-    out[~is_prompt] = np.asarray(pc.list_flatten(table.column("response_ids")).to_numpy(zero_copy_only=False))
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(out, type=pa.int32()))
+    prompt = np.asarray(pc.list_flatten(table.column("prompt_ids")).to_numpy(zero_copy_only=False))
+    return _join_prompt_response(table, prompt, "response_ids", np.int32, pa.int32())
 
 
 def flat_routes(table: pa.Table | pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,5 @@
 """The embedded reference engine: model determinism and causality, vLLM's row semantics,
-the HTTP schema (as observed on a real vLLM 0.32.0, see tests/vllm_schema_notes.md),
+the HTTP schema (as observed on a real vLLM 0.32.0, see docs/vllm-schema.md),
 fault injection and concurrency."""
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def test_invalid_prompts_are_rejected(engine: ReferenceEngine, prompt: Any) -> N
 
 
 # ------------------------------------------------------------------ HTTP
-# Keys of real vLLM 0.32.0 responses (tests/vllm_schema_notes.md), in vLLM's order.
+# Keys of real vLLM 0.32.0 responses (docs/vllm-schema.md), in vLLM's order.
 GEN_KEYS = [
     "request_id", "model", "created", "usage", "prompt_logprobs", "prompt_token_id_logprobs",
     "prompt_token_ids", "mm_placeholders", "metrics", "kv_transfer_params", "ec_transfer_params",
