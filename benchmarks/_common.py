@@ -1,7 +1,9 @@
 """Shared benchmark helpers: timing, the machine's memory-copy speed, peak memory, tables.
 
 Every benchmark measures its baseline and `memcpy_gbps` in the same run and reports ratios;
-`peak_memory` reports the process peak RSS and Arrow's pool peak (which tracemalloc misses).
+`peak_rss_mb` (this process's own VmHWM; `reset_peak_rss` restarts it) and `arrow_peak_mb`
+(Arrow's pool peak, which tracemalloc misses) report peak memory; `run_isolated` runs a case
+in its own process so its peak is its own.
 Import from a benchmark script as ``from _common import ...`` (the scripts run from
 ``benchmarks/``) or ``from benchmarks._common import ...`` from the repository root.
 """
@@ -60,10 +62,42 @@ def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
     return nbytes / t / GB
 
 
+def proc_status_mb(field: str) -> float:
+    """A memory line of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in MiB; NaN where
+    ``/proc`` is unavailable (not Linux) or the field is missing."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # the kernel reports kB (KiB)
+    except OSError:
+        pass
+    return float("nan")
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS by writing ``5`` to
+    ``/proc/self/clear_refs`` (Linux ≥ 4.0); True on success, False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MB (Linux ru_maxrss is KiB)."""
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib / 1024 if sys.platform != "darwin" else kib / 2**20
+    """This process's own peak RSS in MiB: ``VmHWM`` (since start or the last `reset_peak_rss`).
+
+    Not ``ru_maxrss`` on Linux: a child's ``ru_maxrss`` starts at its parent's RSS at
+    fork/vfork and survives exec, so it overstates a child's peak. Off Linux (no ``/proc``) it
+    falls back to ``ru_maxrss`` (KiB on Linux, bytes on macOS), with that caveat.
+    """
+    hwm = proc_status_mb("VmHWM")
+    if hwm == hwm:
+        return hwm
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 1024
 
 
 def arrow_peak_mb() -> float:
@@ -77,8 +111,16 @@ def run_isolated(
     module_path: str, args: Sequence[str] = (), *, timeout: float = 600
 ) -> dict[str, Any]:
     """Run ``python module_path *args`` in a fresh process; return its last stdout line parsed as
-    JSON, plus ``peak_rss_mb``: that child's own peak RSS (``os.wait4`` rusage), so each case's
-    peak memory is measured alone. Raises RuntimeError on a non-zero exit or timeout."""
+    JSON. Raises RuntimeError on a non-zero exit or timeout.
+
+    ``peak_rss_mb`` is the child's own peak when it reports one (a child should print
+    ``peak_rss_mb()``, i.e. its VmHWM). Otherwise the ``os.wait4`` rusage is used only where it
+    is provably the child's own: a child's ``ru_maxrss`` starts at the parent's RSS (at most
+    this process's VmHWM at launch) and survives exec, so a value at or below that bound says
+    nothing and ``peak_rss_mb`` is NaN. ``rusage_maxrss_mb`` always carries the raw rusage
+    value (child and its waited-for descendants), an upper bound.
+    """
+    inherited_bound = peak_rss_mb()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen([sys.executable, module_path, *args], stdout=out, stderr=err)
         killer = threading.Timer(timeout, proc.kill)
@@ -97,7 +139,9 @@ def run_isolated(
         )
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     result: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-    result.setdefault("peak_rss_mb", usage.ru_maxrss / 1024)
+    maxrss = usage.ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)
+    result["rusage_maxrss_mb"] = maxrss
+    result.setdefault("peak_rss_mb", maxrss if maxrss > inherited_bound else float("nan"))
     return result
 
 
@@ -159,5 +203,7 @@ __all__ = [
     "memcpy_gbps",
     "parser",
     "peak_rss_mb",
+    "proc_status_mb",
+    "reset_peak_rss",
     "run_isolated",
 ]

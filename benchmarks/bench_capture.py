@@ -50,7 +50,7 @@ from _common import (
     markdown_table,
     memcpy_gbps,
     parser,
-    peak_rss_mb,
+    proc_status_mb,
     run_isolated,
 )
 
@@ -198,34 +198,19 @@ def make_case(name: str, convs: list[Conversation]) -> tuple[Callable[[], Any], 
     raise ValueError(f"unknown case {name!r}")
 
 
-def _status_mb(key: str) -> float:
-    """A ``/proc/self/status`` memory line in MiB (Linux), else the rusage peak.
-
-    VmHWM, not ``ru_maxrss``: a child's ``ru_maxrss`` keeps the parent's RSS at fork across exec.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return peak_rss_mb()
-
-
 def run_case(name: str, wl: str, quick: bool) -> dict[str, Any]:
     """Run one case in this process: memory of the first call, then best-of timing."""
     convs = workload(wl, quick)
     fn, check = make_case(name, convs)
     gc.collect()
-    rss_before = _status_mb("VmRSS")
+    rss_before = proc_status_mb("VmRSS")
     arrow_before = pa.default_memory_pool().max_memory()
     tracemalloc.start()
     out = fn()
     _, np_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     arrow_peak = max(0, pa.default_memory_pool().max_memory() - arrow_before)
-    rss_delta = _status_mb("VmHWM") - rss_before
+    rss_delta = proc_status_mb("VmHWM") - rss_before  # NaN without /proc
     check(out)
     del out
     gc.collect()
@@ -237,7 +222,7 @@ def run_case(name: str, wl: str, quick: bool) -> dict[str, Any]:
     return {
         "seconds": seconds,
         "alloc_peak_mb": (np_peak + arrow_peak) / 2**20,
-        "rss_peak_delta_mb": max(0.0, rss_delta),
+        "rss_peak_delta_mb": max(0.0, rss_delta) if rss_delta == rss_delta else rss_delta,
     }
 
 

@@ -28,24 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import best_of, machine_line, markdown_table, parser
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from _common import best_of, machine_line, markdown_table, parser, proc_status_mb, reset_peak_rss
 
 
 def make_table(
@@ -145,12 +128,13 @@ def run_case(args: Any) -> dict[str, Any]:
         return path(table)
 
     gc.collect()
-    rss_before = _status_kib("VmRSS")
-    reset = _reset_peak()
+    rss_before = proc_status_mb("VmRSS")
+    reset = reset_peak_rss()
     t0 = time.perf_counter()
     out = fn()
     cold = time.perf_counter() - t0
-    peak = _status_kib("VmHWM") - rss_before if reset else -1
+    # MiB above the input; NaN where VmHWM cannot be reset (it would include the input build)
+    peak = proc_status_mb("VmHWM") - rss_before if reset else float("nan")
     out_bytes = sum(int(t.numel()) * t.element_size() for t in out)
     del out
     # Interleave the case with a copy of its output bytes (warm buffers): same conditions.
@@ -172,7 +156,7 @@ def run_case(args: Any) -> dict[str, Any]:
         "warm_s": warm,
         "cold_s": cold,
         "copy_s": copy,
-        "peak_extra_mb": peak / 1024,
+        "peak_extra_mb": peak,
         "out_bytes": out_bytes,
         "tokens": int(r3arrow.table.sequence_lengths(table).sum()),
     }

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from _common import (  # noqa: E402
     markdown_table,
     memcpy_gbps,
     peak_rss_mb,
+    proc_status_mb,
     run_isolated,
 )
 
@@ -154,27 +154,6 @@ def build_table(routes: np.ndarray, lengths: np.ndarray) -> pa.Table:
 
 
 # ----------------------------------------------------------- child side
-def current_rss_mb() -> float:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def own_peak_rss_mb() -> float:
-    """This process's own peak RSS (VmHWM), MB.
-
-    Not ``ru_maxrss``: on Linux a child's ``ru_maxrss`` starts at its parent's peak (exec keeps
-    it), which would charge the parent's memory to every case. Falls back to it off Linux.
-    """
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return peak_rss_mb()
-
-
 def timed(fn: Callable[[], Any], repeat: int, warmup: int) -> tuple[float, float, Any]:
     """(first run, best run, last result) in seconds; the first run counts as a warm-up."""
     times = []
@@ -208,7 +187,7 @@ def child(case: str, work: Path, quick: bool) -> dict[str, Any]:
             fn = lambda: pq.write_table(table, dest)  # noqa: E731
         else:
             fn = lambda: pq.write_table(table, dest, compression=pq_comp)  # noqa: E731
-        res["rss_before_mb"] = current_rss_mb()
+        res["rss_before_mb"] = proc_status_mb("VmRSS")
         res["first_s"], res["best_s"], _ = timed(fn, repeat, warmup)
         res["file_bytes"] = dest.stat().st_size
     else:
@@ -225,18 +204,18 @@ def child(case: str, work: Path, quick: bool) -> dict[str, Any]:
                 return t, np.bitwise_xor.reduce(view.reshape(-1).view(np.uint64))
         else:
             fn = lambda: pq.read_table(src)  # noqa: E731
-        res["rss_before_mb"] = current_rss_mb()
+        res["rss_before_mb"] = proc_status_mb("VmRSS")
         res["first_s"], res["best_s"], out = timed(fn, repeat, warmup)
         got = out[0] if isinstance(out, tuple) else out
         # outside the timing and after the peak was taken: the data read back is the data written
-        res["peak_rss_mb"] = own_peak_rss_mb()
+        res["peak_rss_mb"] = peak_rss_mb()
         res["arrow_peak_mb"] = arrow_peak_mb()
         col = got.column("routes").combine_chunks()
         leaf = col.flatten().flatten().flatten().to_numpy(zero_copy_only=False)
         expected = np.load(routes_path, allow_pickle=False)
         res["ok"] = bool(np.array_equal(leaf, expected.reshape(-1)))
         return res
-    res["peak_rss_mb"] = own_peak_rss_mb()
+    res["peak_rss_mb"] = peak_rss_mb()
     res["arrow_peak_mb"] = arrow_peak_mb()
     res["ok"] = True
     return res

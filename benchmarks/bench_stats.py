@@ -40,6 +40,8 @@ from _common import (
     markdown_table,
     memcpy_gbps,
     parser,
+    proc_status_mb,
+    reset_peak_rss,
     run_isolated,
 )
 
@@ -84,18 +86,6 @@ def make_table(trajectories: int, tokens: int, seed: int = 0) -> Any:
     )
 
 
-def _status_mb(field: str) -> float:
-    """A /proc/self/status memory field (VmRSS, VmHWM) in MB; NaN where unavailable."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 def timed(fn: Any, repeat: int, warmup: int) -> tuple[float, float]:
     """(best seconds, peak RSS above the pre-run RSS in MB) of ``fn`` after ``warmup`` untimed runs.
 
@@ -105,14 +95,10 @@ def timed(fn: Any, repeat: int, warmup: int) -> tuple[float, float]:
     """
     for _ in range(warmup):
         fn()
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
-    before = _status_mb("VmRSS")
+    reset_peak_rss()
+    before = proc_status_mb("VmRSS")
     seconds = best_of(fn, repeat, warmup=0)
-    return seconds, _status_mb("VmHWM") - before
+    return seconds, proc_status_mb("VmHWM") - before
 
 
 def digest(counts: np.ndarray) -> str:
@@ -221,7 +207,7 @@ def case_directory(name: str, root: str) -> dict[str, Any]:
         "digest": digest(result["c"]),
         "ids": int(result["c"].sum()),
         "extra_peak_mb": extra,
-        "rss_mb": _status_mb("VmRSS"),
+        "rss_mb": proc_status_mb("VmRSS"),
         "arrow_peak_mb": arrow_peak_mb(),
     }
     if cold is not None:

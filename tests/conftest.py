@@ -8,12 +8,14 @@ Hypothesis profiles: ``default`` (no deadline, 50 examples), ``ci`` (no deadline
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+from r3arrow.engine import EngineServer, FaultPlan, ReferenceEngine
 from r3arrow.spec import RouteSpec
 
 _COMMON: dict[str, Any] = {
@@ -59,3 +61,16 @@ def random_routes(
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def plan() -> FaultPlan:
+    """An empty fault plan for `server`; tests queue faults on it."""
+    return FaultPlan()
+
+
+@pytest.fixture
+def server(engine: ReferenceEngine, plan: FaultPlan) -> Iterator[EngineServer]:
+    """The embedded engine over real HTTP on 127.0.0.1 (each test module defines ``engine``)."""
+    with EngineServer(engine, faults=plan) as srv:
+        yield srv

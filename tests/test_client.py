@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -36,17 +35,6 @@ SP = {"max_tokens": 3, "temperature": 0.0}
 @pytest.fixture(scope="module")
 def engine() -> ReferenceEngine:
     return ReferenceEngine(TinyMoEConfig(seed=7))
-
-
-@pytest.fixture
-def plan() -> FaultPlan:
-    return FaultPlan()
-
-
-@pytest.fixture
-def server(engine: ReferenceEngine, plan: FaultPlan) -> Iterator[EngineServer]:
-    with EngineServer(engine, faults=plan) as srv:
-        yield srv
 
 
 def run(coro: Any) -> Any:

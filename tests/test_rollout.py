@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,17 +32,6 @@ SP = {"max_tokens": 4, "temperature": 0.0}
 @pytest.fixture(scope="module")
 def engine() -> ReferenceEngine:
     return ReferenceEngine(TinyMoEConfig(seed=3))
-
-
-@pytest.fixture
-def plan() -> FaultPlan:
-    return FaultPlan()
-
-
-@pytest.fixture
-def server(engine: ReferenceEngine, plan: FaultPlan) -> Iterator[EngineServer]:
-    with EngineServer(engine, faults=plan) as srv:
-        yield srv
 
 
 def run(coro: Any) -> Any:
