@@ -34,16 +34,21 @@ def turn_schema(spec: RouteSpec) -> pa.Schema:
     )
 
 
-def turn_batch(spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any) -> pa.RecordBatch:
-    """One turn as a one-row record batch (routes ``[rows, L, K]``, validated, storage dtype)."""
-    arr = as_route_rows(routes, spec, what=f"turn of {trajectory_id!r}")
-    _, hi = check_route_ids(arr, spec, what=f"turn of {trajectory_id!r}")
-    spec = spec.widened_for(hi) if spec.num_experts is None else spec
-    if arr.dtype != spec.dtype:
-        arr = arr.astype(spec.dtype)
+def _turn_rows(spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any) -> tuple[np.ndarray, RouteSpec]:
+    """Validated rows ``[rows, L, K]`` in storage dtype, owned (writable input is copied)."""
+    what = f"turn of {trajectory_id!r}"
     if token_start < 0:
-        raise ContiguityError(f"turn of {trajectory_id!r}: expected token_start >= 0, found {token_start}")
-    tokens = numpy_to_routes(arr, spec)
+        raise ContiguityError(f"{what}: expected token_start >= 0, found {token_start}")
+    arr = as_route_rows(routes, spec, what=what)
+    _, hi = check_route_ids(arr, spec, what=what)
+    spec = spec.widened_for(hi) if spec.num_experts is None else spec
+    if arr.dtype != spec.dtype or arr.flags.writeable:
+        arr = arr.astype(spec.dtype)  # a caller reusing its buffer cannot corrupt the store
+    return np.ascontiguousarray(arr), spec
+
+
+def _batch_of(spec: RouteSpec, trajectory_id: str, token_start: int, rows: np.ndarray) -> pa.RecordBatch:
+    tokens = numpy_to_routes(rows, spec)
     col = pa.LargeListArray.from_arrays(pa.array([0, len(tokens)], type=pa.int64()), tokens)
     return pa.RecordBatch.from_arrays(
         [pa.array([trajectory_id], type=pa.large_string()), pa.array([token_start], type=pa.int64()), col],
@@ -51,32 +56,57 @@ def turn_batch(spec: RouteSpec, trajectory_id: str, token_start: int, routes: An
     )
 
 
+def turn_batch(spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any) -> pa.RecordBatch:
+    """One turn as a one-row record batch (routes ``[rows, L, K]``, validated, storage dtype)."""
+    rows, spec = _turn_rows(spec, trajectory_id, token_start, routes)
+    return _batch_of(spec, trajectory_id, token_start, rows)
+
+
 class TurnStore:
-    """Thread-safe append-only log of turn record batches for many trajectories."""
+    """Thread-safe append-only log of turn record batches for many trajectories.
+
+    Beside each batch it keeps the numpy view of its route rows (taken once, at
+    append), so assembling the routes column is one gather, not a walk over Arrow
+    objects per turn.
+    """
+
+    _NAMES = ("trajectory_id", "token_start", "routes")
 
     def __init__(self, spec: RouteSpec) -> None:
         self.spec = spec
         self._batches: list[pa.RecordBatch] = []
+        self._views: list[tuple[np.ndarray, np.ndarray]] = []  # (rows [n, L, K], offsets [turns+1])
         self._lock = threading.Lock()
 
     def append(self, trajectory_id: str, token_start: int, routes: Any) -> None:
         """Append one turn's rows ``[rows, L, K]`` starting at token ``token_start``."""
-        self.append_batch(turn_batch(self.spec, trajectory_id, int(token_start), routes))
+        rows, spec = _turn_rows(self.spec, trajectory_id, int(token_start), routes)
+        batch = _batch_of(spec, trajectory_id, int(token_start), rows)
+        self._add(batch, spec, rows, np.array([0, rows.shape[0]], dtype=np.int64))
 
     def append_batch(self, batch: pa.RecordBatch) -> None:
         """Append a record batch of turns (schema `turn_schema`; any number of rows)."""
-        names = ["trajectory_id", "token_start", "routes"]
-        if batch.schema.names[:3] != names:
-            raise SchemaError(f"turn batch: expected columns {names}, found {batch.schema.names}")
+        if tuple(batch.schema.names[:3]) != self._NAMES:
+            raise SchemaError(f"turn batch: expected columns {list(self._NAMES)}, found {batch.schema.names}")
         spec = RouteSpec.from_schema(batch.schema)
         if not spec.same_shape(self.spec):
             raise SchemaError(f"turn batch: expected routes shaped like {self.spec}, found {spec}")
+        col = batch.column(2)
+        if col.null_count or batch.column(0).null_count or batch.column(1).null_count:
+            raise SchemaError("turn batch: expected no nulls")
+        offsets = np.asarray(col.offsets, dtype=np.int64)
+        rows = routes_to_numpy(col.flatten(), spec)
+        check_route_ids(rows, spec, what="turn batch")
+        self._add(batch, spec, rows, offsets - offsets[0])
+
+    def _add(self, batch: pa.RecordBatch, spec: RouteSpec, rows: np.ndarray, offsets: np.ndarray) -> None:
         with self._lock:
             if spec.dtype.itemsize > self.spec.dtype.itemsize:
                 if self.spec.num_experts is not None:
                     raise SchemaError(f"turn batch: expected {self.spec.dtype} routes, found {spec.dtype}")
                 self.spec = spec
             self._batches.append(batch)
+            self._views.append((rows, offsets))
 
     @property
     def num_turns(self) -> int:
@@ -101,12 +131,16 @@ class TurnStore:
         wanted = pa.array(trajectory_ids, type=pa.large_string())
         if pc.count_distinct(wanted).as_py() != len(wanted):
             raise ContiguityError("trajectory_ids: expected unique ids, found duplicates")
-        table = self.to_table()
-        pos = pc.index_in(table.column("trajectory_id"), value_set=wanted)
+        with self._lock:
+            batches, views, spec = list(self._batches), list(self._views), self.spec
+        turn_ids = pa.chunked_array([b.column(0) for b in batches], type=pa.large_string())
+        pos = pc.index_in(turn_ids, value_set=wanted)
         sel = np.flatnonzero(np.asarray(pc.is_valid(pos).to_numpy(zero_copy_only=False)))
         pos_np = np.asarray(pos.to_numpy(zero_copy_only=False))[sel].astype(np.int64)
-        start = np.asarray(table.column("token_start").to_numpy())[sel]
-        lens = np.asarray(pc.list_value_length(table.column("routes")).to_numpy(zero_copy_only=False))[sel]
+        starts = [np.asarray(b.column(1).to_numpy()) for b in batches]
+        start = (np.concatenate(starts) if starts else np.zeros(0, np.int64))[sel]
+        lens_all = [np.diff(off) for _, off in views]
+        lens = (np.concatenate(lens_all) if lens_all else np.zeros(0, np.int64))[sel]
         order = np.lexsort((start, pos_np))
         pos_s, start_s, lens_s = pos_np[order], start[order], lens[order]
         first = np.ones(order.size, dtype=bool)
@@ -124,37 +158,34 @@ class TurnStore:
                 f"trajectory {tid!r}: expected a turn starting at token {int(expect[k])}, found one at "
                 f"{int(start_s[k])} ({kind})"
             )
-        values = self._gather(table.column("routes"), sel[order])
+        values = _gather(views, sel[order], spec)
         per_traj = np.bincount(pos_s, weights=lens_s, minlength=len(wanted)).astype(np.int64)
         offsets = np.zeros(len(wanted) + 1, dtype=np.int64)
         np.cumsum(per_traj, out=offsets[1:])
-        return pa.LargeListArray.from_arrays(pa.array(offsets), numpy_to_routes(values, self.spec))
-
-    def _gather(self, routes: pa.ChunkedArray, turns: np.ndarray) -> np.ndarray:
-        """Rows of the given turns (table row indices), concatenated in that order: one copy.
-
-        A loop per turn slices zero-copy views (cheap next to the copy; Arrow's
-        ``take`` on a chunked list column would copy twice).
-        """
-        views: list[np.ndarray] = []
-        bounds: list[np.ndarray] = []
-        for chunk in routes.chunks:
-            offsets = np.asarray(chunk.offsets, dtype=np.int64)
-            views.append(routes_to_numpy(chunk.flatten(), self.spec))
-            bounds.append(offsets - offsets[0])
-        first_row = np.cumsum([0] + [len(c) for c in routes.chunks])
-        which = np.searchsorted(first_row, turns, side="right") - 1
-        local = turns - first_row[which]
-        parts = [views[c][bounds[c][r] : bounds[c][r + 1]] for c, r in zip(which.tolist(), local.tolist(), strict=True)]
-        total = sum(p.shape[0] for p in parts)
-        out = np.empty((total, *self.spec.row_shape), dtype=self.spec.dtype)
-        if parts:
-            np.concatenate(parts, axis=0, out=out, casting="unsafe")  # ids checked on append
-        return out
+        return pa.LargeListArray.from_arrays(pa.array(offsets), numpy_to_routes(values, spec))
 
     def clear(self) -> None:
         with self._lock:
             self._batches = []
+            self._views = []
+
+
+def _gather(views: list[tuple[np.ndarray, np.ndarray]], turns: np.ndarray, spec: RouteSpec) -> np.ndarray:
+    """Rows of the given turns (global turn indices, in order), concatenated: one copy.
+
+    A loop per turn slices zero-copy views (cheap next to the copy); narrower
+    batches are widened by the same copy.
+    """
+    first_turn = np.cumsum([0] + [off.size - 1 for _, off in views])
+    which = np.searchsorted(first_turn, turns, side="right") - 1
+    local = turns - first_turn[which]
+    parts = [
+        views[c][0][views[c][1][r] : views[c][1][r + 1]] for c, r in zip(which.tolist(), local.tolist(), strict=True)
+    ]
+    out = np.empty((sum(p.shape[0] for p in parts), *spec.row_shape), dtype=spec.dtype)
+    if parts:
+        np.concatenate(parts, axis=0, out=out, casting="unsafe")  # ids were checked on append
+    return out
 
 
 __all__ = ["TurnStore", "turn_batch", "turn_schema"]
