@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow.errors import RouteShapeError, SchemaError, TerminalGapError
-from r3arrow.spec import RouteSpec, check_route_ids, routes_to_numpy
+from r3arrow.spec import RouteSpec, check_route_ids, numpy_to_routes, routes_to_numpy
 
 #: Core columns of schema rollout.v1, in order (see schemas/rollout.v1.json).
 ROLLOUT_COLUMNS: tuple[str, ...] = (
@@ -78,11 +78,11 @@ def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> p
     return arr
 
 
-def _column(values: Any, typ: pa.DataType, name: str, rows: int) -> pa.Array:
-    """A flat column of ``typ`` with ``rows`` values (nulls are kept here and rejected by the caller)."""
+def _column(values: Any, typ: pa.DataType | None, name: str, rows: int) -> pa.Array:
+    """A column of ``typ`` (None: as given or inferred) with ``rows`` values; nulls are kept."""
     try:
         arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else pa.array(values)
-        arr = arr.cast(typ)
+        arr = arr if typ is None else arr.cast(typ)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
         raise SchemaError(f"{name}: expected values convertible to {typ}, found {exc}") from exc
     if len(arr) != rows:
@@ -91,18 +91,18 @@ def _column(values: Any, typ: pa.DataType, name: str, rows: int) -> pa.Array:
 
 
 def _routes_column(routes: Any, spec: RouteSpec, rows: int) -> tuple[pa.LargeListArray, RouteSpec]:
-    """Build ``large_list<spec.arrow_type>`` from finalized per-trajectory arrays (one copy)."""
+    """Build ``large_list<spec.arrow_type>`` from finalized per-trajectory arrays (at most one copy).
+
+    Ids are checked per part before the parts are joined straight into the storage dtype.
+    """
     if isinstance(routes, pa.ChunkedArray):
         routes = routes.combine_chunks()
     if isinstance(routes, pa.LargeListArray | pa.ListArray):
         if routes.null_count:
             raise SchemaError(f"routes: expected no null rows, found {routes.null_count}")
-        offsets = np.asarray(routes.offsets, dtype=np.int64)
-        flat = routes_to_numpy(routes.flatten(), spec)
-        lens = np.diff(offsets)
+        parts = [routes_to_numpy(routes.flatten(), spec)]
+        lens = np.diff(np.asarray(routes.offsets, dtype=np.int64))
     else:
-        if len(routes) != rows:
-            raise SchemaError(f"routes: expected {rows} rows (one per trajectory), found {len(routes)}")
         parts = [
             routes_to_numpy(r, spec) if isinstance(r, pa.Array | pa.ChunkedArray) else np.asarray(r)
             for r in routes
@@ -114,24 +114,20 @@ def _routes_column(routes: Any, spec: RouteSpec, rows: int) -> tuple[pa.LargeLis
                     f"found {p.dtype} {list(p.shape)}"
                 )
         lens = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
-        if len(parts) == 1:
-            flat = parts[0]
-        elif parts:
-            flat = np.concatenate(parts, axis=0, dtype=np.result_type(*[p.dtype for p in parts]))
-        else:
-            flat = np.empty((0, *spec.row_shape), spec.dtype)
     if len(lens) != rows:
         raise SchemaError(f"routes: expected {rows} rows (one per trajectory), found {len(lens)}")
-    _, hi = check_route_ids(flat, spec, what="routes")
+    hi = max((check_route_ids(p, spec, what=f"routes[{i}]")[1] for i, p in enumerate(parts)), default=-1)
     if spec.num_experts is None:
         spec = spec.widened_for(hi)
-    if flat.dtype != spec.dtype:
-        flat = flat.astype(spec.dtype)  # ids were range-checked: exact
+    if len(parts) == 1 and parts[0].dtype == spec.dtype:
+        flat = parts[0]
+    else:  # ids were range-checked for the storage dtype: the narrowing cast is exact
+        flat = np.empty((int(lens.sum()), *spec.row_shape), dtype=spec.dtype)
+        if parts:
+            np.concatenate(parts, axis=0, out=flat, casting="unsafe")
     offsets = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    leaf = pa.array(np.ascontiguousarray(flat).reshape(-1), type=spec.arrow_value_type)
-    tokens = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(leaf, spec.topk), spec.num_layers)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), tokens), spec
+    return pa.LargeListArray.from_arrays(pa.array(offsets), numpy_to_routes(flat, spec)), spec
 
 
 def rollout_table(
@@ -171,11 +167,7 @@ def rollout_table(
     for name, values in extra.items():
         if name in cols:
             raise SchemaError(f"extra column {name!r} collides with a core column")
-        arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else (
-            values if isinstance(values, pa.Array) else pa.array(list(values) if not isinstance(values, np.ndarray) else values)
-        )
-        if len(arr) != rows:
-            raise SchemaError(f"{name}: expected {rows} rows (one per trajectory), found {len(arr)}")
+        arr = _column(values, None, name, rows)
         cols[name] = arr
         extra_fields.append(pa.field(name, arr.type))
     schema = rollout_schema(spec, extra_fields)
