@@ -34,6 +34,7 @@ from r3arrow.errors import (
     EngineError,
     EngineHTTPError,
     PayloadError,
+    RouteDTypeError,
     RouteShapeError,
     TraceStateError,
 )
@@ -149,7 +150,7 @@ def decode_routes(
     `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`.
     """
     nbytes = 0
-    if isinstance(value, str | memoryview | bytes):
+    if isinstance(value, str | bytes | bytearray | memoryview):
         arr, nbytes = decode_vllm(value, max_bytes=max_bytes), len(value)
     elif isinstance(value, Mapping):
         data = value.get("data")
@@ -162,7 +163,7 @@ def decode_routes(
         if arr.size == 0 and spec is not None:
             arr = np.empty((0, *spec.row_shape), dtype=spec.dtype)
         if arr.dtype.kind not in "iu":
-            raise PayloadError(f"routed_experts: expected integer nested lists, found dtype {arr.dtype}")
+            raise RouteDTypeError(f"routed_experts: expected integer nested lists, found dtype {arr.dtype}")
         if arr.ndim != 3:
             raise RouteShapeError(f"routed_experts: expected [rows, L, K], found shape {list(arr.shape)}")
     else:
@@ -310,6 +311,10 @@ class EngineClient:
             raise ValueError(f"max_concurrency: expected an int >= 1, found {max_concurrency!r}")
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries: expected an int >= 0, found {max_retries!r}")
+        if not isinstance(max_payload_bytes, int) or max_payload_bytes < 0:
+            raise ValueError(f"max_payload_bytes: expected an int >= 0, found {max_payload_bytes!r}")
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size: expected None or an int >= 1, found {vocab_size!r}")
         if not (backoff_base >= 0 and backoff_max >= 0 and retry_after_max >= 0):
             raise ValueError(
                 f"backoff_base/backoff_max/retry_after_max: expected >= 0, found "
@@ -478,9 +483,7 @@ class EngineClient:
                 break
             self.stats["retries"] += 1
             await asyncio.sleep(self._backoff(attempt, retry_after))
-        raise EngineHTTPError(
-            f"engine {path} failed after {self.max_retries + 1} attempts: {last}", url=urls[0]
-        )
+        raise EngineHTTPError(f"engine {url}{path} failed after {self.max_retries + 1} attempts: {last}", url=url)
 
     async def generate(
         self,
@@ -504,17 +507,23 @@ class EngineClient:
         `PayloadError`/`RouteShapeError`/`ExpertRangeError` (bad routes; never retried),
         `TraceStateError` (a trace already has a request in flight).
         """
-        prompt = prompt_token_ids.tolist() if isinstance(prompt_token_ids, np.ndarray) else list(prompt_token_ids)
-        p = len(prompt)
-        if p == 0:
+        ids = np.asarray(prompt_token_ids)
+        if ids.size == 0:
             raise ValueError("prompt_token_ids: expected at least one token, found none")
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
-            bad = lo if lo < 0 else hi
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(
+                f"prompt_token_ids: expected a flat sequence of int token ids, found shape "
+                f"{list(ids.shape)} of dtype {ids.dtype}"
+            )
+        out_of_range = ids < 0 if self.vocab_size is None else (ids < 0) | (ids >= self.vocab_size)
+        bad = np.flatnonzero(out_of_range)
+        if bad.size:
             raise ValueError(
                 f"prompt_token_ids: expected ids in [0, {self.vocab_size if self.vocab_size is not None else 'vocab'}), "
-                f"found {bad} at position {prompt.index(bad)}"
+                f"found {int(ids[bad[0]])} at position {int(bad[0])}"
             )
+        prompt: list[int] = ids.tolist()  # plain ints: numpy scalars are not JSON-serialisable
+        p = len(prompt)
         sp = dict(sampling_params or {})
         if sp.get("n", 1) != 1 or sp.get("stream"):
             raise ValueError(

@@ -194,10 +194,7 @@ class Microbatch:
     @property
     def routes(self) -> torch.Tensor:
         """int32 ``[b, S, L_local, K]`` (packed: ``[1, T, L_local, K]``), a view of the targets."""
-        lm = self.layer_major
-        if self.packed:
-            return lm[:, :, 0, :].permute(1, 0, 2).unsqueeze(0)
-        return lm.permute(2, 1, 0, 3)
+        return self.layer_major.permute(2, 1, 0, 3)  # [C, P, L, K]; packed C == 1
 
     @property
     def num_sequences(self) -> int:
@@ -216,39 +213,34 @@ class Microbatch:
             positions //= self.tp_size
         return int(positions * columns)
 
-    def replay_targets(self) -> list[torch.Tensor]:
-        """One contiguous int32 ``[num_router_tokens, K]`` tensor per local router, in layer order.
+    def replay_tensor(self) -> torch.Tensor:
+        """int32 ``[L_local, num_router_tokens, K]`` view of `layer_major`: this rank's targets.
 
         Token order is Megatron's: flat index ``s * b + b_idx`` of the ``[s, b]`` hidden
         states (packed ``[1, T]``: T order), sliced to this TP rank under sequence
-        parallelism. The tensors are views of `layer_major` (no copy).
+        parallelism.
         """
         n_layers, positions, columns, k = self.layer_major.shape
         flat = self.layer_major.reshape(n_layers, positions * columns, k)
         if self.sequence_parallel and self.tp_size > 1:
-            per = positions // self.tp_size
-            flat = flat[:, self.tp_rank * per * columns : (self.tp_rank + 1) * per * columns]
-        return list(flat.unbind(0))
+            per = positions // self.tp_size * columns
+            flat = flat[:, self.tp_rank * per : (self.tp_rank + 1) * per]
+        return flat
+
+    def replay_targets(self) -> list[torch.Tensor]:
+        """One contiguous int32 ``[num_router_tokens, K]`` tensor per local router, in layer
+        order: the rows of `replay_tensor` (views, no copy)."""
+        return list(self.replay_tensor().unbind(0))
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Microbatch:
         """This microbatch with every tensor on ``device``."""
 
-        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=non_blocking)
-
-        return dataclasses.replace(
-            self,
-            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
-            position_ids=self.position_ids.to(device, non_blocking=non_blocking),
-            labels=self.labels.to(device, non_blocking=non_blocking),
-            loss_mask=self.loss_mask.to(device, non_blocking=non_blocking),
-            label_mask=self.label_mask.to(device, non_blocking=non_blocking),
-            padding_mask=self.padding_mask.to(device, non_blocking=non_blocking),
-            cu_seqlens=mv(self.cu_seqlens),
-            cu_seqlens_padded=mv(self.cu_seqlens_padded),
-            token_index=mv(self.token_index),
-            layer_major=self.layer_major.to(device, non_blocking=non_blocking),
-        )
+        moved: dict[str, Any] = {
+            f.name: v.to(device, non_blocking=non_blocking)
+            for f in dataclasses.fields(self)
+            if isinstance(v := getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
     def to_batch(self, values: torch.Tensor, *, fill: float = 0.0) -> torch.Tensor:
         """Per-position model outputs (e.g. next-token logprobs) → ``[B, max(seq_lens) - 1]``.
@@ -458,7 +450,7 @@ class MegatronCollator:
         rlen = np.concatenate([_list_lengths(b.column("response_ids")) for b in batches])
         cap = np.concatenate([_list_lengths(b.column("routes")) for b in batches])
         n = plen + rlen
-        self._check_lengths(batches, n, cap)
+        self._check_lengths(batches, rlen, n, cap)
         lay = _layout(
             n,
             packed=self.packed,
@@ -527,9 +519,10 @@ class MegatronCollator:
         ]
         return batches, spec
 
-    def _check_lengths(self, batches: list[pa.RecordBatch], n: np.ndarray, cap: np.ndarray) -> None:
+    def _check_lengths(
+        self, batches: list[pa.RecordBatch], rlen: np.ndarray, n: np.ndarray, cap: np.ndarray
+    ) -> None:
         mlen = np.concatenate([_list_lengths(b.column("loss_mask")) for b in batches])
-        rlen = np.concatenate([_list_lengths(b.column("response_ids")) for b in batches])
         bad = np.flatnonzero((mlen != rlen) | (cap > n) | (n < 1))
         if bad.size:
             i = int(bad[0])
@@ -549,8 +542,7 @@ class MegatronCollator:
         cap: np.ndarray,
     ) -> Microbatch:
         k, n_local = spec.topk, len(self.layers)
-        rows, cols = (1, lay.positions) if self.packed else (lay.columns, lay.positions)
-        tok_shape = (rows, cols)
+        tok_shape = (lay.columns, lay.positions)  # packed: columns == 1
         cp = self.cp_size > 1
         parts: list[tuple[tuple[int, ...], Any]] = [
             ((n_local, lay.positions, lay.columns, k), np.int32),
@@ -657,8 +649,8 @@ class MegatronCollator:
             route_base.append(rt_off[:-1] + sum(x.shape[0] for x in sources))
             sources.append(routes)
             for s in segs.tolist():
-                i = int(tr[s]) - row0
                 g = int(tr[s])
+                i = g - row0
                 a, length, at, c = int(st[s]), int(ln[s]), int(lay.seg_at[s]), seg_cols[s]
                 p = int(plen[g])
                 row = 0 if self.packed else c
@@ -689,6 +681,13 @@ class MegatronCollator:
             self._copy_routes(sources, jobs, pads, lm)
         else:
             self._copy_unpacked(sources, np.concatenate(route_base), cap, lay, lm)
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.num_threads, thread_name_prefix="r3arrow-collate"
+            )
+        return self._executor
 
     def _copy_unpacked(
         self,
@@ -723,17 +722,14 @@ class MegatronCollator:
             for p0 in starts:
                 gather.run(t_of_p, p0, min(positions, p0 + step))
             return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=self.num_threads, thread_name_prefix="r3arrow-collate"
-            )
+        executor = self._threads()
 
         def share(w: int) -> None:
             g = gather if w == 0 else _RowGatherer(source, select, lm, first_row, cap)
             for p0 in starts[w::workers]:
                 g.run(t_of_p, p0, min(positions, p0 + step))
 
-        for f in [self._executor.submit(share, w) for w in range(workers)]:
+        for f in [executor.submit(share, w) for w in range(workers)]:
             f.result()
 
     def _copy_routes(
@@ -760,12 +756,9 @@ class MegatronCollator:
                 done, filled = done + take, filled + take
                 if filled == per and w < workers - 1:
                     w, filled = w + 1, 0
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=self.num_threads, thread_name_prefix="r3arrow-collate"
-            )
+        executor = self._threads()
         futures = [
-            self._executor.submit(_run_copies, sources, self._select, lm, g, pads if i == 0 else [])
+            executor.submit(_run_copies, sources, self._select, lm, g, pads if i == 0 else [])
             for i, g in enumerate(groups)
         ]
         for f in futures:
@@ -941,13 +934,22 @@ def split_microbatch_indices(
     the fewest microbatches, at least ``num_microbatches``, whose costs all fit the budget.
     ``num_microbatches`` alone: exactly that many, balanced by cost. Balancing is
     longest-first onto the least loaded microbatch. Raises `SchemaError` when a trajectory
-    alone exceeds the budget or there are fewer trajectories than microbatches.
+    alone exceeds the budget, there are fewer trajectories than microbatches, or a length,
+    ``multiple`` or ``max_tokens`` is not positive.
     """
     n = np.asarray(lengths, dtype=np.int64)
     if n.ndim != 1 or n.size == 0:
         raise SchemaError(
             f"expected a non-empty 1-D array of trajectory lengths, found shape {list(n.shape)}"
         )
+    if int(n.min()) < 1:
+        i = int(np.argmin(n))
+        raise SchemaError(f"expected trajectory lengths >= 1, found {int(n[i])} at row {i}")
+    for name, value in (("multiple", multiple), ("max_tokens", max_tokens)):
+        if value is not None and (
+            not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1
+        ):
+            raise SchemaError(f"{name}: expected a positive int, found {value!r}")
     if max_tokens is None and num_microbatches is None:
         raise SchemaError("expected max_tokens, num_microbatches or both, found neither")
     if num_microbatches is not None and not 1 <= num_microbatches <= n.size:
@@ -964,17 +966,14 @@ def split_microbatch_indices(
                 f"budget is {max_tokens}; trajectories are never split"
             )
     order = np.argsort(-cost, kind="stable")
-    lo = (
-        num_microbatches
-        if num_microbatches is not None
-        else max(1, -(-int(cost.sum()) // int(max_tokens or 1)))
-    )
+    if max_tokens is None:
+        return _balance(cost, order, int(num_microbatches or 1))
+    # No fewer microbatches than the budget allows, nor than asked for.
+    lo = max(int(num_microbatches or 1), -(-int(cost.sum()) // max_tokens))
     for bins in range(lo, n.size + 1):
         groups = _balance(cost, order, bins)
-        if max_tokens is None or all(_cost(cost[g], packed) <= max_tokens for g in groups):
+        if all(_cost(cost[g], packed) <= max_tokens for g in groups):
             return groups
-        if num_microbatches is not None and max_tokens is None:
-            break
     raise SchemaError(f"max_tokens={max_tokens}: no split of {n.size} trajectories fits the budget")
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from r3arrow.errors import R3ArrowError
 from r3arrow.spec import RouteSpec
@@ -65,6 +66,23 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _shape(cfg: DemoConfig) -> dict[str, Any]:
+    """The embedded engine's shape overrides from ``cfg`` (its defaults where unset)."""
+    from r3arrow.engine import TinyMoEConfig
+
+    shape: dict[str, Any] = {
+        name: value
+        for name, value in (("num_layers", cfg.num_layers), ("topk", cfg.topk), ("num_experts", cfg.num_experts))
+        if value is not None
+    }
+    if cfg.moe_layers is not None:
+        num_layers = int(shape.get("num_layers", TinyMoEConfig.num_layers))
+        # RouteSpec validates the ids against the layer count (unique, in range, non-empty).
+        moe = RouteSpec(num_layers, 1, None, moe_layers=cfg.moe_layers).router_layers
+        shape["dense_layers"] = tuple(i for i in range(num_layers) if i not in moe)
+    return shape
+
+
 @contextlib.contextmanager
 def _engine(cfg: DemoConfig) -> Iterator[tuple[str, RouteSpec | None]]:
     """Yield (url, spec): the embedded engine on 127.0.0.1, or the external URL."""
@@ -76,7 +94,7 @@ def _engine(cfg: DemoConfig) -> Iterator[tuple[str, RouteSpec | None]]:
         return
     from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
 
-    engine = ReferenceEngine(TinyMoEConfig(seed=cfg.seed, vocab_size=cfg.vocab_size))
+    engine = ReferenceEngine(TinyMoEConfig(seed=cfg.seed, vocab_size=cfg.vocab_size, **_shape(cfg)))
     with EngineServer(engine) as server:
         yield server.url, engine.config.route_spec()
 
@@ -249,8 +267,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     t = time.perf_counter()
     kept = filter_groups(table)
     timings["dynamic_sampling"] = time.perf_counter() - t
-    groups = len(set(table.column("group_id").to_pylist()))
-    kept_groups = len(set(kept.column("group_id").to_pylist()))
+    groups = pc.count_distinct(table.column("group_id")).as_py()
+    kept_groups = pc.count_distinct(kept.column("group_id")).as_py()
     _say(
         f"[2/6] dynamic sampling: kept {kept_groups}/{groups} groups with varied rewards "
         f"({kept.num_rows} trajectories, routes travel with their rows)"
@@ -296,10 +314,11 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     batches = [collate(part) for part in parts]
     timings["collate"] = time.perf_counter() - t
     mb0 = batches[0]
+    targets = mb0.replay_targets()
     _say(
         f"[5/6] megatron collation: {len(batches)} packed microbatches (<= {cfg.microbatch_tokens} tokens); "
         f"first: routes {tuple(mb0.routes.shape)} int32, {int(mb0.padding_mask.sum())} padded positions, "
-        f"{len(mb0.replay_targets())} replay targets of {tuple(mb0.replay_targets()[0].shape)}"
+        f"{len(targets)} replay targets of {tuple(targets[0].shape)}"
     )
 
     result = DemoResult(ok=exact, table=table, kept=kept, parquet=parquet, heatmap=heatmap,

@@ -150,13 +150,7 @@ def _routers(obj: Any) -> list[Any]:
             raise ReplayError(
                 f"expected MoE routers or a model containing them, found {type(item).__name__}"
             )
-    seen: set[int] = set()
-    unique = []
-    for r in out:
-        if id(r) not in seen:
-            seen.add(id(r))
-            unique.append(r)
-    return unique
+    return list({id(r): r for r in out}.values())  # first occurrence order
 
 
 def _is_mtp(router: Any) -> bool:
@@ -267,13 +261,7 @@ def validate_targets(
 
 
 def _check_microbatch_ids(mb: Microbatch, num_experts: int | None) -> None:
-    lm = mb.layer_major
-    n_layers, positions, columns, k = lm.shape
-    flat = lm.reshape(n_layers, positions * columns, k)
-    if mb.sequence_parallel and mb.tp_size > 1:
-        per = positions // mb.tp_size * columns
-        flat = flat[:, mb.tp_rank * per : (mb.tp_rank + 1) * per]
-    _check_ids(flat, num_experts, mb.layers)
+    _check_ids(mb.replay_tensor(), num_experts, mb.layers)
 
 
 def install_replay(
@@ -511,8 +499,12 @@ def remove_padding_mask_shim() -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
     with _shim_lock:
-        original = _shim.pop("original", None)
-        if original is not None:
+        if "original" not in _shim:
+            return
+        original = _shim.pop("original")
+        if original is None:  # inherited before the shim: drop the override
+            del TopKRouter._apply_expert_bias
+        else:
             TopKRouter._apply_expert_bias = original
 
 

@@ -11,6 +11,8 @@ and returns its path. Needs the ``plot`` extra (matplotlib).
 from __future__ import annotations
 
 import os
+import re
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,51 +54,65 @@ def _figure(width: float, height: float) -> Figure:
     return fig
 
 
-def _save(fig: Figure, path: PathLike) -> Path:
+def _png(path: PathLike) -> Path:
     out = Path(path)
     if out.suffix.lower() != ".png":
         raise ValueError(f"expected a .png path, found {out}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=_DPI)
     return out
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=_DPI)
+    return path
 
 
 def _clamp(x: float, lo: float, hi: float) -> float:
     return max(lo, min(hi, x))
 
 
-def _layer_ticks(ax: Axes, layers: Sequence[int], *, axis: str = "y", max_ticks: int = 24) -> None:
-    """Label rows/columns with global layer ids (MoE layers need not be contiguous)."""
-    n = len(layers)
-    step = max(1, int(np.ceil(n / max_ticks)))
-    pos = list(range(0, n, step))
-    labels = [str(layers[i]) for i in pos]
+# A vertical colour-bar label is centred on the bar and not shrunk by the layout: a line
+# longer than the bar runs past the figure's edge. ~9 characters per inch of bar at 10 pt;
+# 30 fit the shortest bar (~2.3 in).
+_BAR_CHARS_PER_INCH, _BAR_MIN_CHARS = 9, 30
+
+
+def _wrap_label(label: str, chars: int) -> str:
+    """Lines of at most ``chars`` characters, never breaking inside parentheses."""
+    keep = re.sub(r"\([^)]*\)", lambda m: m.group().replace(" ", "\u00a0"), label)
+    lines = (textwrap.fill(line, chars) for line in keep.splitlines())
+    return "\n".join(lines).replace("\u00a0", " ")
+
+
+def _colorbar(fig: Figure, img: Any, ax: Axes, label: str, *, inches: float, **kw: Any) -> Any:
+    """Colour bar beside ``ax`` (``inches`` tall): label wrapped to fit it, width in proportion."""
+    bar = fig.colorbar(img, ax=ax, pad=0.01, aspect=_clamp(4 * inches, 12, 40), **kw)
+    bar.set_label(_wrap_label(label, max(_BAR_MIN_CHARS, int(_BAR_CHARS_PER_INCH * inches))))
+    return bar
+
+
+def _ticks(ax: Axes, ids: Sequence[int], axis: str, max_ticks: int) -> None:
+    """Label rows (``axis="y"``) or columns with the ids they show (MoE layers need not be contiguous)."""
+    raw = max(1, int(np.ceil(len(ids) / max_ticks)))
+    mag = 10 ** (len(str(raw)) - 1)
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)  # round strides: 1, 2, 5 x 10^k
+    pos = list(range(0, len(ids), step))
+    labels = [str(ids[i]) for i in pos]
     if axis == "y":
         ax.set_yticks(pos, labels)
     else:
         ax.set_xticks(pos, labels)
 
 
-def _step_ticks(ax: Axes, steps: Sequence[int], max_ticks: int = 16) -> None:
-    n = len(steps)
-    stride = max(1, int(np.ceil(n / max_ticks)))
-    pos = list(range(0, n, stride))
-    ax.set_xticks(pos, [str(steps[i]) for i in pos])
-
-
 def _matrix(
     frame: pl.DataFrame, row: str, col: str, value: str
 ) -> tuple[list[int], list[int], np.ndarray]:
     """Pivot a long frame to a dense ``[rows, cols]`` float matrix (missing cells NaN)."""
-    rows = sorted(frame[row].unique().to_list())
-    cols = sorted(frame[col].unique().to_list())
-    ri = {v: i for i, v in enumerate(rows)}
-    ci = {v: i for i, v in enumerate(cols)}
-    out = np.full((len(rows), len(cols)), np.nan)
-    r = np.fromiter((ri[v] for v in frame[row].to_list()), dtype=np.int64, count=frame.height)
-    c = np.fromiter((ci[v] for v in frame[col].to_list()), dtype=np.int64, count=frame.height)
-    out[r, c] = frame[value].cast(pl.Float64).to_numpy()
-    return rows, cols, out
+    rv, cv = frame[row].to_numpy(), frame[col].to_numpy()
+    rows, cols = np.unique(rv), np.unique(cv)
+    out = np.full((rows.size, cols.size), np.nan)
+    out[np.searchsorted(rows, rv), np.searchsorted(cols, cv)] = frame[value].cast(pl.Float64).to_numpy()
+    return rows.tolist(), cols.tolist(), out
 
 
 def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = None) -> Path:
@@ -106,6 +122,7 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
     over). Blue = under-used, white = balanced (1×), red = hot; black = dead
     (0 tokens); grey = a layer that routed nothing.
     """
+    out = _png(path)
     if not {"layer", "expert", "tokens"} <= set(load.columns):
         raise SchemaError(
             f"expected an expert_load frame (layer, expert, tokens), found {load.columns}"
@@ -123,21 +140,22 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
     finite = np.isfinite(logs)
     lim = float(np.clip(np.ceil(np.abs(logs[finite]).max()), 1, 4)) if finite.any() else 1.0
     shown = np.where(rel == 0, -lim - 1.0, np.clip(logs, -lim, lim))  # dead: below the scale
-    fig = _figure(
-        _clamp(3.5 + 0.045 * len(experts), 6.5, 16), _clamp(1.8 + 0.2 * len(layers), 3.2, 12)
-    )
+    height = _clamp(1.8 + 0.2 * len(layers), 3.2, 12)
+    fig = _figure(_clamp(3.5 + 0.045 * len(experts), 6.5, 16), height)
     ax = fig.add_subplot()
     cmap = _cmap("RdBu_r", under="black")
     img = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-lim, vmax=lim)
-    _layer_ticks(ax, layers)
+    _ticks(ax, layers, "y", 24)
+    _ticks(ax, experts, "x", 16)
     ax.set_xlabel("expert id")
     ax.set_ylabel("MoE layer (global id)")
-    bar = fig.colorbar(img, ax=ax, pad=0.01, extend="min")
+    bar = _colorbar(
+        fig, img, ax, "load ÷ layer mean (log scale)\nblack = dead", inches=height, extend="min"
+    )
     ticks = np.arange(-lim, lim + 1)
     bar.set_ticks(
         list(ticks), labels=[f"{2.0**t:g}×" if t >= 0 else f"1/{2.0**-t:g}×" for t in ticks]
     )
-    bar.set_label("load ÷ layer mean (log scale; black = dead)")
     worst_per_layer = np.where(np.isfinite(rel), rel, -np.inf).max(axis=1)
     worst = int(np.argmax(worst_per_layer)) if counts.size else 0
     dead = int((rel == 0).sum())
@@ -148,7 +166,7 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
         f"worst max/mean {worst_per_layer[worst]:.2f} (layer {layers[worst]}), {dead} dead (layer, expert)",
         fontsize=10,
     )
-    return _save(fig, path)
+    return _save(fig, out)
 
 
 def _cmap(name: str, under: str | None = None) -> Any:
@@ -170,14 +188,14 @@ def _lines_and_heatmap(
     vmin: float | None,
     vmax: float | None,
     ylim: tuple[float, float] | None,
-    path: PathLike,
+    path: Path,
     reference: tuple[float, str] | None = None,
 ) -> Path:
     """Top: summary lines over steps; bottom: layer × step heatmap of ``values`` with a colour bar."""
-    fig = _figure(
-        _clamp(4.5 + 0.12 * len(steps), 7.5, 16), _clamp(4.2 + 0.16 * len(layers), 6.0, 14)
-    )
-    top, bottom = fig.subplots(2, 1, height_ratios=[1.0, _clamp(len(layers) / 10, 1.0, 3.0)])
+    height = _clamp(4.2 + 0.16 * len(layers), 6.0, 14)
+    fig = _figure(_clamp(4.5 + 0.12 * len(steps), 7.5, 16), height)
+    ratio = _clamp(len(layers) / 10, 1.0, 3.0)
+    top, bottom = fig.subplots(2, 1, height_ratios=[1.0, ratio])
     x = np.arange(len(steps))
     marker = "o" if len(steps) <= 40 else None
     for label, ys in lines.items():
@@ -190,18 +208,17 @@ def _lines_and_heatmap(
     top.set_ylabel(ylabel)
     top.grid(True, alpha=0.3)
     top.legend(fontsize=8, loc="best")
-    _step_ticks(top, steps)
+    _ticks(top, steps, "x", 16)
     top.set_xlabel("training step")
     top.set_title(title, fontsize=10)
     img = bottom.imshow(
         values, aspect="auto", interpolation="nearest", cmap=_cmap(cmap), vmin=vmin, vmax=vmax
     )
-    _layer_ticks(bottom, layers)
-    _step_ticks(bottom, steps)
+    _ticks(bottom, layers, "y", 24)
+    _ticks(bottom, steps, "x", 16)
     bottom.set_xlabel("training step")
     bottom.set_ylabel("MoE layer (global id)")
-    bar = fig.colorbar(img, ax=bottom, pad=0.01)
-    bar.set_label(bar_label)
+    _colorbar(fig, img, bottom, bar_label, inches=height * ratio / (1 + ratio))
     return _save(fig, path)
 
 
@@ -214,6 +231,7 @@ def plot_imbalance(
     or its `load_summary`. ``metric``: a summary column (max_over_mean, cv,
     entropy_norm, dead, hot).
     """
+    out = _png(path)
     if "step" not in frame.columns:
         raise SchemaError(
             f"expected a frame with a step column (by_step=True), found {frame.columns}"
@@ -241,7 +259,7 @@ def plot_imbalance(
         vmin=None,
         vmax=None,
         ylim=None,
-        path=path,
+        path=out,
         reference=_REFERENCE.get(metric),
     )
 
@@ -263,6 +281,7 @@ def plot_agreement(
     ``agreement``: `r3arrow.stats.agreement_over_steps` frame or the mapping
     ``route_agreement_by_step`` returns. Bottom panel: per-layer identical fraction.
     """
+    out = _png(path)
     frame = agreement if isinstance(agreement, pl.DataFrame) else agreement_over_steps(agreement)
     need = {"step", "layer", "tokens", "identical", "overlap", "differing"}
     if not need <= set(frame.columns):
@@ -291,7 +310,7 @@ def plot_agreement(
         vmin=_floor_tenth(ident),
         vmax=1.0,
         ylim=(-0.02, 1.02),
-        path=path,
+        path=out,
     )
 
 

@@ -59,39 +59,41 @@ def _step_dirs(root: Path, steps: Sequence[int] | None) -> list[tuple[int, Path]
     if not present:
         raise SchemaError(f"{root}: expected step=N/ rollout partitions, found none")
     if steps is not None:
-        missing = sorted({int(s) for s in steps} - set(present))
+        wanted = {int(s) for s in steps}
+        missing = sorted(wanted - set(present))
         if missing:
             raise SchemaError(f"{root}: expected steps {missing} to exist, found steps {present}")
-        present = [s for s in present if s in {int(x) for x in steps}]
+        present = [s for s in present if s in wanted]
     return [(s, root / f"step={s}") for s in present]
 
 
-def _files(path: PathLike, steps: Sequence[int] | None) -> tuple[list[str], Path | None]:
-    """Parquet files to read and the partition root (None for a single file)."""
+def _files(path: PathLike, steps: Sequence[int] | None) -> list[tuple[str, int | None]]:
+    """Parquet files to read, each with its step (None for a single file)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such rollout file or directory")
     if not p.is_dir():
         if steps is not None:
             raise SchemaError(f"{p}: steps= needs a step=N/ directory, found a single file")
-        return [str(p)], None
-    files = [str(f) for _, d in _step_dirs(p, steps) for f in sorted(d.glob("*.parquet"))]
+        return [(str(p), None)]
+    files: list[tuple[str, int | None]] = [
+        (str(f), s) for s, d in _step_dirs(p, steps) for f in sorted(d.glob("*.parquet"))
+    ]
     if not files:
         raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none")
-    return files, p
+    return files
 
 
-def rollout_spec(path: PathLike, *, steps: Sequence[int] | None = None) -> RouteSpec:
-    """The `RouteSpec` shared by every rollout file under ``path`` (footers only).
-
-    Raises `SchemaError` if a file lacks the spec or two files disagree on it.
-    """
-    files, _ = _files(path, steps)
+def _scan(path: PathLike, steps: Sequence[int] | None) -> tuple[RouteSpec, list[dict[str, Any]]]:
+    """The spec shared by every file and the read units (path, row group, step); one footer
+    read per file. Raises `SchemaError` if a file lacks the spec or two files disagree on it."""
     spec: RouteSpec | None = None
     first = ""
-    for f in files:
+    units: list[dict[str, Any]] = []
+    for f, step in _files(path, steps):
         try:
-            schema = pq.read_schema(f)
+            with pq.ParquetFile(f) as pf:
+                schema, row_groups = pf.schema_arrow, pf.metadata.num_row_groups
         except (pa.ArrowInvalid, OSError) as exc:
             raise SchemaError(
                 f"{f}: expected an r3arrow rollout Parquet file, found an unreadable file ({exc})"
@@ -107,8 +109,17 @@ def rollout_spec(path: PathLike, *, steps: Sequence[int] | None = None) -> Route
             raise SchemaError(
                 f"expected one RouteSpec under {path}, found {spec} in {first} and {s} in {f}"
             )
-    assert spec is not None
-    return spec
+        units.extend({"path": f, "row_group": g, "step": step} for g in range(row_groups))
+    assert spec is not None  # _files returns at least one file
+    return spec, units
+
+
+def rollout_spec(path: PathLike, *, steps: Sequence[int] | None = None) -> RouteSpec:
+    """The `RouteSpec` shared by every rollout file under ``path`` (footers only).
+
+    Raises `SchemaError` if a file lacks the spec or two files disagree on it.
+    """
+    return _scan(path, steps)[0]
 
 
 class _ReadUnits:
@@ -151,27 +162,23 @@ def read_rollouts(
     is added for a directory); ``steps`` selects partitions. Blocks carry no
     schema metadata: keep ``rollout_spec(path)`` for the spec.
     """
+    return _read(path, columns, steps)[0]
+
+
+def _read(
+    path: PathLike, columns: Sequence[str] | None, steps: Sequence[int] | None
+) -> tuple[ray.data.Dataset, RouteSpec]:
     import ray.data
 
     # Not ray.data.read_parquet: its Parquet reader (Ray 2.60) bin-packs small files into
     # one read task (no parallelism below ~128 MB), and a list of paths is resolved on
     # parallel threads that race on an optional fsspec import when aiohttp is absent.
-    files, root = _files(path, steps)
-    rollout_spec(path, steps=steps)  # fail early on foreign files or mixed specs
-    units = [
-        {
-            "path": f,
-            "row_group": g,
-            "step": int(Path(f).parent.name.split("=", 1)[1]) if root is not None else None,
-        }
-        for f in files
-        for g in range(pq.ParquetFile(f).metadata.num_row_groups)
-    ]
+    spec, units = _scan(path, steps)  # fails early on foreign files or mixed specs
     if not units:
         raise SchemaError(f"{path}: expected rollout row groups, found none")
     cols = None if columns is None else list(dict.fromkeys(c for c in columns if c != "step"))
     ds = ray.data.from_items(units, override_num_blocks=len(units))
-    return ds.map_batches(_ReadUnits(cols), batch_format="pyarrow", batch_size=1)
+    return ds.map_batches(_ReadUnits(cols), batch_format="pyarrow", batch_size=1), spec
 
 
 # =========================================================== aggregation
@@ -207,22 +214,16 @@ class _Partials:
         )
 
 
-def _decode(kind: _Kind, vec: Any) -> ExpertCounts | RouteAgreement:
-    return ExpertCounts.from_vector(vec) if kind == "counts" else RouteAgreement.from_vector(vec)
-
-
 def _sum_vectors(kind: _Kind, a: Any, b: Any) -> np.ndarray:
+    """Sum of two encoded partials (decoded: headers differ, e.g. in width); empty = zero."""
     va, vb = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
     if va.size == 0:
         return vb
     if vb.size == 0:
         return va
-    x, y = _decode(kind, va), _decode(kind, vb)
-    if isinstance(x, ExpertCounts) and isinstance(y, ExpertCounts):
-        return (x + y).to_vector()
-    if isinstance(x, RouteAgreement) and isinstance(y, RouteAgreement):
-        return (x + y).to_vector()
-    raise SchemaError(f"cannot add partials of kinds {type(x).__name__} and {type(y).__name__}")
+    if kind == "counts":
+        return (ExpertCounts.from_vector(va) + ExpertCounts.from_vector(vb)).to_vector()
+    return (RouteAgreement.from_vector(va) + RouteAgreement.from_vector(vb)).to_vector()
 
 
 def _sum_aggregate(kind: _Kind) -> Any:
@@ -256,9 +257,7 @@ def _as_dataset(
     source: Any, spec: RouteSpec | None, columns: list[str], steps: Sequence[int] | None
 ) -> tuple[Any, RouteSpec]:
     if isinstance(source, str | os.PathLike):
-        return read_rollouts(source, columns=columns, steps=steps), rollout_spec(
-            source, steps=steps
-        )
+        return _read(source, columns, steps)
     if spec is None:
         raise SchemaError(
             "expected spec= with a Ray Dataset (Ray blocks carry no schema metadata), found None"
@@ -289,7 +288,7 @@ class _KeepSteps:
 
 def _columns(tokens: str, other: str | None) -> list[str]:
     if tokens not in TOKEN_SUBSETS:
-        raise ValueError(f"tokens: expected one of {list(TOKEN_SUBSETS)}, found {tokens!r}")
+        raise SchemaError(f"tokens: expected one of {list(TOKEN_SUBSETS)}, found {tokens!r}")
     need = {
         "all": [],
         "prompt": ["prompt_ids"],
@@ -301,7 +300,7 @@ def _columns(tokens: str, other: str | None) -> list[str]:
 
 def _check_reduce(reduce: str) -> None:
     if reduce not in ("driver", "ray"):
-        raise ValueError(f"reduce: expected 'driver' or 'ray', found {reduce!r}")
+        raise SchemaError(f"reduce: expected 'driver' or 'ray', found {reduce!r}")
 
 
 def _partials(

@@ -181,12 +181,11 @@ async def run_trajectory(
     for turn in range(max_turns):
         if seed is not None:
             sp["seed"] = seed + turn
-        token_start = trace.captured
         out = await client.generate(conv.token_ids, sampling_params=sp, trace=trace, session_id=session)
-        if out.routed_experts is None:  # pragma: no cover - the client raises first
+        if out.routed_experts is None or out.token_start is None:  # pragma: no cover - the client raises first
             raise EngineError(f"trajectory {trajectory_id!r}: engine returned no routed_experts")
         # zero-copy: the store's batch and the trace share the decoded (read-only) buffer
-        store.append(trajectory_id, token_start, out.routed_experts)
+        store.append(trajectory_id, out.token_start, out.routed_experts)
         conv.outputs.append(out)
         conv.add_generated(out.token_ids)
         step = await _call_step(env, conv)
@@ -274,11 +273,14 @@ async def run_rollouts(
     ``"{id_prefix}g{i}-{j}"`` (use ``id_prefix`` to keep ids unique in a shared ``store``);
     with ``seed``, its sampling seeds start at ``seed + (i * group_size + j) * max_turns`` so
     the members of a group differ. Concurrency is bounded by the client's ``max_concurrency``.
-    Rows are in prompt-then-member order. ``spec`` defaults to the client's. The first failing
+    Rows are in prompt-then-member order. ``spec`` defaults to the client's (with ``store``:
+    the store's; a different one raises `RouteShapeError`). The first failing
     trajectory's error is raised after the others are cancelled.
     """
     if group_size < 1:
         raise ValueError(f"group_size: expected >= 1, found {group_size}")
+    if store is not None and spec is not None and not spec.same_shape(store.spec):
+        raise RouteShapeError(f"spec: expected the store's {store.spec} (or None), found {spec}")
     if store is None:
         spec = spec if spec is not None else client.spec
         if spec is None:

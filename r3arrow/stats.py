@@ -301,45 +301,32 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
     layers = list(spec.router_layers)
     nl, k = len(layers), spec.topk
     ntok = arr.shape[0] if sel is None else int(np.count_nonzero(sel))
-    e = spec.num_experts
     if ntok == 0:
-        return ExpertCounts(spec.router_layers, np.zeros((nl, e or 0), np.int64), 0)
+        return ExpertCounts.empty(spec)
+    e = spec.num_experts
     signed = arr.dtype.kind == "i"
-    sub = arr
     if e is None or signed:
         # Unknown E: the expert axis spans the ids seen. Signed storage: negative ids
         # would move codes backwards, which the per-layer totals below cannot detect.
         sub = arr if spec.moe_layers is None else arr[:, layers, :]
-        lo, hi = (
-            (int(sub.min()), int(sub.max()))
-            if sel is None
-            else (int(sub[sel].min()), int(sub[sel].max()))
-        )
+        seen = sub if sel is None else sub[sel]
+        lo, hi = int(seen.min()), int(seen.max())
         e = hi + 1 if e is None else e
         if lo < 0 or hi >= e:
-            raise _range_error(sub if sel is None else sub[sel], e, layers, "routes")
-    if signed:  # ids checked: count the router layers only
-        arr, pick_all = sub, True
-        top = nl * e
-    else:
-        pick_all = spec.moe_layers is None
-        top = nl * e + int(np.iinfo(arr.dtype).max) + 1  # any code an unsigned id can make
+            raise _range_error(seen, e, layers, "routes")
+        if signed:  # ids checked: count the router layers only
+            arr = sub
+    # Code base per layer: rank among the router layers × E; a dense layer's ids land in
+    # the discard range [nl * E, top) that an unsigned id can reach.
     width = arr.shape[1]
-    pos = {layer: i for i, layer in enumerate(layers)}
-    base_l = np.array(
-        [pos[i] * e if (pick_all or i in pos) else nl * e for i in range(width)]
-        if not signed
-        else [i * e for i in range(width)],
-        dtype=np.int64,
-    )
-    code_dtype = (
-        np.int16
-        if top <= np.iinfo(np.int16).max
-        else np.int32
-        if top <= np.iinfo(np.int32).max
-        else np.int64
-    )
-    base = np.broadcast_to(base_l.astype(code_dtype)[:, None], (width, k))
+    if signed or spec.moe_layers is None:  # every layer of ``arr`` is a router layer
+        rank = np.arange(width, dtype=np.int64)
+    else:
+        rank = np.full(width, nl, dtype=np.int64)
+        rank[layers] = np.arange(nl)
+    top = nl * e if signed else nl * e + int(np.iinfo(arr.dtype).max) + 1
+    code_dtype = next(t for t in (np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
+    base = np.broadcast_to((rank * e).astype(code_dtype)[:, None], (width, k))
     rows = max(1, _CHUNK_IDS // (width * k))
 
     local = threading.local()  # one codes buffer per worker thread, reused across chunks
@@ -359,9 +346,8 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
     counts = total[: nl * e].reshape(nl, e)
     # Each router layer gets exactly K ids per token; an id >= E spills into a later
     # layer's (or the discard) range, so the lowest layer with one comes up short.
-    short = np.flatnonzero(counts.sum(axis=1) != k * ntok)
-    if short.size:
-        sub = arr[:, layers, :] if not signed else arr
+    if np.any(counts.sum(axis=1) != k * ntok):  # unsigned ids only: signed ones were checked above
+        sub = arr[:, layers, :]
         raise _range_error(sub if sel is None else sub[sel], e, layers, "routes")
     return ExpertCounts(spec.router_layers, counts.copy(), ntok)
 
@@ -642,10 +628,10 @@ def _iter_source(
             raise SchemaError(f"{p}: steps= needs a step=N/ directory, found a single file")
         for step, table in iter_rollouts(p, columns=columns, steps=steps):
             # Drop every reference to a step before the next one is read: one step resident.
-            batches = list(_batches(table))
+            batches = list(_batches(table))[::-1]
             del table
             while batches:
-                yield step, batches.pop(0)
+                yield step, batches.pop()
         return
     if not isinstance(source, pa.Table | pa.RecordBatch):
         raise TypeError(
@@ -689,12 +675,6 @@ def batch_counts(batch: pa.Table | pa.RecordBatch, tokens: str = "all") -> Exper
     return count_routes(rows, spec, select=token_selection(batch, tokens))
 
 
-def _other_rows(batch: pa.Table | pa.RecordBatch, other: str, spec: RouteSpec) -> np.ndarray:
-    if other not in batch.schema.names:
-        raise SchemaError(f"expected a second routes column {other!r}, found {batch.schema.names}")
-    return _aligned_rows(batch, batch.column(other), spec, other)
-
-
 def _aligned_rows(
     batch: pa.Table | pa.RecordBatch, col: pa.Array | pa.ChunkedArray, spec: RouteSpec, other: str
 ) -> np.ndarray:
@@ -715,7 +695,9 @@ def batch_agreement(
     """`RouteAgreement` of ``routes`` vs the routes column ``other`` of one table or record batch."""
     spec = route_spec(batch)
     rows_a, _ = flat_routes(batch)
-    rows_b = _other_rows(batch, other, spec)
+    if other not in batch.schema.names:
+        raise SchemaError(f"expected a second routes column {other!r}, found {batch.schema.names}")
+    rows_b = _aligned_rows(batch, batch.column(other), spec, other)
     return compare_routes(rows_a, rows_b, spec, select=token_selection(batch, tokens))
 
 
@@ -726,39 +708,67 @@ def _source_spec(source: Source) -> RouteSpec | None:
 
 
 # ============================================================== public API
+_Part = TypeVar("_Part", ExpertCounts, RouteAgreement)
+
+
+def _batch_parts(
+    source: Source,
+    tokens: str,
+    steps: Sequence[int] | None,
+    part_of: Callable[[pa.Table | pa.RecordBatch], _Part],
+    extra: Sequence[str] = (),
+) -> Iterator[tuple[int | None, _Part]]:
+    """(step, partial) per batch of ``source``, reading only the columns ``tokens`` and ``extra`` need."""
+    _check_subset(tokens)
+    for step, batch in _iter_source(source, _columns_for(tokens, extra), steps):
+        part = part_of(batch)
+        del batch  # not resident while the next step is read
+        yield step, part
+
+
+def _sum_parts(
+    parts: Iterator[tuple[int | None, _Part]],
+    source: Any,
+    spec: RouteSpec | None,
+    empty: Callable[[RouteSpec], _Part],
+) -> _Part:
+    """Sum of the partials; ``empty(spec)`` of the source's spec when there are none."""
+    total: _Part | None = None
+    for _, part in parts:
+        total = part if total is None else total + part
+    if total is not None:
+        return total
+    s = spec or _source_spec(source)
+    if s is None:
+        raise SchemaError(f"{source}: expected rollout data, found none")
+    return empty(s)
+
+
+def _sum_by_step(parts: Iterator[tuple[int | None, _Part]]) -> dict[int, _Part]:
+    """Partials summed per step, ascending; raises `SchemaError` if the source has no steps."""
+    out: dict[int, _Part] = {}
+    for step, part in parts:
+        if step is None:
+            raise SchemaError(
+                "by step: expected a step=N/ directory or a table with a 'step' column, found neither"
+            )
+        out[step] = out[step] + part if step in out else part
+    return dict(sorted(out.items()))
+
+
 def expert_counts(
     source: Source, *, tokens: TokenSubset = "all", steps: Sequence[int] | None = None
 ) -> ExpertCounts:
     """Total `ExpertCounts` of a rollout table, a Parquet file or a ``step=N`` directory (streamed by step)."""
-    _check_subset(tokens)
-    total: ExpertCounts | None = None
-    for _, batch in _iter_source(source, _columns_for(tokens), steps):
-        part = batch_counts(batch, tokens)
-        total = part if total is None else total + part
-        del batch  # not resident while the next step is read
-    if total is None:
-        spec = _source_spec(source)
-        if spec is None:
-            raise SchemaError(f"{source}: expected rollout data, found none")
-        total = ExpertCounts.empty(spec)
-    return total
+    parts = _batch_parts(source, tokens, steps, lambda batch: batch_counts(batch, tokens))
+    return _sum_parts(parts, source, None, ExpertCounts.empty)
 
 
 def expert_counts_by_step(
     source: Source, *, tokens: TokenSubset = "all", steps: Sequence[int] | None = None
 ) -> dict[int, ExpertCounts]:
     """`ExpertCounts` per step, ascending: a ``step=N`` directory or a table with a ``step`` column."""
-    _check_subset(tokens)
-    out: dict[int, ExpertCounts] = {}
-    for step, batch in _iter_source(source, _columns_for(tokens), steps):
-        if step is None:
-            raise SchemaError(
-                "by step: expected a step=N/ directory or a table with a 'step' column, found neither"
-            )
-        part = batch_counts(batch, tokens)
-        out[step] = out[step] + part if step in out else part
-        del batch
-    return dict(sorted(out.items()))
+    return _sum_by_step(_batch_parts(source, tokens, steps, lambda batch: batch_counts(batch, tokens)))
 
 
 def expert_load(
@@ -802,13 +812,10 @@ def _agreement_parts(
             raise TypeError(
                 "tokens: a bool mask is for numpy inputs; tables and paths take a subset name"
             )
-        _check_subset(tokens)
         if isinstance(b, str):
-            for step, batch in _iter_source(a, _columns_for(tokens, (b,)), steps):
-                part = batch_agreement(batch, b, tokens)
-                del batch
-                yield step, part
+            yield from _batch_parts(a, tokens, steps, lambda batch: batch_agreement(batch, b, tokens), (b,))
             return
+        _check_subset(tokens)
         if _is_path(a) or steps is not None:
             raise TypeError(
                 "route_agreement: with a path or steps=, b must name a routes column of the same files"
@@ -864,29 +871,14 @@ def route_agreement(
     Returns exact counts; see `RouteAgreement` for the per-layer fractions and
     `RouteAgreement.summary` for the R3 paper's quantities.
     """
-    total: RouteAgreement | None = None
-    for _, part in _agreement_parts(a, b, spec, tokens, steps):
-        total = part if total is None else total + part
-    if total is None:
-        s = spec or _source_spec(a)
-        if s is None:
-            raise SchemaError(f"{a}: expected rollout data, found none")
-        total = RouteAgreement.empty(s)
-    return total
+    return _sum_parts(_agreement_parts(a, b, spec, tokens, steps), a, spec, RouteAgreement.empty)
 
 
 def route_agreement_by_step(
     source: Source, other: str, *, tokens: TokenSubset = "all", steps: Sequence[int] | None = None
 ) -> dict[int, RouteAgreement]:
     """`RouteAgreement` of ``routes`` vs column ``other`` per step (directory or table with ``step``)."""
-    out: dict[int, RouteAgreement] = {}
-    for step, part in _agreement_parts(source, other, None, tokens, steps):
-        if step is None:
-            raise SchemaError(
-                "by step: expected a step=N/ directory or a table with a 'step' column, found neither"
-            )
-        out[step] = out[step] + part if step in out else part
-    return dict(sorted(out.items()))
+    return _sum_by_step(_agreement_parts(source, other, None, tokens, steps))
 
 
 def agreement_over_steps(results: Mapping[int, RouteAgreement]) -> pl.DataFrame:

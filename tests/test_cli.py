@@ -191,3 +191,68 @@ def test_convert_ids_out_of_range_rejected(tmp_path: Path, capsys: pytest.Captur
 def test_bench_rejects_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--only", "no-such-benchmark"]) == EXIT_ERROR
     assert "no benchmark matched" in capsys.readouterr().err
+
+
+def test_convert_npy_paths_resolve_against_the_dump_not_the_cwd(
+    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    dump_dir = tmp_path / "dumps"
+    dump_dir.mkdir()
+    routes = random_routes(rng, 4, SPEC)
+    np.save(dump_dir / "a.npy", routes, allow_pickle=False)
+    np.save(tmp_path / "abs.npy", routes, allow_pickle=False)
+    src = _dump(dump_dir / "d.jsonl", [
+        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": "a.npy"},
+        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": str(tmp_path / "abs.npy")},
+    ])
+    monkeypatch.chdir(tmp_path)  # a.npy is not in the cwd
+    spec_args = ["--num-layers", "4", "--topk", "2", "--num-experts", "8", "--moe-layers", "1", "2", "3"]
+    assert main(["convert", "dumps/d.jsonl", "--out", "o.parquet", "--format", "npy", *spec_args]) == EXIT_OK
+    values, _ = r3arrow.table.flat_routes(r3arrow.read_rollouts(tmp_path / "o.parquet"))
+    np.testing.assert_array_equal(values, np.concatenate([routes, routes]))
+    capsys.readouterr()
+    # a missing file, a non-.npy file and a non-integer array each name the line and exit 1
+    np.savez(dump_dir / "z.npz", a=routes)
+    np.save(dump_dir / "f.npy", routes.astype(np.float32), allow_pickle=False)
+    for name, needle in (("gone.npy", "no such file"), ("z.npz", "expected an .npy file"),
+                         ("f.npy", "expected an integer array")):
+        _dump(src, [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": "a.npy"},
+                    {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": name}])
+        assert main(["convert", str(src), "--out", "x.parquet", *spec_args]) == EXIT_ERROR
+        err = capsys.readouterr().err
+        assert err.startswith(f"r3arrow: error: {src}:2: ") and needle in err, err
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_convert_table_errors_name_the_record(tmp_path: Path, rng: np.random.Generator,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    good = codec.encode_vllm(random_routes(rng, 4, SPEC))
+    too_many = codec.encode_vllm(random_routes(rng, 9, SPEC))  # 9 rows for 5 tokens
+    src = _dump(tmp_path / "d.jsonl", [
+        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routed_experts": good},
+        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routed_experts": too_many},
+    ])
+    code = main(["convert", str(src), "--out", str(tmp_path / "o.parquet"), "--num-layers", "4",
+                 "--topk", "2", "--num-experts", "8"])
+    assert code == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert f"{src}:2: row 1:" in err and "found 9" in err
+
+
+def test_stats_exit_codes_and_ipc_input(rollout_file: Path, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", str(tmp_path / "missing.parquet")]) == EXIT_ERROR
+    assert "missing.parquet" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # checked before any work
+        main(["stats", str(rollout_file), "--plot", str(tmp_path / "load.jpg")])
+    assert exc.value.code == EXIT_USAGE
+    assert not (tmp_path / "load.jpg").exists()
+    capsys.readouterr()
+    # an Arrow IPC file is recognised by its magic bytes, whatever its suffix
+    ipc = r3arrow.write_ipc(r3arrow.read_rollouts(rollout_file), tmp_path / "rollouts.bin")
+    assert main(["stats", str(ipc), "--json"]) == EXIT_OK
+    assert orjson.loads(capsys.readouterr().out)["load"] == r3arrow.expert_load(
+        r3arrow.read_rollouts(rollout_file)).to_dicts()
+    assert main(["inspect", str(ipc), "--json"]) == EXIT_OK
+    assert orjson.loads(capsys.readouterr().out)["rows"] == 5

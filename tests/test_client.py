@@ -390,9 +390,26 @@ def test_bad_requests_are_rejected_before_sending(engine: ReferenceEngine, serve
                 await client.generate(conv, sampling_params={**SP, "routed_experts_prompt_start": 0}, trace=trace)
             with pytest.raises(ValueError, match=r"prompt_start: expected an int in \[0, 2\)"):
                 await client.generate([1, 2], sampling_params=SP, prompt_start=2)
+            with pytest.raises(ValueError, match="flat sequence of int token ids, found shape \\[2\\] of dtype float64"):
+                await client.generate([1.0, 2.5], sampling_params=SP)
+            with pytest.raises(ValueError, match="found shape \\[1, 2\\]"):
+                await client.generate([[1, 2]], sampling_params=SP)
 
     run(main())
     assert server.log.count(GEN) == 1 and trace.num_turns == 1
+
+
+def test_numpy_token_ids_are_sent_as_plain_ints(engine: ReferenceEngine, server: EngineServer) -> None:
+    async def main() -> tuple[GenerateOutput, GenerateOutput]:
+        async with EngineClient(server.url, engine.spec) as client:
+            scalars = await client.generate([np.int64(1), np.int32(2), 3], sampling_params=SP)
+            array = await client.generate(np.array([1, 2, 3], np.uint16), sampling_params=SP)
+            return scalars, array
+
+    scalars, array = run(main())
+    assert [b["token_ids"] for b in server.log.bodies(GEN)[-2:]] == [[1, 2, 3], [1, 2, 3]]
+    assert scalars.token_ids == array.token_ids and scalars.prompt_tokens == 3
+    np.testing.assert_array_equal(scalars.routed_experts, array.routed_experts)
 
 
 def test_constructor_validates_options() -> None:
@@ -404,6 +421,10 @@ def test_constructor_validates_options() -> None:
         EngineClient("http://a", endpoint="chat")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_concurrency"):
         EngineClient("http://a", max_concurrency=0)
+    with pytest.raises(ValueError, match="max_payload_bytes: expected an int >= 0, found -1"):
+        EngineClient("http://a", max_payload_bytes=-1)
+    with pytest.raises(ValueError, match="vocab_size: expected None or an int >= 1, found 0"):
+        EngineClient("http://a", vocab_size=0)
 
 
 def test_one_request_per_trace_at_a_time(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
@@ -519,3 +540,5 @@ def test_parse_response_accepts_packed_and_nested_routes(engine: ReferenceEngine
         parse_response(b"<html>")
     with pytest.raises(PayloadError, match="ragged"):
         parse_response(b'{"choices": [{"token_ids": [1], "routed_experts": [[[1, 2]], [[1]]]}]}')
+    with pytest.raises(r3arrow.RouteDTypeError, match="integer nested lists, found dtype float64"):
+        parse_response(b'{"choices": [{"token_ids": [1], "routed_experts": [[[1.5, 2]]]}]}')

@@ -181,6 +181,12 @@ def test_sequence_parallel_slices_router_tokens_by_tp_rank() -> None:
     for layer in range(2):
         joined = torch.cat([p.replay_targets()[layer] for p in parts])
         assert torch.equal(joined, whole.replay_targets()[layer])
+    for p in parts:  # the per-router targets are the rows of one [L_local, tokens, K] view
+        assert p.replay_tensor().shape == (2, 6, 2)
+        assert p.replay_tensor().data_ptr() == p.replay_targets()[0].data_ptr()
+        assert all(
+            torch.equal(a, b) for a, b in zip(p.replay_tensor(), p.replay_targets(), strict=True)
+        )
     packed = MegatronCollator(SPEC, packed=True, tp_size=2, tp_rank=1, sequence_parallel=True)(
         table
     )
@@ -475,6 +481,19 @@ def test_split_by_token_budget_and_count_literal() -> None:
         split_microbatch_indices(lens, num_microbatches=6)
     with pytest.raises(SchemaError, match="neither"):
         split_microbatch_indices(lens)
+
+
+def test_split_rejects_non_positive_lengths_and_sizes() -> None:
+    # a zero-length trajectory once left a microbatch empty (IndexError), a negative one
+    # was balanced silently, multiple=0 divided by zero
+    with pytest.raises(SchemaError, match=r"lengths >= 1, found 0 at row 1"):
+        split_microbatch_indices([3, 0], num_microbatches=2)
+    with pytest.raises(SchemaError, match=r"lengths >= 1, found -1 at row 1"):
+        split_microbatch_indices([3, -1], max_tokens=5)
+    with pytest.raises(SchemaError, match=r"multiple: expected a positive int, found 0"):
+        split_microbatch_indices([3, 2], max_tokens=5, multiple=0)
+    with pytest.raises(SchemaError, match=r"max_tokens: expected a positive int, found 0"):
+        split_microbatch_indices([3, 2], max_tokens=0)
 
 
 @given(

@@ -49,3 +49,13 @@ def test_demo_cli_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "replay: skipped (--no-replay)" in out
     assert (tmp_path / "d" / "rollouts.parquet").exists()
+
+
+def test_demo_shape_flags_shape_the_embedded_engine(tmp_path: Path) -> None:
+    code = main(["demo", "--groups", "1", "--samples", "2", "--turns", "1", "--max-tokens", "3",
+                 "--out", str(tmp_path), "--no-progress", "--no-replay", "--num-layers", "3",
+                 "--topk", "3", "--num-experts", "300", "--moe-layers", "0", "2"])
+    assert code == EXIT_OK
+    spec = r3arrow.route_spec(r3arrow.read_rollouts(tmp_path / "rollouts.parquet"))
+    assert (spec.num_layers, spec.topk, spec.num_experts) == (3, 3, 300)
+    assert spec.router_layers == (0, 2) and spec.dtype == "uint16"

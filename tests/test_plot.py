@@ -106,3 +106,28 @@ def test_bad_inputs(
     with pytest.raises(SchemaError, match="agreement_over_steps"):
         plot.plot_agreement(load, tmp_path / "agr.png")
     assert not list(tmp_path.iterdir())
+
+
+def _load_frame(rng: np.random.Generator, layers: int, experts: int) -> pl.DataFrame:
+    counts = rng.poisson(rng.gamma(1.0, 50.0, size=(layers, experts)))
+    counts[0, :2] = 0  # dead experts: the colour bar's "min" extension is drawn
+    return pl.DataFrame(
+        {
+            "layer": pl.Series(np.repeat(np.arange(layers) * 2 + 1, experts), dtype=pl.Int32),
+            "expert": pl.Series(np.tile(np.arange(experts), layers), dtype=pl.Int32),
+            "tokens": pl.Series(counts.reshape(-1), dtype=pl.Int64),
+        }
+    )
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (3, 8), (48, 128)])
+def test_heatmap_text_stays_inside_the_figure(tmp_path: Path, shape: tuple[int, int]) -> None:
+    """Nothing is clipped: a label running past an edge leaves ink on the image border."""
+    from matplotlib.image import imread
+
+    out = plot.plot_expert_load(
+        _load_frame(np.random.default_rng(1), *shape), tmp_path / "load.png"
+    )
+    rgb = imread(out)[..., :3]
+    border = np.concatenate([rgb[0], rgb[-1], rgb[:, 0], rgb[:, -1]])
+    assert (border.min(axis=1) > 0.9).all(), "ink on the border: a label is cut off"

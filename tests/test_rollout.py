@@ -177,6 +177,19 @@ def test_trajectories_table_checks_store_against_traces(engine: ReferenceEngine,
         trajectories_table([traj], other)
 
 
+def test_rollouts_reject_a_spec_that_contradicts_the_store(engine: ReferenceEngine, server: EngineServer) -> None:
+    other = r3arrow.RouteSpec(num_layers=engine.spec.num_layers, topk=engine.spec.topk + 1, num_experts=8)
+
+    async def main() -> None:
+        async with EngineClient(server.url) as client:
+            await run_rollouts(client, ArithmeticEnv(vocab_size=512), [[1, 2]], spec=other, store=TurnStore(engine.spec))
+
+    before = server.log.count(GEN)
+    with pytest.raises(r3arrow.RouteShapeError, match="expected the store's"):
+        run(main())
+    assert server.log.count(GEN) == before  # rejected before any request
+
+
 def test_one_failed_trajectory_fails_the_batch_and_stops_the_rest(
     engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
 ) -> None:

@@ -431,7 +431,7 @@ class _Handler(BaseHTTPRequestHandler):
                 with contextlib.suppress(OSError):
                     self.connection.shutdown(socket.SHUT_RDWR)
                 return
-        route_fault = fault if fault is not None and fault.kind not in ("delay",) else None
+        route_fault = fault if fault is not None and fault.kind != "delay" else None
 
         if path in _GET_PATHS or path in _POST_PATHS:
             allowed = "GET" if path in _GET_PATHS else "POST"
