@@ -316,7 +316,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     mb0 = batches[0]
     targets = mb0.replay_targets()
     _say(
-        f"[5/6] megatron collation: {len(batches)} packed microbatches (<= {cfg.microbatch_tokens} tokens); "
+        f"[5/6] megatron collation: {len(batches)} packed microbatch{'' if len(batches) == 1 else 'es'} (<= {cfg.microbatch_tokens} tokens); "
         f"first: routes {tuple(mb0.routes.shape)} int32, {int(mb0.padding_mask.sum())} padded positions, "
         f"{len(targets)} replay targets of {tuple(targets[0].shape)}"
     )
