@@ -34,6 +34,7 @@ from r3arrow.errors import (
     EngineError,
     EngineHTTPError,
     PayloadError,
+    PayloadTooLargeError,
     RouteDTypeError,
     RouteShapeError,
     TraceStateError,
@@ -50,6 +51,7 @@ ENDPOINT_PATHS: dict[str, str] = {
 }
 _RETRY_STATUS_MIN = 500
 _OFFLOAD_BYTES = 1 << 20  # decode larger responses in a worker thread
+_BODY_SLACK_BYTES = 64 << 20  # JSON beside the route payload (token ids, logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +334,9 @@ class EngineClient:
         self.retry_timeouts = retry_timeouts
         self.cache_salt = cache_salt
         self.max_payload_bytes = int(max_payload_bytes)
+        # A response body may hold the base64 payload (4/3 of it) plus JSON around it; past
+        # this bound the body is not read on (a misbehaving engine cannot exhaust memory).
+        self.max_body_bytes = self.max_payload_bytes * 4 // 3 + _BODY_SLACK_BYTES
         self.vocab_size = vocab_size
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(float(timeout))
         self._http = httpx.AsyncClient(
@@ -433,8 +438,30 @@ class EngineClient:
             body["cache_salt"] = salt
         return body
 
-    async def _post(self, body: bytes, urls: list[str]) -> tuple[httpx.Response, str, int]:
-        """POST with retries; returns (2xx response, base URL, attempts). Raises `EngineHTTPError`."""
+    async def _read_capped(self, resp: httpx.Response, url: str) -> bytes:
+        """The body of a streamed response, refusing (`PayloadTooLargeError`) past ``max_body_bytes``."""
+        cap = self.max_body_bytes
+        declared = resp.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise PayloadTooLargeError(
+                f"engine {url}: expected a response body <= {cap} bytes (max_payload_bytes="
+                f"{self.max_payload_bytes}), found Content-Length {declared}"
+            )
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > cap:
+                raise PayloadTooLargeError(
+                    f"engine {url}: expected a response body <= {cap} bytes (max_payload_bytes="
+                    f"{self.max_payload_bytes}), found more"
+                )
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _post(self, body: bytes, urls: list[str]) -> tuple[bytes, str, int]:
+        """POST with retries; returns (2xx body, base URL, attempts). Raises `EngineHTTPError`,
+        or `PayloadTooLargeError` for a body past ``max_body_bytes`` (never retried)."""
         path = ENDPOINT_PATHS[self.endpoint]
         failover = 0
         last: str = ""
@@ -444,7 +471,12 @@ class EngineClient:
             try:
                 async with self._sem:
                     self.stats["requests"] += 1
-                    resp = await self._http.post(url + path, content=body)
+                    request = self._http.build_request("POST", url + path, content=body)
+                    resp = await self._http.send(request, stream=True)
+                    try:
+                        content = await self._read_capped(resp, url)
+                    finally:
+                        await resp.aclose()
             except httpx.TimeoutException as exc:
                 kind = type(exc).__name__
                 if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout) or self.retry_timeouts:
@@ -460,8 +492,8 @@ class EngineClient:
             else:
                 status = resp.status_code
                 if status < 400:
-                    return resp, url, attempt + 1
-                msg = _error_message(resp.content)
+                    return content, url, attempt + 1
+                msg = _error_message(content)
                 if status != 429 and status < _RETRY_STATUS_MIN:
                     raise EngineHTTPError(
                         f"engine {url}{path} rejected the request: HTTP {status}: {msg}",
@@ -562,8 +594,7 @@ class EngineClient:
         if trace is not None:
             self._busy_traces.add(id(trace))
         try:
-            resp, url, attempts = await self._post(body, self.urls_for(session_id))
-            content = resp.content
+            content, url, attempts = await self._post(body, self.urls_for(session_id))
             parse_args: dict[str, Any] = {
                 "endpoint": self.endpoint,
                 "spec": spec,

@@ -226,6 +226,20 @@ def test_retries_exhausted_raise_engine_error_and_leave_trace(
     assert snapshot(trace) == (0, 0, 0)
 
 
+def test_oversized_response_body_is_refused_not_retried(engine: ReferenceEngine, server: EngineServer) -> None:
+    """A body past ``max_body_bytes`` stops being read: a data error, no retry, trace unchanged."""
+    trace = r3arrow.RouteTrace(engine.spec)
+
+    async def main() -> None:
+        async with EngineClient(server.url, engine.spec, backoff_base=0.01, max_retries=3) as client:
+            client.max_body_bytes = 200  # any real generate response is larger
+            await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
+
+    with pytest.raises(r3arrow.PayloadTooLargeError, match=r"expected a response body <= 200 bytes"):
+        run(main())
+    assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("code", [400, 404, 422])
 def test_client_errors_fail_at_once(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer, code: int) -> None:
     plan.then(Fault.status(code), times=None)
