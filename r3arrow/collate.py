@@ -41,7 +41,7 @@ import torch
 
 from r3arrow.errors import ReplayError, RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec, validate_layers
-from r3arrow.table import flat_routes, route_spec, validate_rollouts
+from r3arrow.table import flat_routes, list_lengths, route_spec, validate_rollouts
 
 #: Bytes of compact routes transposed per block (fits in L2 next to its int32 output).
 _BLOCK_BYTES = 1 << 17
@@ -344,12 +344,6 @@ def _flat_list(arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(values), offsets - offsets[0]
 
 
-def _list_lengths(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    chunks = arr.chunks if isinstance(arr, pa.ChunkedArray) else [arr]
-    parts = [np.diff(np.asarray(c.offsets, dtype=np.int64)) for c in chunks]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
 def _layer_selector(layers: Sequence[int]) -> slice | np.ndarray:
     """A basic slice when the layers are an arithmetic progression (a view), else an index array."""
     if len(layers) == 1:
@@ -446,9 +440,9 @@ class MegatronCollator:
     def __call__(self, table: pa.Table | pa.RecordBatch) -> Microbatch:
         """Collate every trajectory of ``table`` into one microbatch (see `Microbatch`)."""
         batches, spec = self._check_table(table)
-        plen = np.concatenate([_list_lengths(b.column("prompt_ids")) for b in batches])
-        rlen = np.concatenate([_list_lengths(b.column("response_ids")) for b in batches])
-        cap = np.concatenate([_list_lengths(b.column("routes")) for b in batches])
+        plen = np.concatenate([list_lengths(b.column("prompt_ids")) for b in batches])
+        rlen = np.concatenate([list_lengths(b.column("response_ids")) for b in batches])
+        cap = np.concatenate([list_lengths(b.column("routes")) for b in batches])
         n = plen + rlen
         self._check_lengths(batches, rlen, n, cap)
         lay = _layout(
@@ -522,7 +516,7 @@ class MegatronCollator:
     def _check_lengths(
         self, batches: list[pa.RecordBatch], rlen: np.ndarray, n: np.ndarray, cap: np.ndarray
     ) -> None:
-        mlen = np.concatenate([_list_lengths(b.column("loss_mask")) for b in batches])
+        mlen = np.concatenate([list_lengths(b.column("loss_mask")) for b in batches])
         bad = np.flatnonzero((mlen != rlen) | (cap > n) | (n < 1))
         if bad.size:
             i = int(bad[0])
@@ -913,7 +907,7 @@ def _run_copies(
 
 # ---------------------------------------------------------------- microbatching
 def _trajectory_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
-    out: np.ndarray = _list_lengths(table.column("prompt_ids")) + _list_lengths(
+    out: np.ndarray = list_lengths(table.column("prompt_ids")) + list_lengths(
         table.column("response_ids")
     )
     return out

@@ -141,7 +141,6 @@ def _cpu_router_harness() -> Iterator[Any]:
     megatron-core 0.16.1's router calls ``torch.cuda.current_device()``; without a GPU
     the demo points it at the CPU for the duration of this block only and restores it.
     """
-    import os
     import socket
 
     import torch
@@ -162,9 +161,7 @@ def _cpu_router_harness() -> Iterator[Any]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     try:
         yield RouterReplay

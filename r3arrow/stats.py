@@ -56,7 +56,7 @@ from r3arrow.errors import (
     SchemaError,
 )
 from r3arrow.spec import RouteSpec, as_route_rows, routes_to_numpy
-from r3arrow.table import flat_routes, route_spec
+from r3arrow.table import flat_routes, list_lengths, route_spec
 
 if TYPE_CHECKING:
     import torch
@@ -85,10 +85,6 @@ def _check_subset(tokens: str) -> None:
         raise ValueError(f"tokens: expected one of {list(TOKEN_SUBSETS)}, found {tokens!r}")
 
 
-def _list_lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    return np.asarray(pc.list_value_length(col).to_numpy(zero_copy_only=False), dtype=np.int64)
-
-
 def token_selection(table: pa.Table | pa.RecordBatch, tokens: str) -> np.ndarray | None:
     """Bool ``[sum(captured)]`` over the route rows of `flat_routes` (``None`` for ``"all"``).
 
@@ -103,8 +99,8 @@ def token_selection(table: pa.Table | pa.RecordBatch, tokens: str) -> np.ndarray
             raise SchemaError(
                 f"tokens={tokens!r}: expected column {name!r}, found {table.schema.names}"
             )
-    cap = _list_lengths(table.column("routes"))
-    plen = _list_lengths(table.column("prompt_ids"))
+    cap = list_lengths(table.column("routes"))
+    plen = list_lengths(table.column("prompt_ids"))
     starts = np.zeros(cap.size + 1, dtype=np.int64)
     np.cumsum(cap, out=starts[1:])
     parent = np.repeat(np.arange(cap.size, dtype=np.int64), cap)
@@ -113,8 +109,8 @@ def token_selection(table: pa.Table | pa.RecordBatch, tokens: str) -> np.ndarray
         return np.asarray(pos < plen[parent])
     if tokens == "response":
         return np.asarray(pos >= plen[parent])
-    rlen = _list_lengths(table.column("response_ids"))
-    mlen = _list_lengths(table.column("loss_mask"))
+    rlen = list_lengths(table.column("response_ids"))
+    mlen = list_lengths(table.column("loss_mask"))
     if not np.array_equal(mlen, rlen):
         i = int(np.flatnonzero(mlen != rlen)[0])
         raise SchemaError(
@@ -570,7 +566,7 @@ def _route_rows(
         raise SchemaError(
             f"column {name!r}: expected a large_list of per-token routes, found {col.type}"
         )
-    lengths = _list_lengths(col)
+    lengths = list_lengths(col)
     values = col.flatten()
     if pa.types.is_fixed_size_binary(values.type):
         per = spec.num_layers * spec.topk
@@ -680,7 +676,7 @@ def _aligned_rows(
 ) -> np.ndarray:
     """Rows of the ragged routes column ``col``, checked to route the same tokens as ``batch``'s routes."""
     rows_b, len_b = _route_rows(col, spec, other)
-    len_a = _list_lengths(batch.column("routes"))
+    len_a = list_lengths(batch.column("routes"))
     if not np.array_equal(len_a, len_b):
         i = int(np.flatnonzero(len_a != len_b)[0])
         raise RouteShapeError(

@@ -185,18 +185,19 @@ def route_spec(table: pa.Table | pa.RecordBatch) -> RouteSpec:
     return RouteSpec.from_schema(table.schema)
 
 
-def _lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def list_lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Length of every list in a (chunked) list column, int64 ``[rows]``."""
     return np.asarray(pc.list_value_length(col).to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def captured_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
     """Captured route rows per trajectory (int64 ``[B]``)."""
-    return _lengths(table.column("routes"))
+    return list_lengths(table.column("routes"))
 
 
 def sequence_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
     """Prompt + response tokens per trajectory (int64 ``[B]``)."""
-    lengths: np.ndarray = _lengths(table.column("prompt_ids")) + _lengths(table.column("response_ids"))
+    lengths: np.ndarray = list_lengths(table.column("prompt_ids")) + list_lengths(table.column("response_ids"))
     return lengths
 
 
@@ -213,9 +214,9 @@ def validate_rollouts(table: pa.Table | pa.RecordBatch) -> RouteSpec:
         found = table.schema.field(f.name).type
         if found != f.type:
             raise SchemaError(f"column {f.name!r}: expected {f.type}, found {found}")
-    plen = _lengths(table.column("prompt_ids"))
-    rlen = _lengths(table.column("response_ids"))
-    mlen = _lengths(table.column("loss_mask"))
+    plen = list_lengths(table.column("prompt_ids"))
+    rlen = list_lengths(table.column("response_ids"))
+    mlen = list_lengths(table.column("loss_mask"))
     cap = captured_lengths(table)
     bad = np.flatnonzero(mlen != rlen)
     if bad.size:
@@ -266,8 +267,8 @@ def _join_prompt_response(
     table: pa.Table | pa.RecordBatch, prompt: np.ndarray | None, response: str, dtype: Any, typ: pa.DataType
 ) -> pa.LargeListArray:
     """Per trajectory, ``prompt`` values (None = zeros) then the ``response`` column's, as large_list."""
-    plen = _lengths(table.column("prompt_ids"))
-    offsets, parent, pos = _ragged_positions(plen + _lengths(table.column("response_ids")))
+    plen = list_lengths(table.column("prompt_ids"))
+    offsets, parent, pos = _ragged_positions(plen + list_lengths(table.column("response_ids")))
     out = np.zeros(offsets[-1], dtype=dtype)
     is_prompt = pos < plen[parent]
     if prompt is not None:
@@ -400,6 +401,7 @@ __all__ = [
     "filter_rows",
     "flat_routes",
     "input_ids",
+    "list_lengths",
     "replace_groups",
     "rollout_schema",
     "rollout_table",
