@@ -58,7 +58,16 @@ from r3arrow import RouteSpec, RouteTrace, TurnStore, routes_to_numpy
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 SPEC = RouteSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
-CASES = ("copy_warm", "copy_fresh", "trace_ro", "trace_rw", "store_append", "store", "recv_incr", "recv_full")
+CASES = (
+    "copy_warm",
+    "copy_fresh",
+    "trace_ro",
+    "trace_rw",
+    "store_append",
+    "store",
+    "recv_incr",
+    "recv_full",
+)
 
 
 # ---------------------------------------------------------------- workloads
@@ -99,7 +108,9 @@ def workload(name: str, quick: bool) -> list[Conversation]:
         total, turns = (4096, 16) if quick else (32768, 64)
         return [plan(rng, "conv", total, turns)]
     n, lo, hi = (8, 512, 2048) if quick else (64, 2048, 8192)
-    return [plan(rng, f"t{i}", int(rng.integers(lo, hi + 1)), int(rng.integers(2, 7))) for i in range(n)]
+    return [
+        plan(rng, f"t{i}", int(rng.integers(lo, hi + 1)), int(rng.integers(2, 7))) for i in range(n)
+    ]
 
 
 def chunks(conv: Conversation, *, writable: bool) -> list[np.ndarray]:
@@ -108,12 +119,16 @@ def chunks(conv: Conversation, *, writable: bool) -> list[np.ndarray]:
     for _, _, rows, _ in conv.turns:
         part = conv.routes[start : start + rows]
         start += rows
-        out.append(part.copy() if writable else np.frombuffer(part.tobytes(), np.uint8).reshape(part.shape))
+        out.append(
+            part.copy() if writable else np.frombuffer(part.tobytes(), np.uint8).reshape(part.shape)
+        )
     return out
 
 
 # -------------------------------------------------------------------- cases
-def make_case(name: str, convs: list[Conversation]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+def make_case(
+    name: str, convs: list[Conversation]
+) -> tuple[Callable[[], Any], Callable[[Any], None]]:
     """(fn to time, check of its result against the final routes)."""
     finals = [c.routes for c in convs]
     masks = [np.zeros(c.num_tokens, dtype=np.uint8) for c in convs]
@@ -147,8 +162,16 @@ def make_case(name: str, convs: list[Conversation]) -> tuple[Callable[[], Any], 
         parts = [chunks(c, writable=False) for c in convs]
         ids = [c.tid for c in convs]
         # Turn-major order: the agent loops interleave their appends.
-        order = [(i, t) for t in range(max(len(c.turns) for c in convs)) for i, c in enumerate(convs) if t < len(c.turns)]
-        starts = [np.concatenate([[0], np.cumsum([r for _, _, r, _ in c.turns])[:-1]]).tolist() for c in convs]
+        order = [
+            (i, t)
+            for t in range(max(len(c.turns) for c in convs))
+            for i, c in enumerate(convs)
+            if t < len(c.turns)
+        ]
+        starts = [
+            np.concatenate([[0], np.cumsum([r for _, _, r, _ in c.turns])[:-1]]).tolist()
+            for c in convs
+        ]
 
         def append_all() -> TurnStore:
             store = TurnStore(SPEC)
@@ -157,7 +180,10 @@ def make_case(name: str, convs: list[Conversation]) -> tuple[Callable[[], Any], 
             return store
 
         if name == "store_append":
-            return append_all, lambda store: None if store.num_turns == len(order) else sys.exit("lost turns")
+            return (
+                append_all,
+                lambda store: None if store.num_turns == len(order) else sys.exit("lost turns"),
+            )
 
         def run_store() -> pa.Array:
             return append_all().routes(ids)
@@ -176,7 +202,9 @@ def make_case(name: str, convs: list[Conversation]) -> tuple[Callable[[], Any], 
                 trace = RouteTrace(SPEC)
                 for p, g, rows, _ in conv.turns:
                     start = trace.captured
-                    chunk = np.array(conv.routes[start : start + rows])  # decode of this turn's payload
+                    chunk = np.array(
+                        conv.routes[start : start + rows]
+                    )  # decode of this turn's payload
                     chunk.flags.writeable = False
                     trace.record(chunk, prompt_tokens=p, generated_tokens=g)
                 out.append(trace.finalize(num_tokens=conv.num_tokens, loss_mask=mask))
@@ -254,42 +282,85 @@ def main() -> None:
         if args.quick:  # in-process: seconds, not one interpreter start per case; no per-case RSS
             res = {c: dict(run_case(c, wl, True), rss_peak_delta_mb="-") for c in CASES}
         else:
-            res = {c: run_isolated(__file__, ["--case", c, "--workload", wl, *flags]) for c in CASES}
+            res = {
+                c: run_isolated(__file__, ["--case", c, "--workload", wl, *flags]) for c in CASES
+            }
         one_copy = res["copy_fresh"]["seconds"]
         warm = res["copy_warm"]["seconds"]
         moved = {"recv_full": full}
         rows = []
         for c in CASES:
             r = res[c]
-            rows.append([
-                c,
-                moved.get(c, final) / 2**20,
-                r["seconds"] * 1e3,
-                final / r["seconds"] / GB,
-                r["seconds"] / one_copy,
-                r["seconds"] / warm,
-                r["alloc_peak_mb"],
-                r["rss_peak_delta_mb"],
-            ])
+            rows.append(
+                [
+                    c,
+                    moved.get(c, final) / 2**20,
+                    r["seconds"] * 1e3,
+                    final / r["seconds"] / GB,
+                    r["seconds"] / one_copy,
+                    r["seconds"] / warm,
+                    r["alloc_peak_mb"],
+                    r["rss_peak_delta_mb"],
+                ]
+            )
         desc = f"{turns[0]} turns" if len(turns) == 1 else f"{turns[0]}-{turns[-1]} turns each"
-        print(f"## {wl}: {ntraj} trajectories, {tokens:,} tokens, {desc}; final routes {final / 2**20:.1f} MiB\n")
-        print(f"route bytes: incremental {incr / 2**20:.1f} MiB, full prefix {full / 2**20:.1f} MiB, "
-              f"ratio {full / incr:.1f}x\n")
-        print(markdown_table(rows, ["case", "route MiB in", "time ms", "GB/s of final", "x one copy",
-                                    "x warm memcpy", "alloc peak MiB", "RSS peak Δ MiB"]))
+        print(
+            f"## {wl}: {ntraj} trajectories, {tokens:,} tokens, {desc}; final routes {final / 2**20:.1f} MiB\n"
+        )
+        print(
+            f"route bytes: incremental {incr / 2**20:.1f} MiB, full prefix {full / 2**20:.1f} MiB, "
+            f"ratio {full / incr:.1f}x\n"
+        )
+        print(
+            markdown_table(
+                rows,
+                [
+                    "case",
+                    "route MiB in",
+                    "time ms",
+                    "GB/s of final",
+                    "x one copy",
+                    "x warm memcpy",
+                    "alloc peak MiB",
+                    "RSS peak Δ MiB",
+                ],
+            )
+        )
         print()
-        summary.append((wl, full / incr, res["trace_ro"]["seconds"] / one_copy,
-                        res["store"]["seconds"] / one_copy,
-                        res["recv_full"]["seconds"] / res["recv_incr"]["seconds"]))
+        summary.append(
+            (
+                wl,
+                full / incr,
+                res["trace_ro"]["seconds"] / one_copy,
+                res["store"]["seconds"] / one_copy,
+                res["recv_full"]["seconds"] / res["recv_incr"]["seconds"],
+            )
+        )
     print("## targets\n")
     srows = []
     for wl, ratio, tr, st, speed in summary:
-        verdict = ("" if wl != "conv" or args.quick else " PASS" if ratio >= 20 else " FAIL")
-        srows.append([wl, f"{ratio:.1f}x{verdict}",
-                      f"{tr:.2f}" + (" PASS" if tr <= 2 else " FAIL"), f"{st:.2f}" + (" PASS" if st <= 2 else " FAIL"),
-                      f"{speed:.1f}x"])
-    print(markdown_table(srows, ["workload", "route bytes full/incremental (>=20x at 64 turns)", "trace_ro / one copy (<=2)",
-                                 "store / one copy (<=2)", "recv_full / recv_incr time"]))
+        verdict = "" if wl != "conv" or args.quick else " PASS" if ratio >= 20 else " FAIL"
+        srows.append(
+            [
+                wl,
+                f"{ratio:.1f}x{verdict}",
+                f"{tr:.2f}" + (" PASS" if tr <= 2 else " FAIL"),
+                f"{st:.2f}" + (" PASS" if st <= 2 else " FAIL"),
+                f"{speed:.1f}x",
+            ]
+        )
+    print(
+        markdown_table(
+            srows,
+            [
+                "workload",
+                "route bytes full/incremental (>=20x at 64 turns)",
+                "trace_ro / one copy (<=2)",
+                "store / one copy (<=2)",
+                "recv_full / recv_incr time",
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -91,7 +91,14 @@ def observation(tokens: list[int], n: int) -> list[int]:
 
 
 async def conversation(
-    client: EngineClient, spec: r3arrow.RouteSpec, *, prompt_len: int, turns: int, gen: int, obs: int, incremental: bool
+    client: EngineClient,
+    spec: r3arrow.RouteSpec,
+    *,
+    prompt_len: int,
+    turns: int,
+    gen: int,
+    obs: int,
+    incremental: bool,
 ) -> dict[str, Any]:
     """One greedy conversation; returns route bytes/rows received, client CPU and the tokens."""
     conv = [(13 * i + 5) % 512 for i in range(prompt_len)]
@@ -115,7 +122,14 @@ async def conversation(
         routes = r3arrow.routes_to_numpy(arr, spec)
     else:
         routes = last_routes  # the last full-prefix answer covers the whole conversation
-    return {"payload": payload, "rows": rows, "cpu": cpu, "wall": wall, "tokens": len(conv), "routes": routes}
+    return {
+        "payload": payload,
+        "rows": rows,
+        "cpu": cpu,
+        "wall": wall,
+        "tokens": len(conv),
+        "routes": routes,
+    }
 
 
 def part1(scenarios: list[tuple[str, int, int, int, int]]) -> list[list[Any]]:
@@ -130,9 +144,13 @@ def part1(scenarios: list[tuple[str, int, int, int, int]]) -> list[list[Any]]:
     try:
         for name, prompt_len, turns, gen, obs in scenarios:
 
-            async def main(prompt_len: int = prompt_len, turns: int = turns, gen: int = gen, obs: int = obs) -> tuple[dict[str, Any], dict[str, Any]]:
+            async def main(
+                prompt_len: int = prompt_len, turns: int = turns, gen: int = gen, obs: int = obs
+            ) -> tuple[dict[str, Any], dict[str, Any]]:
                 async with EngineClient(url, spec, timeout=600) as client:
-                    await client.generate([1, 2, 3], sampling_params={"max_tokens": 1})  # warm the connection
+                    await client.generate(
+                        [1, 2, 3], sampling_params={"max_tokens": 1}
+                    )  # warm the connection
                     kw = {"prompt_len": prompt_len, "turns": turns, "gen": gen, "obs": obs}
                     inc = await conversation(client, spec, incremental=True, **kw)
                     full = await conversation(client, spec, incremental=False, **kw)
@@ -169,15 +187,23 @@ def part1(scenarios: list[tuple[str, int, int, int, int]]) -> list[list[Any]]:
     return table
 
 
-def part2(rows: int, layers: int, topk: int, experts: int, repeat: int) -> tuple[list[list[Any]], float]:
+def part2(
+    rows: int, layers: int, topk: int, experts: int, repeat: int
+) -> tuple[list[list[Any]], float]:
     spec = r3arrow.RouteSpec(num_layers=layers, topk=topk, num_experts=experts)
     rng = np.random.default_rng(0)
     routes = np.sort(rng.integers(0, experts, size=(rows, layers, topk), dtype=np.uint8), axis=-1)
-    routes[..., 1:] = (routes[..., 1:] + np.arange(1, topk, dtype=np.uint8)) % experts  # mostly distinct
+    routes[..., 1:] = (
+        routes[..., 1:] + np.arange(1, topk, dtype=np.uint8)
+    ) % experts  # mostly distinct
     choice = {"index": 0, "finish_reason": "length", "token_ids": [1, 2, 3]}
     bodies = {
-        "base64 .npy (vLLM)": orjson.dumps({"choices": [{**choice, "routed_experts": encode_vllm(routes)}]}),
-        "nested JSON lists": orjson.dumps({"choices": [{**choice, "routed_experts": routes.tolist()}]}),
+        "base64 .npy (vLLM)": orjson.dumps(
+            {"choices": [{**choice, "routed_experts": encode_vllm(routes)}]}
+        ),
+        "nested JSON lists": orjson.dumps(
+            {"choices": [{**choice, "routed_experts": routes.tolist()}]}
+        ),
     }
     npy_body = bodies["base64 .npy (vLLM)"]
 
@@ -186,7 +212,11 @@ def part2(rows: int, layers: int, topk: int, experts: int, repeat: int) -> tuple
         return decode_routes(orjson.loads(npy_body)["choices"][0]["routed_experts"], spec)[0]
 
     cases = [
-        ("base64 .npy, r3arrow client", lambda: parse_response(npy_body, spec=spec).routes, len(npy_body)),
+        (
+            "base64 .npy, r3arrow client",
+            lambda: parse_response(npy_body, spec=spec).routes,
+            len(npy_body),
+        ),
         ("base64 .npy, generic JSON parse", generic, len(npy_body)),
         (
             "nested JSON lists",
@@ -205,7 +235,17 @@ def part2(rows: int, layers: int, topk: int, experts: int, repeat: int) -> tuple
         wall = best_of(fn, repeat)
         cpu = (time.process_time() - cpu0) / (repeat + 1)
         base = wall if base is None else base
-        out.append([name, size / 1e6, wall * 1e3, cpu * 1e9 / nbytes, nbytes / wall / 1e9, copy / (nbytes / wall / 1e9), wall / base])
+        out.append(
+            [
+                name,
+                size / 1e6,
+                wall * 1e3,
+                cpu * 1e9 / nbytes,
+                nbytes / wall / 1e9,
+                copy / (nbytes / wall / 1e9),
+                wall / base,
+            ]
+        )
     return out, copy
 
 
@@ -257,7 +297,15 @@ def main() -> None:
     print(
         markdown_table(
             rows2,
-            ["routes as", "body MB", "parse ms", "CPU ns/route B", "GB/s of routes", "x memcpy time", "time vs r3arrow"],
+            [
+                "routes as",
+                "body MB",
+                "parse ms",
+                "CPU ns/route B",
+                "GB/s of routes",
+                "x memcpy time",
+                "time vs r3arrow",
+            ],
         )
     )
     print(

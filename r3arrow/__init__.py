@@ -70,7 +70,18 @@ _LAZY: dict[str, str] = {
     "ReferenceEngine": "r3arrow.engine",
     "TinyMoEConfig": "r3arrow.engine",
 }
-_LAZY_MODULES = ("client", "collate", "engine", "megatron", "rollout", "stats", "plot", "ray", "cli", "demo")
+_LAZY_MODULES = (
+    "client",
+    "collate",
+    "engine",
+    "megatron",
+    "rollout",
+    "stats",
+    "plot",
+    "ray",
+    "cli",
+    "demo",
+)
 
 if TYPE_CHECKING:
     from r3arrow.client import EngineClient, GenerateOutput

@@ -46,7 +46,9 @@ def _read_any(path: Path) -> pa.Table:
 def _size_on_disk(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return sum(
+        p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
+    )
 
 
 def _human_bytes(n: float) -> str:
@@ -92,7 +94,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{info['path']}")
     print(f"  rows (trajectories): {info['rows']}")
     print(f"  tokens:              {info['tokens']}")
-    print(f"  captured rows:       {info['captured_rows']} ({info['captured_fraction']:.1%} of tokens)")
+    print(
+        f"  captured rows:       {info['captured_rows']} ({info['captured_fraction']:.1%} of tokens)"
+    )
     print(
         f"  spec:                {spec['num_layers']} layers x top-{spec['topk']}, "
         f"{spec['num_experts']} experts, ids {spec['dtype']}, router layers "
@@ -162,7 +166,9 @@ def _read_npy(name: object, spec: RouteSpec, base: Path) -> np.ndarray:
     except FileNotFoundError:
         raise FileNotFoundError(f"routes_npy {path}: no such file") from None
     except ValueError as exc:  # bad magic, truncated data, object dtype
-        raise PayloadError(f"routes_npy {path}: expected an .npy file without pickle, found: {exc}") from None
+        raise PayloadError(
+            f"routes_npy {path}: expected an .npy file without pickle, found: {exc}"
+        ) from None
     arr = as_route_rows(arr, spec, what=f"routes_npy {path}")
     check_route_ids(arr, spec, what=f"routes_npy {path}")
     return arr
@@ -177,7 +183,9 @@ def _decode_record(rec: dict[str, Any], fmt: str, spec: RouteSpec, base: Path) -
         raise SchemaError("expected 'routes_npy' in every record (--format npy)")
     payload = rec.get("routed_experts")
     if payload is None:
-        raise SchemaError(f"expected 'routed_experts' (a {fmt} payload) or 'routes_npy' in every record")
+        raise SchemaError(
+            f"expected 'routed_experts' (a {fmt} payload) or 'routes_npy' in every record"
+        )
     if fmt == "vllm":
         return codec.decode_vllm(payload, spec)
     if fmt == "packed":
@@ -231,7 +239,9 @@ def convert_jsonl(
     where: list[str] = []
     total = sum(p.stat().st_size for p in paths)
     # disable=None: no bar when stderr is not a terminal (logs, pipes)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress else True) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress else True
+    ) as bar:
         for path in paths:
             with open(path, "rb") as fh:
                 for lineno, line in enumerate(fh, 1):
@@ -243,7 +253,9 @@ def convert_jsonl(
                         try:
                             rec = orjson.loads(line)
                         except orjson.JSONDecodeError as exc:
-                            raise SchemaError(f"expected a JSON object, found invalid JSON ({exc})") from exc
+                            raise SchemaError(
+                                f"expected a JSON object, found invalid JSON ({exc})"
+                            ) from exc
                         row = _record_columns(rec, f"{path.stem}-{lineno}")
                         row["routes"] = _decode_record(rec, fmt, spec, path.parent)
                     except (R3ArrowError, OSError) as exc:
@@ -281,7 +293,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _benchmarks_dir() -> Path:
     here = Path(__file__).resolve().parent.parent / "benchmarks"
     if not here.is_dir():
-        raise R3ArrowError(f"expected the benchmark suite at {here} (a source checkout), found nothing")
+        raise R3ArrowError(
+            f"expected the benchmark suite at {here} (a source checkout), found nothing"
+        )
     return here
 
 
@@ -290,7 +304,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     available = {p.stem.removeprefix("bench_"): p for p in sorted(bench_dir.glob("bench_*.py"))}
     unknown = sorted(set(args.only or ()) - set(available))
     if unknown:
-        raise R3ArrowError(f"no benchmark matched {unknown}: expected names from {sorted(available)}")
+        raise R3ArrowError(
+            f"no benchmark matched {unknown}: expected names from {sorted(available)}"
+        )
     scripts = [p for name, p in available.items() if not args.only or name in args.only]
     if not scripts:
         raise R3ArrowError(f"expected bench_*.py scripts in {bench_dir}, found none")
@@ -327,12 +343,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- parser
 def _spec_args(p: argparse.ArgumentParser, *, required: bool, moe_default: str = "all") -> None:
-    p.add_argument("--num-layers", type=int, required=required, metavar="L",
-                   help="layers the engine reports, dense ones included")
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        required=required,
+        metavar="L",
+        help="layers the engine reports, dense ones included",
+    )
     p.add_argument("--topk", type=int, required=required, metavar="K", help="experts per token")
-    p.add_argument("--num-experts", type=int, required=required, metavar="E", help="experts per MoE layer")
-    p.add_argument("--moe-layers", type=int, nargs="+", metavar="ID",
-                   help=f"global ids of the router layers (default: {moe_default})")
+    p.add_argument(
+        "--num-experts", type=int, required=required, metavar="E", help="experts per MoE layer"
+    )
+    p.add_argument(
+        "--moe-layers",
+        type=int,
+        nargs="+",
+        metavar="ID",
+        help=f"global ids of the router layers (default: {moe_default})",
+    )
 
 
 def _png_path(value: str) -> str:
@@ -379,54 +407,104 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--groups", type=int, default=8, help="prompt groups (default 8)")
     demo.add_argument("--samples", type=int, default=4, help="samples per group (default 4)")
     demo.add_argument("--turns", type=int, default=3, help="max turns per conversation (default 3)")
-    demo.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn (default 16)")
-    demo.add_argument("--out", default="r3arrow-demo", metavar="DIR",
-                      help="output directory (default ./r3arrow-demo)")
-    demo.add_argument("--engine-url", metavar="URL",
-                      help="an external vLLM server started with --enable-return-routed-experts "
-                      "instead of the embedded engine")
+    demo.add_argument(
+        "--max-tokens", type=int, default=16, help="tokens generated per turn (default 16)"
+    )
+    demo.add_argument(
+        "--out",
+        default="r3arrow-demo",
+        metavar="DIR",
+        help="output directory (default ./r3arrow-demo)",
+    )
+    demo.add_argument(
+        "--engine-url",
+        metavar="URL",
+        help="an external vLLM server started with --enable-return-routed-experts "
+        "instead of the embedded engine",
+    )
     _spec_args(demo, required=False, moe_default="all; embedded engine: all but layer 0")
-    demo.add_argument("--seed", type=int, default=0, help="prompts, sampling and group redraws (default 0)")
+    demo.add_argument(
+        "--seed", type=int, default=0, help="prompts, sampling and group redraws (default 0)"
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    demo.add_argument("--no-replay", action="store_true", help="skip the megatron-core replay check")
+    demo.add_argument(
+        "--no-replay", action="store_true", help="skip the megatron-core replay check"
+    )
     demo.set_defaults(func=_cmd_demo)
 
-    insp = sub.add_parser("inspect", help="summarise a rollout file or step directory",
-                          description="Print the schema, route spec, rows, tokens, captured "
-                          "fraction, route bytes and size on disk of a rollout file.")
-    insp.add_argument("path", help="rollout .parquet file, step=N/ directory root, or Arrow IPC file")
+    insp = sub.add_parser(
+        "inspect",
+        help="summarise a rollout file or step directory",
+        description="Print the schema, route spec, rows, tokens, captured "
+        "fraction, route bytes and size on disk of a rollout file.",
+    )
+    insp.add_argument(
+        "path", help="rollout .parquet file, step=N/ directory root, or Arrow IPC file"
+    )
     insp.add_argument("--json", action="store_true", help="machine-readable output")
     insp.set_defaults(func=_cmd_inspect)
 
-    st = sub.add_parser("stats", help="routing statistics of a rollout file or directory",
-                        description="Per MoE layer: expert load imbalance (max/mean, CV), routing "
-                        "entropy, dead and hot experts; optionally a layer x expert heatmap PNG.")
-    st.add_argument("path", help="rollout .parquet file, step=N/ directory root (all steps), or Arrow IPC file")
-    st.add_argument("--plot", metavar="PNG", type=_png_path, help="write an expert-load heatmap (layer x expert)")
-    st.add_argument("--json", action="store_true", help="machine-readable output: load and per-layer summary")
-    st.add_argument("--tokens", choices=("all", "prompt", "response", "loss"), default="all",
-                    help="which route rows to count; loss = rows whose next token is trained (default all)")
+    st = sub.add_parser(
+        "stats",
+        help="routing statistics of a rollout file or directory",
+        description="Per MoE layer: expert load imbalance (max/mean, CV), routing "
+        "entropy, dead and hot experts; optionally a layer x expert heatmap PNG.",
+    )
+    st.add_argument(
+        "path", help="rollout .parquet file, step=N/ directory root (all steps), or Arrow IPC file"
+    )
+    st.add_argument(
+        "--plot",
+        metavar="PNG",
+        type=_png_path,
+        help="write an expert-load heatmap (layer x expert)",
+    )
+    st.add_argument(
+        "--json", action="store_true", help="machine-readable output: load and per-layer summary"
+    )
+    st.add_argument(
+        "--tokens",
+        choices=("all", "prompt", "response", "loss"),
+        default="all",
+        help="which route rows to count; loss = rows whose next token is trained (default all)",
+    )
     st.set_defaults(func=_cmd_stats)
 
-    conv = sub.add_parser("convert", help="payload dumps (JSON lines, .npy) to a rollout Parquet",
-                          description=_CONVERT_HELP, formatter_class=raw)
+    conv = sub.add_parser(
+        "convert",
+        help="payload dumps (JSON lines, .npy) to a rollout Parquet",
+        description=_CONVERT_HELP,
+        formatter_class=raw,
+    )
     conv.add_argument("inputs", nargs="+", metavar="JSONL", help="JSON-lines dump files")
-    conv.add_argument("--format", choices=_FORMATS, default="vllm",
-                      help="format of routed_experts payloads (default vllm)")
+    conv.add_argument(
+        "--format",
+        choices=_FORMATS,
+        default="vllm",
+        help="format of routed_experts payloads (default vllm)",
+    )
     conv.add_argument("--out", required=True, metavar="PARQUET", help="destination .parquet file")
-    conv.add_argument("--compression", default="none",
-                      help="Parquet codec: none (default), zstd, lz4, snappy")
+    conv.add_argument(
+        "--compression", default="none", help="Parquet codec: none (default), zstd, lz4, snappy"
+    )
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     _spec_args(conv, required=True)
     conv.set_defaults(func=_cmd_convert)
 
-    bench = sub.add_parser("bench", help="run the benchmark suite and print the ratio tables",
-                           description="Run benchmarks/bench_*.py (a source checkout) one after the "
-                           "other; each prints a markdown table of ratios against its baseline and "
-                           "the machine's memory-copy speed. Exit 1 if any benchmark fails.")
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmark suite and print the ratio tables",
+        description="Run benchmarks/bench_*.py (a source checkout) one after the "
+        "other; each prints a markdown table of ratios against its baseline and "
+        "the machine's memory-copy speed. Exit 1 if any benchmark fails.",
+    )
     bench.add_argument("--quick", action="store_true", help="small sizes, seconds per benchmark")
-    bench.add_argument("--only", nargs="+", metavar="NAME",
-                       help="run only these (codec io capture collate stats multiturn)")
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        help="run only these (codec io capture collate stats multiturn)",
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 

@@ -142,7 +142,11 @@ def _lift_routes(body: bytes) -> tuple[bytes, memoryview | None]:
 
 
 def decode_routes(
-    value: Any, spec: RouteSpec | None, *, max_bytes: int = DEFAULT_MAX_BYTES, check_ids: bool = True
+    value: Any,
+    spec: RouteSpec | None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    check_ids: bool = True,
 ) -> tuple[np.ndarray, int]:
     """Decode a response's ``routed_experts`` to ``[rows, L, K]``; returns (array, payload bytes).
 
@@ -156,18 +160,27 @@ def decode_routes(
         arr, nbytes = decode_vllm(value, max_bytes=max_bytes), len(value)
     elif isinstance(value, Mapping):
         data = value.get("data")
-        arr, nbytes = decode_packed(value, max_bytes=max_bytes), len(data) if isinstance(data, str) else 0
+        arr, nbytes = (
+            decode_packed(value, max_bytes=max_bytes),
+            len(data) if isinstance(data, str) else 0,
+        )
     elif isinstance(value, list):
         try:
             arr = np.asarray(value)
         except ValueError as exc:
-            raise PayloadError(f"routed_experts: expected nested lists [rows][L][K], found ragged lists ({exc})") from None
+            raise PayloadError(
+                f"routed_experts: expected nested lists [rows][L][K], found ragged lists ({exc})"
+            ) from None
         if arr.size == 0 and spec is not None:
             arr = np.empty((0, *spec.row_shape), dtype=spec.dtype)
         if arr.dtype.kind not in "iu":
-            raise RouteDTypeError(f"routed_experts: expected integer nested lists, found dtype {arr.dtype}")
+            raise RouteDTypeError(
+                f"routed_experts: expected integer nested lists, found dtype {arr.dtype}"
+            )
         if arr.ndim != 3:
-            raise RouteShapeError(f"routed_experts: expected [rows, L, K], found shape {list(arr.shape)}")
+            raise RouteShapeError(
+                f"routed_experts: expected [rows, L, K], found shape {list(arr.shape)}"
+            )
     else:
         raise PayloadError(
             f"routed_experts: expected a base64 .npy string, a packed dict or nested lists, found {type(value).__name__}"
@@ -205,14 +218,26 @@ def parse_response(
         raise EngineError(f"engine response: expected JSON, found {body[:200]!r} ({exc})") from None
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise EngineError(f"engine response: expected a non-empty 'choices' list, found {body[:200]!r}")
+        raise EngineError(
+            f"engine response: expected a non-empty 'choices' list, found {body[:200]!r}"
+        )
     if len(choices) != 1:
-        raise EngineError(f"engine response: expected exactly one choice (n=1), found {len(choices)}")
+        raise EngineError(
+            f"engine response: expected exactly one choice (n=1), found {len(choices)}"
+        )
     ch = choices[0]
     tokens = ch.get("token_ids")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        hint = " (the completions endpoint needs return_token_ids=true)" if endpoint == "completions" else ""
-        raise EngineError(f"engine response: expected choices[0].token_ids as a list of ints{hint}, found {tokens!r:.200}")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        hint = (
+            " (the completions endpoint needs return_token_ids=true)"
+            if endpoint == "completions"
+            else ""
+        )
+        raise EngineError(
+            f"engine response: expected choices[0].token_ids as a list of ints{hint}, found {tokens!r:.200}"
+        )
     if not tokens:
         raise EngineError("engine response: expected at least one generated token, found none")
     logprobs: list[float] | None = None
@@ -224,17 +249,23 @@ def parse_response(
             elif isinstance(lp.get("token_logprobs"), list):  # completions (OpenAI)
                 logprobs = [float(v) if v is not None else math.nan for v in lp["token_logprobs"]]
         except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError(f"engine response: expected numeric logprobs, found {lp!r:.200} ({exc})") from None
+            raise EngineError(
+                f"engine response: expected numeric logprobs, found {lp!r:.200} ({exc})"
+            ) from None
     routes: np.ndarray | None = None
     payload = 0
     raw = ch.get("routed_experts")
     if lifted is not None:
         if raw != _LIFTED:
-            raise EngineError("engine response: expected routed_experts inside choices[0], found it elsewhere")
+            raise EngineError(
+                "engine response: expected routed_experts inside choices[0], found it elsewhere"
+            )
         raw = lifted
     if want_routes and raw is not None:
         routes, payload = decode_routes(raw, spec, max_bytes=max_payload_bytes, check_ids=check_ids)
-        routes.flags.writeable = False  # fresh buffer no one else holds: lets the trace keep it uncopied
+        routes.flags.writeable = (
+            False  # fresh buffer no one else holds: lets the trace keep it uncopied
+        )
     finish = ch.get("finish_reason")
     stop = ch.get("stop_reason")
     return ParsedResponse(
@@ -303,18 +334,24 @@ class EngineClient:
         seed: int | None = None,
     ) -> None:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
-        if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
+        if not urls or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
+        ):
             raise ValueError(f"base_url: expected one or more http(s) URLs, found {base_url!r}")
         if len(set(urls)) != len(urls):
             raise ValueError(f"base_url: expected distinct URLs, found {urls}")
         if endpoint not in ENDPOINT_PATHS:
-            raise ValueError(f"endpoint: expected one of {sorted(ENDPOINT_PATHS)}, found {endpoint!r}")
+            raise ValueError(
+                f"endpoint: expected one of {sorted(ENDPOINT_PATHS)}, found {endpoint!r}"
+            )
         if not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency: expected an int >= 1, found {max_concurrency!r}")
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries: expected an int >= 0, found {max_retries!r}")
         if not isinstance(max_payload_bytes, int) or max_payload_bytes < 0:
-            raise ValueError(f"max_payload_bytes: expected an int >= 0, found {max_payload_bytes!r}")
+            raise ValueError(
+                f"max_payload_bytes: expected an int >= 0, found {max_payload_bytes!r}"
+            )
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"vocab_size: expected None or an int >= 1, found {vocab_size!r}")
         if not (backoff_base >= 0 and backoff_max >= 0 and retry_after_max >= 0):
@@ -338,7 +375,9 @@ class EngineClient:
         # this bound the body is not read on (a misbehaving engine cannot exhaust memory).
         self.max_body_bytes = self.max_payload_bytes * 4 // 3 + _BODY_SLACK_BYTES
         self.vocab_size = vocab_size
-        self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(float(timeout))
+        self.timeout = (
+            timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(float(timeout))
+        )
         self._http = httpx.AsyncClient(
             timeout=self.timeout,
             limits=httpx.Limits(
@@ -483,7 +522,8 @@ class EngineClient:
                     last = f"{kind} from {url}"
                 else:
                     raise EngineHTTPError(
-                        f"engine request to {url}{path} timed out ({kind}; timeout={self.timeout})", url=url
+                        f"engine request to {url}{path} timed out ({kind}; timeout={self.timeout})",
+                        url=url,
                     ) from exc
                 failover += isinstance(exc, httpx.ConnectTimeout)
             except httpx.TransportError as exc:
@@ -515,7 +555,9 @@ class EngineClient:
                 break
             self.stats["retries"] += 1
             await asyncio.sleep(self._backoff(attempt, retry_after))
-        raise EngineHTTPError(f"engine {url}{path} failed after {self.max_retries + 1} attempts: {last}", url=url)
+        raise EngineHTTPError(
+            f"engine {url}{path} failed after {self.max_retries + 1} attempts: {last}", url=url
+        )
 
     async def generate(
         self,
@@ -572,7 +614,9 @@ class EngineClient:
             if not return_routes:
                 raise ValueError("return_routes=False with a trace: expected routes to record")
             if spec is not None and not spec.same_shape(trace.spec):
-                raise RouteShapeError(f"trace: expected routes shaped like {spec}, found {trace.spec}")
+                raise RouteShapeError(
+                    f"trace: expected routes shaped like {spec}, found {trace.spec}"
+                )
             spec = trace.spec
             if trace.finalized:
                 raise TraceStateError("trace: already finalized; expected an open trace")
@@ -583,13 +627,21 @@ class EngineClient:
                     f"{trace.seen_tokens} tokens (and exceed captured={prompt_start}), found {p} tokens"
                 )
             if id(trace) in self._busy_traces:
-                raise TraceStateError("trace: a request for this trace is already in flight; expected one at a time")
+                raise TraceStateError(
+                    "trace: a request for this trace is already in flight; expected one at a time"
+                )
         elif not isinstance(prompt_start, int) or not 0 <= prompt_start < p:
             raise ValueError(f"prompt_start: expected an int in [0, {p}), found {prompt_start!r}")
         if session_id is None and trace is not None:
             session_id = f"trace-{id(trace):x}"
         body = orjson.dumps(
-            self.build_request(prompt, sp, prompt_start=prompt_start, return_routes=return_routes, cache_salt=cache_salt)
+            self.build_request(
+                prompt,
+                sp,
+                prompt_start=prompt_start,
+                return_routes=return_routes,
+                cache_salt=cache_salt,
+            )
         )
         if trace is not None:
             self._busy_traces.add(id(trace))

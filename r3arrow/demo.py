@@ -72,7 +72,11 @@ def _shape(cfg: DemoConfig) -> dict[str, Any]:
 
     shape: dict[str, Any] = {
         name: value
-        for name, value in (("num_layers", cfg.num_layers), ("topk", cfg.topk), ("num_experts", cfg.num_experts))
+        for name, value in (
+            ("num_layers", cfg.num_layers),
+            ("topk", cfg.topk),
+            ("num_experts", cfg.num_experts),
+        )
         if value is not None
     }
     if cfg.moe_layers is not None:
@@ -104,7 +108,10 @@ async def _rollouts(cfg: DemoConfig, url: str, spec: RouteSpec | None) -> pa.Tab
     from r3arrow.rollout import ArithmeticEnv, run_rollouts
 
     rng = np.random.default_rng(cfg.seed)
-    prompts = [rng.integers(1, cfg.vocab_size, size=int(rng.integers(8, 33))).tolist() for _ in range(cfg.groups)]
+    prompts = [
+        rng.integers(1, cfg.vocab_size, size=int(rng.integers(8, 33))).tolist()
+        for _ in range(cfg.groups)
+    ]
     async with EngineClient(url, spec, vocab_size=cfg.vocab_size) as client:
         if client.spec is None:
             await client.probe_spec(num_experts=cfg.num_experts)
@@ -114,7 +121,11 @@ async def _rollouts(cfg: DemoConfig, url: str, spec: RouteSpec | None) -> pa.Tab
             prompts,
             group_size=cfg.samples,
             max_turns=cfg.turns,
-            sampling_params={"max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "ignore_eos": True},
+            sampling_params={
+                "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature,
+                "ignore_eos": True,
+            },
             seed=cfg.seed,
             progress=cfg.progress,
             # Binary outcome reward (every turn solved), as in RLVR: some groups come out uniform.
@@ -131,7 +142,10 @@ async def _rollouts(cfg: DemoConfig, url: str, spec: RouteSpec | None) -> pa.Tab
 def _megatron_available() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+    return (
+        importlib.util.find_spec("megatron") is not None
+        and importlib.util.find_spec("megatron.core") is not None
+    )
 
 
 @contextlib.contextmanager
@@ -250,7 +264,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     t0 = time.perf_counter()
     with _engine(cfg) as (url, spec):
         where = "embedded engine" if cfg.engine_url is None else "external engine"
-        _say(f"[1/6] rollouts: {cfg.groups} groups x {cfg.samples} samples, up to {cfg.turns} turns, {where} at {url}")
+        _say(
+            f"[1/6] rollouts: {cfg.groups} groups x {cfg.samples} samples, up to {cfg.turns} turns, {where} at {url}"
+        )
         table = asyncio.run(_rollouts(cfg, url, spec))
     timings["rollouts"] = time.perf_counter() - t0
     spec = route_spec(table)
@@ -275,14 +291,18 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         kept = table
     elif kept_groups < groups:
         replaced = replace_groups(table, seed=cfg.seed)
-        _say(f"  or, with replacement: {replaced.num_rows} rows, uniform groups redrawn from kept ones (seed {cfg.seed})")
+        _say(
+            f"  or, with replacement: {replaced.num_rows} rows, uniform groups redrawn from kept ones (seed {cfg.seed})"
+        )
 
     t = time.perf_counter()
     parquet = write_rollouts(kept, cfg.out_dir / "rollouts.parquet")
     back = read_rollouts(parquet)
     timings["parquet"] = time.perf_counter() - t
     exact = back.equals(kept) and back.schema.metadata == kept.schema.metadata
-    _say(f"[3/6] parquet: {parquet} ({parquet.stat().st_size / 1e3:.1f} kB), round trip exact: {exact}")
+    _say(
+        f"[3/6] parquet: {parquet} ({parquet.stat().st_size / 1e3:.1f} kB), round trip exact: {exact}"
+    )
 
     t = time.perf_counter()
     heatmap: Path | None = None
@@ -299,7 +319,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     try:
         from r3arrow.plot import plot_expert_load
 
-        heatmap = plot_expert_load(load, cfg.out_dir / "expert_load.png", title="expert load (demo rollouts)")
+        heatmap = plot_expert_load(
+            load, cfg.out_dir / "expert_load.png", title="expert load (demo rollouts)"
+        )
         _say(f"  heatmap: {heatmap}")
     except ImportError as exc:  # matplotlib is an optional extra
         _say(f"  heatmap skipped ({exc})")
@@ -318,8 +340,15 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         f"{len(targets)} replay targets of {tuple(targets[0].shape)}"
     )
 
-    result = DemoResult(ok=exact, table=table, kept=kept, parquet=parquet, heatmap=heatmap,
-                        microbatches=len(batches), timings=timings)
+    result = DemoResult(
+        ok=exact,
+        table=table,
+        kept=kept,
+        parquet=parquet,
+        heatmap=heatmap,
+        microbatches=len(batches),
+        timings=timings,
+    )
     if not cfg.replay:
         _say("[6/6] replay: skipped (--no-replay)")
     elif not _megatron_available():
@@ -328,7 +357,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         t = time.perf_counter()
         checked = differ = 0
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # megatron-core: TE/Apex absent, config notes
+            warnings.simplefilter(
+                "ignore", UserWarning
+            )  # megatron-core: TE/Apex absent, config notes
             with _cpu_router_harness():
                 routers = _build_routers(spec, mb0.layers)
                 for part, mb in zip(parts, batches, strict=True):

@@ -35,7 +35,9 @@ _STEP_DIR = re.compile(r"^step=(\d+)$")
 PathLike = str | os.PathLike[str]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
-    raise ImportError("r3arrow.io stores routes as little-endian bytes; big-endian hosts are unsupported")
+    raise ImportError(
+        "r3arrow.io stores routes as little-endian bytes; big-endian hosts are unsupported"
+    )
 
 
 # --------------------------------------------------------- storage conversion
@@ -43,7 +45,9 @@ def _storage_routes(col: pa.Array, spec: RouteSpec) -> pa.LargeListArray:
     """``large_list<per-token nested>`` → ``large_list<fixed_size_binary>``, zero-copy when contiguous."""
     offsets = np.asarray(col.offsets, dtype=np.int64)
     values = np.ascontiguousarray(routes_to_numpy(col.flatten(), spec))
-    binary = pa.Array.from_buffers(pa.binary(spec.row_nbytes), values.shape[0], [None, pa.py_buffer(values)])
+    binary = pa.Array.from_buffers(
+        pa.binary(spec.row_nbytes), values.shape[0], [None, pa.py_buffer(values)]
+    )
     return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), binary)
 
 
@@ -62,12 +66,18 @@ def _nested_routes(col: pa.Array, spec: RouteSpec) -> pa.LargeListArray:
         [None, buf],
         offset=binary.offset * spec.num_layers * spec.topk,
     )
-    tokens = pa.FixedSizeListArray.from_arrays(pa.FixedSizeListArray.from_arrays(leaf, spec.topk), spec.num_layers)
+    tokens = pa.FixedSizeListArray.from_arrays(
+        pa.FixedSizeListArray.from_arrays(leaf, spec.topk), spec.num_layers
+    )
     return pa.LargeListArray.from_arrays(col.offsets, tokens)
 
 
 def _map_columns(
-    table: pa.Table, names: list[str], fn: Callable[[pa.Array, RouteSpec], pa.Array], spec: RouteSpec, typ: pa.DataType
+    table: pa.Table,
+    names: list[str],
+    fn: Callable[[pa.Array, RouteSpec], pa.Array],
+    spec: RouteSpec,
+    typ: pa.DataType,
 ) -> pa.Table:
     for name in names:
         idx = table.schema.get_field_index(name)
@@ -83,8 +93,13 @@ def to_storage(table: pa.Table) -> pa.Table:
     ``large_list<fixed_size_binary>``, what Parquet stores; the column names go in the metadata."""
     spec = RouteSpec.from_schema(table.schema)
     names = [f.name for f in table.schema if f.type == spec.routes_type]
-    out = _map_columns(table, names, _storage_routes, spec, pa.large_list(pa.binary(spec.row_nbytes)))
-    meta = {**(table.schema.metadata or {}), _STORAGE_KEY: orjson.dumps({"format": _STORAGE_FORMAT, "columns": names})}
+    out = _map_columns(
+        table, names, _storage_routes, spec, pa.large_list(pa.binary(spec.row_nbytes))
+    )
+    meta = {
+        **(table.schema.metadata or {}),
+        _STORAGE_KEY: orjson.dumps({"format": _STORAGE_FORMAT, "columns": names}),
+    }
     return out.replace_schema_metadata(meta)
 
 
@@ -100,12 +115,16 @@ def from_storage(table: pa.Table) -> pa.Table:
         names = [str(n) for n in info["columns"]]
         fmt = info["format"]
     except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-        raise SchemaError(f"routes storage metadata: expected {{format, columns}} JSON, found {raw!r:.120}") from exc
+        raise SchemaError(
+            f"routes storage metadata: expected {{format, columns}} JSON, found {raw!r:.120}"
+        ) from exc
     if fmt != _STORAGE_FORMAT:
         raise SchemaError(f"routes storage: expected format {_STORAGE_FORMAT!r}, found {fmt!r}")
     for name in names:
         if name in table.schema.names and not pa.types.is_large_list(table.schema.field(name).type):
-            raise SchemaError(f"{name} storage: expected large_list, found {table.schema.field(name).type}")
+            raise SchemaError(
+                f"{name} storage: expected large_list, found {table.schema.field(name).type}"
+            )
     out = _map_columns(table, names, _nested_routes, spec, spec.routes_type)
     return out.replace_schema_metadata(meta)
 
@@ -188,7 +207,9 @@ def write_rollouts(
 
 
 def _open_error(path: Path, exc: BaseException) -> SchemaError:
-    return SchemaError(f"{path}: expected an r3arrow rollout Parquet file, found an unreadable file ({exc})")
+    return SchemaError(
+        f"{path}: expected an r3arrow rollout Parquet file, found an unreadable file ({exc})"
+    )
 
 
 def _check_rollout_schema(schema: pa.Schema, path: Path) -> RouteSpec:
@@ -212,7 +233,9 @@ def _restore(table: pa.Table, path: Path) -> pa.Table:
 
 def _step_files(root: Path) -> list[Path]:
     """Part files of a step directory, in numeric step order then part order."""
-    return [f for s in list_steps(root) for f in sorted((root / f"step={s}").glob("part-*.parquet"))]
+    return [
+        f for s in list_steps(root) for f in sorted((root / f"step={s}").glob("part-*.parquet"))
+    ]
 
 
 def list_steps(root: PathLike) -> list[int]:
@@ -271,13 +294,19 @@ def read_rollouts(
             if first is None:
                 first, first_spec = schema, spec
             elif spec != first_spec:
-                raise SchemaError(f"{f}: expected the spec of {files[0]} ({first_spec}), found {spec}")
+                raise SchemaError(
+                    f"{f}: expected the spec of {files[0]} ({first_spec}), found {spec}"
+                )
         assert first is not None
         filt = ds.field("step").isin([int(s) for s in steps]) if steps is not None else None
         try:
-            table = dataset.to_table(columns=list(columns) if columns is not None else None, filter=filt)
+            table = dataset.to_table(
+                columns=list(columns) if columns is not None else None, filter=filt
+            )
         except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as exc:
-            raise SchemaError(f"{p}: step files do not share one rollout schema/spec ({exc})") from exc
+            raise SchemaError(
+                f"{p}: step files do not share one rollout schema/spec ({exc})"
+            ) from exc
         return _restore(table.replace_schema_metadata(first.metadata), p)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such rollout file or directory")
@@ -311,7 +340,9 @@ def iter_rollouts(
         pf = pq.ParquetFile(p)
         schema = pf.schema_arrow
         _check_rollout_schema(schema, p)
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=list(columns) if columns else None):
+        for batch in pf.iter_batches(
+            batch_size=batch_rows, columns=list(columns) if columns else None
+        ):
             t = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
             yield None, _restore(t, p)
     except (pa.ArrowInvalid, OSError) as exc:
@@ -346,7 +377,9 @@ def read_ipc(path: PathLike, *, memory_map: bool = True) -> pa.Table:
         source = pa.memory_map(str(p)) if memory_map else pa.OSFile(str(p))
         table = pa.ipc.open_file(source).read_all()
     except (pa.ArrowInvalid, OSError) as exc:
-        raise SchemaError(f"{p}: expected an r3arrow Arrow IPC rollout file, found an unreadable file ({exc})") from exc
+        raise SchemaError(
+            f"{p}: expected an r3arrow Arrow IPC rollout file, found an unreadable file ({exc})"
+        ) from exc
     _check_rollout_schema(table.schema, p)
     return table
 

@@ -111,7 +111,9 @@ def _matrix(
     rv, cv = frame[row].to_numpy(), frame[col].to_numpy()
     rows, cols = np.unique(rv), np.unique(cv)
     out = np.full((rows.size, cols.size), np.nan)
-    out[np.searchsorted(rows, rv), np.searchsorted(cols, cv)] = frame[value].cast(pl.Float64).to_numpy()
+    out[np.searchsorted(rows, rv), np.searchsorted(cols, cv)] = (
+        frame[value].cast(pl.Float64).to_numpy()
+    )
     return rows.tolist(), cols.tolist(), out
 
 

@@ -168,8 +168,14 @@ async def run_trajectory(
         raise ValueError(f"max_turns: expected >= 1, found {max_turns}")
     spec = store.spec
     if client.spec is not None and not client.spec.same_shape(spec):
-        raise RouteShapeError(f"store: expected routes shaped like the client's {client.spec}, found {spec}")
-    conv = Conversation(trajectory_id=trajectory_id, group_id=group_id, prompt_ids=_check_tokens(prompt_ids, "prompt_ids"))
+        raise RouteShapeError(
+            f"store: expected routes shaped like the client's {client.spec}, found {spec}"
+        )
+    conv = Conversation(
+        trajectory_id=trajectory_id,
+        group_id=group_id,
+        prompt_ids=_check_tokens(prompt_ids, "prompt_ids"),
+    )
     if not conv.prompt_ids:
         raise ValueError("prompt_ids: expected at least one token, found none")
     trace = RouteTrace(spec)
@@ -181,8 +187,12 @@ async def run_trajectory(
     for turn in range(max_turns):
         if seed is not None:
             sp["seed"] = seed + turn
-        out = await client.generate(conv.token_ids, sampling_params=sp, trace=trace, session_id=session)
-        if out.routed_experts is None or out.token_start is None:  # pragma: no cover - the client raises first
+        out = await client.generate(
+            conv.token_ids, sampling_params=sp, trace=trace, session_id=session
+        )
+        if (
+            out.routed_experts is None or out.token_start is None
+        ):  # pragma: no cover - the client raises first
             raise EngineError(f"trajectory {trajectory_id!r}: engine returned no routed_experts")
         # zero-copy: the store's batch and the trace share the decoded (read-only) buffer
         store.append(trajectory_id, out.token_start, out.routed_experts)
@@ -203,7 +213,9 @@ async def run_trajectory(
     if reward_fn is not None:
         reward = float(reward_fn(conv, reward))
     # Every missing row (last sampled token) must predict a loss-masked token.
-    full_mask = np.concatenate([np.zeros(len(conv.prompt_ids), np.uint8), np.asarray(conv.loss_mask, np.uint8)])
+    full_mask = np.concatenate(
+        [np.zeros(len(conv.prompt_ids), np.uint8), np.asarray(conv.loss_mask, np.uint8)]
+    )
     check_terminal_gap(trace.captured, full_mask, num_tokens=conv.num_tokens)
     return Trajectory(
         trajectory_id=trajectory_id,
@@ -230,7 +242,9 @@ def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> 
     ids = [t.trajectory_id for t in trajectories]
     routes = store.routes(ids)
     lens = np.diff(np.asarray(routes.offsets, dtype=np.int64))
-    want = np.fromiter((t.num_routes for t in trajectories), dtype=np.int64, count=len(trajectories))
+    want = np.fromiter(
+        (t.num_routes for t in trajectories), dtype=np.int64, count=len(trajectories)
+    )
     bad = np.flatnonzero(lens != want)
     if bad.size:
         k = int(bad[0])
@@ -284,7 +298,9 @@ async def run_rollouts(
     if store is None:
         spec = spec if spec is not None else client.spec
         if spec is None:
-            raise ValueError("spec: expected a RouteSpec (or a client or store that has one), found None")
+            raise ValueError(
+                "spec: expected a RouteSpec (or a client or store that has one), found None"
+            )
         store = TurnStore(spec)
     jobs = [(i, j, prompt) for i, prompt in enumerate(prompts) for j in range(group_size)]
     bar: Any = None

@@ -71,24 +71,35 @@ class RouteSpec:
         if self.num_experts is not None:
             e = self.num_experts
             if not isinstance(e, int | np.integer) or isinstance(e, bool) or e < 1:
-                raise ExpertRangeError(f"RouteSpec.num_experts: expected a positive int or None, found {e!r}")
+                raise ExpertRangeError(
+                    f"RouteSpec.num_experts: expected a positive int or None, found {e!r}"
+                )
             object.__setattr__(self, "num_experts", int(e))
             if self.topk > int(e):
                 raise RouteShapeError(f"RouteSpec: topk={self.topk} exceeds num_experts={e}")
         if self.moe_layers is not None:
             layers = tuple(sorted({int(i) for i in self.moe_layers}))
             if len(layers) != len(tuple(self.moe_layers)):
-                raise RouteShapeError(f"RouteSpec.moe_layers: expected unique layer ids, found {list(self.moe_layers)}")
+                raise RouteShapeError(
+                    f"RouteSpec.moe_layers: expected unique layer ids, found {list(self.moe_layers)}"
+                )
             if not layers or layers[0] < 0 or layers[-1] >= self.num_layers:
                 raise RouteShapeError(
                     f"RouteSpec.moe_layers: expected non-empty ids in [0, {self.num_layers}), found {list(layers)}"
                 )
-            object.__setattr__(self, "moe_layers", None if len(layers) == self.num_layers else layers)
+            object.__setattr__(
+                self, "moe_layers", None if len(layers) == self.num_layers else layers
+            )
         if self.id_dtype is not None:
             dt = np.dtype(self.id_dtype)
             if dt not in _STORAGE_DTYPES:
-                raise RouteDTypeError(f"RouteSpec.id_dtype: expected uint8, uint16 or int32, found {dt}")
-            if self.num_experts is not None and storage_dtype_for(self.num_experts).itemsize > dt.itemsize:
+                raise RouteDTypeError(
+                    f"RouteSpec.id_dtype: expected uint8, uint16 or int32, found {dt}"
+                )
+            if (
+                self.num_experts is not None
+                and storage_dtype_for(self.num_experts).itemsize > dt.itemsize
+            ):
                 raise RouteDTypeError(
                     f"RouteSpec.id_dtype: {dt} cannot hold {self.num_experts} expert ids"
                 )
@@ -175,7 +186,9 @@ class RouteSpec:
                 id_dtype=obj["id_dtype"] if "id_dtype" in obj else obj.get("dtype"),
             )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise SchemaError(f"invalid r3arrow.spec metadata: expected a RouteSpec JSON object, found {data!r:.200}") from exc
+            raise SchemaError(
+                f"invalid r3arrow.spec metadata: expected a RouteSpec JSON object, found {data!r:.200}"
+            ) from exc
 
     def to_metadata(self) -> dict[bytes, bytes]:
         return {SPEC_METADATA_KEY: self.to_json()}
@@ -193,7 +206,9 @@ class RouteSpec:
 
 
 # ----------------------------------------------------------------- conversions
-def routes_to_numpy(routes: pa.Array | pa.ChunkedArray, spec: RouteSpec | None = None) -> np.ndarray:
+def routes_to_numpy(
+    routes: pa.Array | pa.ChunkedArray, spec: RouteSpec | None = None
+) -> np.ndarray:
     """View an Arrow per-token routes array as numpy ``[rows, L, K]`` (zero-copy for one chunk).
 
     Raises `RouteShapeError` / `RouteDTypeError` if the type is not a per-token
@@ -234,7 +249,9 @@ def numpy_to_routes(arr: np.ndarray, spec: RouteSpec | None = None) -> pa.FixedS
             f"expected routes [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
         )
     if arr.dtype not in _ARROW_OF:
-        raise RouteDTypeError(f"expected routes stored as uint8, uint16 or int32, found {arr.dtype}")
+        raise RouteDTypeError(
+            f"expected routes stored as uint8, uint16 or int32, found {arr.dtype}"
+        )
     arr = np.ascontiguousarray(arr)
     leaf = pa.array(arr.reshape(-1), type=_ARROW_OF[arr.dtype])
     inner = pa.FixedSizeListArray.from_arrays(leaf, arr.shape[2])
@@ -251,7 +268,9 @@ def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.n
     try:
         arr = np.asarray(routes)
     except (ValueError, TypeError) as exc:
-        raise RouteShapeError(f"{what}: expected a rectangular [rows, L, K] integer array, found {exc}") from exc
+        raise RouteShapeError(
+            f"{what}: expected a rectangular [rows, L, K] integer array, found {exc}"
+        ) from exc
     if arr.dtype.kind not in "iu":
         if arr.size == 0 and arr.dtype.kind == "f":
             arr = arr.astype(spec.dtype)
@@ -290,7 +309,9 @@ def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -
         return lo, hi
     if lo < 0:
         row, layer = _first_where(arr < 0)
-        raise ExpertRangeError(f"{what}: expected expert ids >= 0, found {lo} (token {row}, layer {layer})")
+        raise ExpertRangeError(
+            f"{what}: expected expert ids >= 0, found {lo} (token {row}, layer {layer})"
+        )
     if e is not None and int(arr.max(axis=(0, 2))[list(spec.router_layers)].max()) >= e:
         row, layer = _first_where(arr >= e, spec.router_layers)
         raise ExpertRangeError(
@@ -333,7 +354,9 @@ def validate_layers(layers: Iterable[int], spec: RouteSpec) -> list[int]:
     known = set(spec.router_layers)
     bad = [i for i in out if i not in known]
     if bad:
-        raise RouteShapeError(f"expected router layers from {list(spec.router_layers)}, found {bad}")
+        raise RouteShapeError(
+            f"expected router layers from {list(spec.router_layers)}, found {bad}"
+        )
     return out
 
 

@@ -764,7 +764,9 @@ def expert_counts_by_step(
     source: Source, *, tokens: TokenSubset = "all", steps: Sequence[int] | None = None
 ) -> dict[int, ExpertCounts]:
     """`ExpertCounts` per step, ascending: a ``step=N`` directory or a table with a ``step`` column."""
-    return _sum_by_step(_batch_parts(source, tokens, steps, lambda batch: batch_counts(batch, tokens)))
+    return _sum_by_step(
+        _batch_parts(source, tokens, steps, lambda batch: batch_counts(batch, tokens))
+    )
 
 
 def expert_load(
@@ -809,7 +811,9 @@ def _agreement_parts(
                 "tokens: a bool mask is for numpy inputs; tables and paths take a subset name"
             )
         if isinstance(b, str):
-            yield from _batch_parts(a, tokens, steps, lambda batch: batch_agreement(batch, b, tokens), (b,))
+            yield from _batch_parts(
+                a, tokens, steps, lambda batch: batch_agreement(batch, b, tokens), (b,)
+            )
             return
         _check_subset(tokens)
         if _is_path(a) or steps is not None:

@@ -34,7 +34,9 @@ def turn_schema(spec: RouteSpec) -> pa.Schema:
     )
 
 
-def _turn_rows(spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any) -> tuple[np.ndarray, RouteSpec]:
+def _turn_rows(
+    spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any
+) -> tuple[np.ndarray, RouteSpec]:
     """Validated rows ``[rows, L, K]`` in storage dtype, owned (writable input is copied)."""
     what = f"turn of {trajectory_id!r}"
     if token_start < 0:
@@ -47,16 +49,24 @@ def _turn_rows(spec: RouteSpec, trajectory_id: str, token_start: int, routes: An
     return np.ascontiguousarray(arr), spec
 
 
-def _batch_of(spec: RouteSpec, trajectory_id: str, token_start: int, rows: np.ndarray) -> pa.RecordBatch:
+def _batch_of(
+    spec: RouteSpec, trajectory_id: str, token_start: int, rows: np.ndarray
+) -> pa.RecordBatch:
     tokens = numpy_to_routes(rows, spec)
     col = pa.LargeListArray.from_arrays(pa.array([0, len(tokens)], type=pa.int64()), tokens)
     return pa.RecordBatch.from_arrays(
-        [pa.array([trajectory_id], type=pa.large_string()), pa.array([token_start], type=pa.int64()), col],
+        [
+            pa.array([trajectory_id], type=pa.large_string()),
+            pa.array([token_start], type=pa.int64()),
+            col,
+        ],
         schema=turn_schema(spec),
     )
 
 
-def turn_batch(spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any) -> pa.RecordBatch:
+def turn_batch(
+    spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any
+) -> pa.RecordBatch:
     """One turn as a one-row record batch (routes ``[rows, L, K]``, validated, storage dtype)."""
     rows, spec = _turn_rows(spec, trajectory_id, token_start, routes)
     return _batch_of(spec, trajectory_id, token_start, rows)
@@ -87,7 +97,9 @@ class TurnStore:
     def append_batch(self, batch: pa.RecordBatch) -> None:
         """Append a record batch of turns (schema `turn_schema`; any number of rows)."""
         if tuple(batch.schema.names[:3]) != self._NAMES:
-            raise SchemaError(f"turn batch: expected columns {list(self._NAMES)}, found {batch.schema.names}")
+            raise SchemaError(
+                f"turn batch: expected columns {list(self._NAMES)}, found {batch.schema.names}"
+            )
         spec = RouteSpec.from_schema(batch.schema)
         if not spec.same_shape(self.spec):
             raise SchemaError(f"turn batch: expected routes shaped like {self.spec}, found {spec}")
@@ -99,11 +111,15 @@ class TurnStore:
         check_route_ids(rows, spec, what="turn batch")
         self._add(batch, spec, rows, offsets - offsets[0])
 
-    def _add(self, batch: pa.RecordBatch, spec: RouteSpec, rows: np.ndarray, offsets: np.ndarray) -> None:
+    def _add(
+        self, batch: pa.RecordBatch, spec: RouteSpec, rows: np.ndarray, offsets: np.ndarray
+    ) -> None:
         with self._lock:
             if spec.dtype.itemsize > self.spec.dtype.itemsize:
                 if self.spec.num_experts is not None:
-                    raise SchemaError(f"turn batch: expected {self.spec.dtype} routes, found {spec.dtype}")
+                    raise SchemaError(
+                        f"turn batch: expected {self.spec.dtype} routes, found {spec.dtype}"
+                    )
                 self.spec = spec
             self._batches.append(batch)
             self._views.append((rows, offsets))
@@ -119,7 +135,10 @@ class TurnStore:
     def to_table(self) -> pa.Table:
         """All turns as one table (batches cast to the widest routes dtype; no copy otherwise)."""
         schema = turn_schema(self.spec)
-        batches = [b if b.schema.equals(schema) else b.select([0, 1, 2]).cast(schema) for b in self.batches()]
+        batches = [
+            b if b.schema.equals(schema) else b.select([0, 1, 2]).cast(schema)
+            for b in self.batches()
+        ]
         return pa.Table.from_batches(batches, schema=schema)
 
     def routes(self, trajectory_ids: Sequence[str] | pa.Array) -> pa.LargeListArray:
@@ -151,8 +170,11 @@ class TurnStore:
             k = int(bad[0])
             tid = wanted[int(pos_s[k])].as_py()
             kind = (
-                "a repeated turn" if not first[k] and start_s[k] == start_s[k - 1]
-                else "an overlap" if start_s[k] < expect[k] else "a gap"
+                "a repeated turn"
+                if not first[k] and start_s[k] == start_s[k - 1]
+                else "an overlap"
+                if start_s[k] < expect[k]
+                else "a gap"
             )
             raise ContiguityError(
                 f"trajectory {tid!r}: expected a turn starting at token {int(expect[k])}, found one at "
@@ -170,7 +192,9 @@ class TurnStore:
             self._views = []
 
 
-def _gather(views: list[tuple[np.ndarray, np.ndarray]], turns: np.ndarray, spec: RouteSpec) -> np.ndarray:
+def _gather(
+    views: list[tuple[np.ndarray, np.ndarray]], turns: np.ndarray, spec: RouteSpec
+) -> np.ndarray:
     """Rows of the given turns (global turn indices, in order), concatenated: one copy.
 
     A loop per turn slices zero-copy views (cheap next to the copy); narrower
@@ -180,7 +204,8 @@ def _gather(views: list[tuple[np.ndarray, np.ndarray]], turns: np.ndarray, spec:
     which = np.searchsorted(first_turn, turns, side="right") - 1
     local = turns - first_turn[which]
     parts = [
-        views[c][0][views[c][1][r] : views[c][1][r + 1]] for c, r in zip(which.tolist(), local.tolist(), strict=True)
+        views[c][0][views[c][1][r] : views[c][1][r + 1]]
+        for c, r in zip(which.tolist(), local.tolist(), strict=True)
     ]
     out = np.empty((sum(p.shape[0] for p in parts), *spec.row_shape), dtype=spec.dtype)
     if parts:

@@ -65,7 +65,9 @@ def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> p
         try:
             arr = pa.array(values, type=want)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
-            raise SchemaError(f"{name}: expected a sequence of {value_type} lists, found {exc}") from exc
+            raise SchemaError(
+                f"{name}: expected a sequence of {value_type} lists, found {exc}"
+            ) from exc
     if len(arr) != rows:
         raise SchemaError(f"{name}: expected {rows} rows (one per trajectory), found {len(arr)}")
     if arr.type != want:
@@ -116,7 +118,9 @@ def _routes_column(routes: Any, spec: RouteSpec, rows: int) -> tuple[pa.LargeLis
         lens = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
     if len(lens) != rows:
         raise SchemaError(f"routes: expected {rows} rows (one per trajectory), found {len(lens)}")
-    hi = max((check_route_ids(p, spec, what=f"routes[{i}]")[1] for i, p in enumerate(parts)), default=-1)
+    hi = max(
+        (check_route_ids(p, spec, what=f"routes[{i}]")[1] for i, p in enumerate(parts)), default=-1
+    )
     if spec.num_experts is None:
         spec = spec.widened_for(hi)
     if len(parts) == 1 and parts[0].dtype == spec.dtype:
@@ -197,7 +201,9 @@ def captured_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
 
 def sequence_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
     """Prompt + response tokens per trajectory (int64 ``[B]``)."""
-    lengths: np.ndarray = list_lengths(table.column("prompt_ids")) + list_lengths(table.column("response_ids"))
+    lengths: np.ndarray = list_lengths(table.column("prompt_ids")) + list_lengths(
+        table.column("response_ids")
+    )
     return lengths
 
 
@@ -210,7 +216,9 @@ def validate_rollouts(table: pa.Table | pa.RecordBatch) -> RouteSpec:
     expected = rollout_schema(spec)
     for f in expected:
         if f.name not in table.schema.names:
-            raise SchemaError(f"expected column {f.name!r} ({f.type}), found columns {table.schema.names}")
+            raise SchemaError(
+                f"expected column {f.name!r} ({f.type}), found columns {table.schema.names}"
+            )
         found = table.schema.field(f.name).type
         if found != f.type:
             raise SchemaError(f"column {f.name!r}: expected {f.type}, found {found}")
@@ -221,16 +229,22 @@ def validate_rollouts(table: pa.Table | pa.RecordBatch) -> RouteSpec:
     bad = np.flatnonzero(mlen != rlen)
     if bad.size:
         i = int(bad[0])
-        raise SchemaError(f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}")
+        raise SchemaError(
+            f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}"
+        )
     bad = np.flatnonzero(cap > plen + rlen)
     if bad.size:
         i = int(bad[0])
-        raise RouteShapeError(f"row {i}: expected at most {plen[i] + rlen[i]} route rows (tokens), found {cap[i]}")
+        raise RouteShapeError(
+            f"row {i}: expected at most {plen[i] + rlen[i]} route rows (tokens), found {cap[i]}"
+        )
     # Terminal gap: a loss-active response token t (absolute position P + j) needs row t-1.
     mask = table.column("loss_mask")
     flat = np.asarray(pc.list_flatten(mask).to_numpy(zero_copy_only=False))
     if flat.size:
-        parent = np.asarray(pc.list_parent_indices(mask).to_numpy(zero_copy_only=False), dtype=np.int64)
+        parent = np.asarray(
+            pc.list_parent_indices(mask).to_numpy(zero_copy_only=False), dtype=np.int64
+        )
         starts = np.concatenate([[0], np.cumsum(mlen)[:-1]])
         pos = plen[parent] + (np.arange(flat.size) - starts[parent])
         viol = np.flatnonzero((flat != 0) & (pos > cap[parent]))
@@ -264,7 +278,11 @@ def router_padding_mask(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray:
 
 
 def _join_prompt_response(
-    table: pa.Table | pa.RecordBatch, prompt: np.ndarray | None, response: str, dtype: Any, typ: pa.DataType
+    table: pa.Table | pa.RecordBatch,
+    prompt: np.ndarray | None,
+    response: str,
+    dtype: Any,
+    typ: pa.DataType,
 ) -> pa.LargeListArray:
     """Per trajectory, ``prompt`` values (None = zeros) then the ``response`` column's, as large_list."""
     plen = list_lengths(table.column("prompt_ids"))
@@ -273,7 +291,9 @@ def _join_prompt_response(
     is_prompt = pos < plen[parent]
     if prompt is not None:
         out[is_prompt] = prompt
-    out[~is_prompt] = np.asarray(pc.list_flatten(table.column(response)).to_numpy(zero_copy_only=False))
+    out[~is_prompt] = np.asarray(
+        pc.list_flatten(table.column(response)).to_numpy(zero_copy_only=False)
+    )
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(out, type=typ))
 
 
@@ -301,12 +321,18 @@ def flat_routes(table: pa.Table | pa.RecordBatch) -> tuple[np.ndarray, np.ndarra
 
 # --------------------------------------------------------------- row selection
 def _keep_metadata(result: pa.Table, source: pa.Table) -> pa.Table:
-    return result if result.schema.metadata == source.schema.metadata else result.replace_schema_metadata(source.schema.metadata)
+    return (
+        result
+        if result.schema.metadata == source.schema.metadata
+        else result.replace_schema_metadata(source.schema.metadata)
+    )
 
 
 def take_rows(table: pa.Table, indices: Any) -> pa.Table:
     """Rows at ``indices`` (every column, schema metadata kept)."""
-    idx = np.asarray(indices.to_numpy(zero_copy_only=False) if isinstance(indices, pa.Array) else indices)
+    idx = np.asarray(
+        indices.to_numpy(zero_copy_only=False) if isinstance(indices, pa.Array) else indices
+    )
     if idx.size and idx.dtype.kind not in "iu":
         raise SchemaError(f"take_rows: expected integer row indices, found dtype {idx.dtype}")
     if idx.ndim != 1:
@@ -316,7 +342,11 @@ def take_rows(table: pa.Table, indices: Any) -> pa.Table:
 
 def filter_rows(table: pa.Table, mask: Any) -> pa.Table:
     """Rows where ``mask`` is true (every column, schema metadata kept)."""
-    m = mask if isinstance(mask, pa.Array | pa.ChunkedArray) else pa.array(np.asarray(mask, dtype=bool))
+    m = (
+        mask
+        if isinstance(mask, pa.Array | pa.ChunkedArray)
+        else pa.array(np.asarray(mask, dtype=bool))
+    )
     if len(m) != table.num_rows:
         raise SchemaError(f"filter mask: expected {table.num_rows} values, found {len(m)}")
     return _keep_metadata(table.filter(m), table)
@@ -326,7 +356,9 @@ def _group_codes(table: pa.Table, by: str) -> tuple[np.ndarray, int]:
     if by not in table.schema.names:
         raise SchemaError(f"expected a column {by!r} to group by, found {table.schema.names}")
     enc = pc.dictionary_encode(table.column(by)).combine_chunks()
-    return np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64), len(enc.dictionary)
+    return np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64), len(
+        enc.dictionary
+    )
 
 
 def varied_groups(table: pa.Table, by: str = "group_id", value: str = "reward") -> np.ndarray:
@@ -367,7 +399,9 @@ def replace_groups(
         return table
     kept_groups = np.unique(codes[keep])
     if kept_groups.size == 0:
-        raise SchemaError(f"replace_groups: every group has a uniform {value!r}; no group to draw from")
+        raise SchemaError(
+            f"replace_groups: every group has a uniform {value!r}; no group to draw from"
+        )
     order = np.argsort(codes, kind="stable")
     sizes = np.bincount(codes, minlength=n)
     first = np.zeros(n, dtype=np.int64)

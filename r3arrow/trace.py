@@ -37,7 +37,9 @@ def check_terminal_gap(captured: int, loss_mask: Any, *, num_tokens: int) -> np.
             f"loss_mask: expected a 1-D mask over all {num_tokens} tokens, found shape {list(mask.shape)}"
         )
     if captured > num_tokens:
-        raise RouteShapeError(f"expected at most num_tokens={num_tokens} captured rows, found {captured}")
+        raise RouteShapeError(
+            f"expected at most num_tokens={num_tokens} captured rows, found {captured}"
+        )
     active = np.flatnonzero(mask[captured + 1 :])
     if active.size:
         token = captured + 1 + int(active[0])
@@ -91,11 +93,15 @@ class TokenTrace:
         try:
             arr = np.asarray(rows)
         except (ValueError, TypeError) as exc:
-            raise RouteShapeError(f"{self.name}: expected a rectangular {want} array, found {exc}") from exc
+            raise RouteShapeError(
+                f"{self.name}: expected a rectangular {want} array, found {exc}"
+            ) from exc
         if arr.ndim != 1 + len(self.row_shape) or arr.shape[1:] != self.row_shape:
             raise RouteShapeError(f"{self.name}: expected shape {want}, found {list(arr.shape)}")
         if arr.size and not np.can_cast(arr.dtype, self.dtype, "same_kind"):
-            raise RouteDTypeError(f"{self.name}: expected values storable as {self.dtype}, found dtype {arr.dtype}")
+            raise RouteDTypeError(
+                f"{self.name}: expected values storable as {self.dtype}, found dtype {arr.dtype}"
+            )
         if arr.size and self.dtype.kind in "iu" and not np.can_cast(arr.dtype, self.dtype):
             info = np.iinfo(self.dtype)
             lo, hi = int(arr.min()), int(arr.max())
@@ -112,7 +118,9 @@ class TokenTrace:
         On any error the trace is unchanged.
         """
         if self._finalized:
-            raise TraceStateError(f"{self.name}: trace already finalized; expected no further record()")
+            raise TraceStateError(
+                f"{self.name}: trace already finalized; expected no further record()"
+            )
         for label, v in (("prompt_tokens", prompt_tokens), ("generated_tokens", generated_tokens)):
             if not isinstance(v, int | np.integer) or isinstance(v, bool) or v < 1:
                 raise RouteShapeError(f"{self.name}: expected {label} >= 1, found {v!r}")
@@ -140,7 +148,11 @@ class TokenTrace:
 
     # -------------------------------------------------------------- finishing
     def _join(self) -> np.ndarray:
-        if len(self._chunks) == 1 and self._chunks[0].dtype == self.dtype and self._chunks[0].flags.c_contiguous:
+        if (
+            len(self._chunks) == 1
+            and self._chunks[0].dtype == self.dtype
+            and self._chunks[0].flags.c_contiguous
+        ):
             return self._chunks[0]  # one turn: already owned, immutable or a private copy
         out = np.empty((self._captured, *self.row_shape), dtype=self.dtype)
         if self._chunks:
@@ -200,7 +212,9 @@ class RouteTrace(TokenTrace):
     def record(self, rows: Any, *, prompt_tokens: int, generated_tokens: int) -> int:
         before = self.spec
         try:
-            return super().record(rows, prompt_tokens=prompt_tokens, generated_tokens=generated_tokens)
+            return super().record(
+                rows, prompt_tokens=prompt_tokens, generated_tokens=generated_tokens
+            )
         except Exception:
             self.spec, self.dtype = before, before.dtype  # leave the trace unchanged
             raise

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import random_routes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -40,6 +39,7 @@ from r3arrow.table import (
     validate_rollouts,
     varied_groups,
 )
+from r3arrow.testing import random_routes
 
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "rollout.v1.json"
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))
@@ -47,8 +47,13 @@ SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))
 # ------------------------------------------------------- the JSON schema file
 
 _PRIMITIVES = {
-    "bool": pa.bool_(), "uint8": pa.uint8(), "uint16": pa.uint16(), "int32": pa.int32(),
-    "int64": pa.int64(), "float64": pa.float64(), "large_string": pa.large_string(),
+    "bool": pa.bool_(),
+    "uint8": pa.uint8(),
+    "uint16": pa.uint16(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float64": pa.float64(),
+    "large_string": pa.large_string(),
 }
 
 
@@ -62,7 +67,9 @@ def parse_type(text: str, env: dict[str, Any]) -> pa.DataType:
         nonlocal pos
         tok = tokens[pos]
         if expected is not None and tok != expected:
-            raise AssertionError(f"type {text!r}: expected {expected!r} at token {pos}, found {tok!r}")
+            raise AssertionError(
+                f"type {text!r}: expected {expected!r} at token {pos}, found {tok!r}"
+            )
         pos += 1
         return tok
 
@@ -95,7 +102,11 @@ def schema_doc() -> dict[str, Any]:
 def assert_follows_schema_file(schema: pa.Schema, spec: RouteSpec) -> None:
     doc = schema_doc()
     spec_json = json.loads(schema.metadata[b"r3arrow.spec"])
-    env = {"id": spec_json["dtype"], "num_layers": spec_json["num_layers"], "topk": spec_json["topk"]}
+    env = {
+        "id": spec_json["dtype"],
+        "num_layers": spec_json["num_layers"],
+        "topk": spec_json["topk"],
+    }
     core = doc["fields"]
     assert schema.names[: len(core)] == [f["name"] for f in core]  # names and order
     for f in core:
@@ -105,16 +116,24 @@ def assert_follows_schema_file(schema: pa.Schema, spec: RouteSpec) -> None:
     assert doc["extra_columns"]["allowed"] is True
     # Metadata: exactly the documented keys, the schema name, and the spec's documented JSON fields.
     assert {k.decode() for k in schema.metadata} == set(doc["metadata"])
-    assert schema.metadata[b"r3arrow.schema"].decode() == doc["metadata"]["r3arrow.schema"]["value"] == doc["schema"]
+    assert (
+        schema.metadata[b"r3arrow.schema"].decode()
+        == doc["metadata"]["r3arrow.schema"]["value"]
+        == doc["schema"]
+    )
     spec_fields = doc["metadata"]["r3arrow.spec"]["fields"]
     assert set(spec_json) == set(spec_fields)
     assert spec_json["dtype"] in spec_fields["dtype"]["enum"]
     assert spec_json["id_dtype"] in spec_fields["id_dtype"]["enum"]
     assert spec_json["dtype"] == spec.dtype.name
     assert (spec_json["num_layers"], spec_json["topk"], spec_json["num_experts"]) == (
-        spec.num_layers, spec.topk, spec.num_experts,
+        spec.num_layers,
+        spec.topk,
+        spec.num_experts,
     )
-    assert spec_json["moe_layers"] == (list(spec.moe_layers) if spec.moe_layers is not None else None)
+    assert spec_json["moe_layers"] == (
+        list(spec.moe_layers) if spec.moe_layers is not None else None
+    )
 
 
 @pytest.mark.parametrize(
@@ -139,9 +158,9 @@ def test_rollout_schema_follows_the_json_file(spec: RouteSpec) -> None:
 
 def test_type_parser_is_strict() -> None:
     env = {"id": "uint8", "num_layers": 4, "topk": 2}
-    assert parse_type("large_list<fixed_size_list<fixed_size_list<{id}, {topk}>, {num_layers}>>", env) == (
-        RouteSpec(num_layers=4, topk=2, num_experts=8).routes_type
-    )
+    assert parse_type(
+        "large_list<fixed_size_list<fixed_size_list<{id}, {topk}>, {num_layers}>>", env
+    ) == (RouteSpec(num_layers=4, topk=2, num_experts=8).routes_type)
     with pytest.raises(AssertionError):
         parse_type("large_list<int32> int32", env)
     with pytest.raises(KeyError):
@@ -157,10 +176,26 @@ def pad_rows(n: int) -> np.ndarray:
 
 
 def make_rows(
-    rng: np.random.Generator, n: int, spec: RouteSpec = SPEC, *, groups: int = 3, rewards: tuple[float, ...] = (0.0, 1.0)
+    rng: np.random.Generator,
+    n: int,
+    spec: RouteSpec = SPEC,
+    *,
+    groups: int = 3,
+    rewards: tuple[float, ...] = (0.0, 1.0),
 ) -> dict[str, Any]:
     """Random valid per-trajectory fields: P >= 1, R >= 1, captured <= P + R - 1, gap loss-masked."""
-    cols: dict[str, Any] = {k: [] for k in ("trajectory_id", "group_id", "prompt_ids", "response_ids", "loss_mask", "reward", "routes")}
+    cols: dict[str, Any] = {
+        k: []
+        for k in (
+            "trajectory_id",
+            "group_id",
+            "prompt_ids",
+            "response_ids",
+            "loss_mask",
+            "reward",
+            "routes",
+        )
+    }
     for i in range(n):
         p, r = int(rng.integers(1, 6)), int(rng.integers(1, 8))
         cap = int(rng.integers(0, p + r))
@@ -178,7 +213,9 @@ def make_rows(
 
 def make_table(rng: np.random.Generator, n: int, spec: RouteSpec = SPEC, **kw: Any) -> pa.Table:
     cols = make_rows(rng, n, spec, **kw)
-    return rollout_table(**cols, spec=spec, step=np.arange(n, dtype=np.int64), tag=[f"x{i}" for i in range(n)])
+    return rollout_table(
+        **cols, spec=spec, step=np.arange(n, dtype=np.int64), tag=[f"x{i}" for i in range(n)]
+    )
 
 
 def rows_by_id(table: pa.Table) -> dict[str, dict[str, Any]]:
@@ -199,8 +236,12 @@ def assert_rows_intact(result: pa.Table, source: pa.Table) -> None:
 def test_rollout_table_builds_with_spec_metadata_and_extra_columns() -> None:
     rng = np.random.default_rng(0)
     cols = make_rows(rng, 4)
-    table = rollout_table(**cols, spec=SPEC, advantage=np.array([0.5, -0.5, 1.0, 0.0], dtype=np.float32),
-                          source=["a", "b", "c", "d"])
+    table = rollout_table(
+        **cols,
+        spec=SPEC,
+        advantage=np.array([0.5, -0.5, 1.0, 0.0], dtype=np.float32),
+        source=["a", "b", "c", "d"],
+    )
     assert table.num_rows == 4
     assert table.schema.names == [*ROLLOUT_COLUMNS, "advantage", "source"]
     assert table.schema.field("advantage").type == pa.float32()
@@ -232,7 +273,18 @@ def test_rollout_table_from_traces_and_store() -> None:
     # End to end: multi-turn traces finalized into the table, and the same turns through a TurnStore.
     rng = np.random.default_rng(2)
     store = TurnStore(SPEC)
-    cols: dict[str, list[Any]] = {k: [] for k in ("trajectory_id", "group_id", "prompt_ids", "response_ids", "loss_mask", "reward", "routes")}
+    cols: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "trajectory_id",
+            "group_id",
+            "prompt_ids",
+            "response_ids",
+            "loss_mask",
+            "reward",
+            "routes",
+        )
+    }
     for i in range(3):
         tid = f"t{i}"
         trace = RouteTrace(SPEC)
@@ -262,7 +314,9 @@ def test_rollout_table_from_traces_and_store() -> None:
     from_store = rollout_table(**dict(cols, routes=store.routes(cols["trajectory_id"])), spec=SPEC)
     assert table.equals(from_store)
     # Captured = all tokens but the last generated one and the 2 final observation tokens.
-    assert r3arrow.table.captured_lengths(table).tolist() == [len(t) - 3 for t in input_ids(table).to_pylist()]
+    assert r3arrow.table.captured_lengths(table).tolist() == [
+        len(t) - 3 for t in input_ids(table).to_pylist()
+    ]
     pad = router_padding_mask(table).to_pylist()
     assert all(row[-3:] == [True] * 3 and not any(row[:-3]) for row in pad)
 
@@ -270,16 +324,31 @@ def test_rollout_table_from_traces_and_store() -> None:
 def test_router_padding_mask_literal() -> None:
     spec = RouteSpec(num_layers=1, topk=1, num_experts=4)
     table = rollout_table(
-        trajectory_id=["a", "b", "c"], group_id=["g", "g", "g"],
-        prompt_ids=[[1, 2, 3], [1], [5, 6]], response_ids=[[4, 5, 6, 7], [2, 3], [7]],
-        loss_mask=[[1, 1, 0, 0], [1, 1], [0]], reward=[1.0, 0.0, 0.5],
-        routes=[np.zeros((5, 1, 1), np.uint8), np.zeros((2, 1, 1), np.uint8), np.zeros((0, 1, 1), np.uint8)],
+        trajectory_id=["a", "b", "c"],
+        group_id=["g", "g", "g"],
+        prompt_ids=[[1, 2, 3], [1], [5, 6]],
+        response_ids=[[4, 5, 6, 7], [2, 3], [7]],
+        loss_mask=[[1, 1, 0, 0], [1, 1], [0]],
+        reward=[1.0, 0.0, 0.5],
+        routes=[
+            np.zeros((5, 1, 1), np.uint8),
+            np.zeros((2, 1, 1), np.uint8),
+            np.zeros((0, 1, 1), np.uint8),
+        ],
         spec=spec,
     )
     mask = router_padding_mask(table)
     assert mask.type == pa.large_list(pa.bool_())
     assert mask.to_pylist() == [
-        [False, False, False, False, False, True, True],  # captured prompt (loss-masked) tokens are False
+        [
+            False,
+            False,
+            False,
+            False,
+            False,
+            True,
+            True,
+        ],  # captured prompt (loss-masked) tokens are False
         [False, False, True],
         [True, True, True],
     ]
@@ -289,9 +358,12 @@ def test_router_padding_mask_literal() -> None:
 
 def test_terminal_gap_violation_names_trajectory_and_token() -> None:
     base: dict[str, Any] = {
-        "trajectory_id": ["ok", "bad-traj"], "group_id": ["g", "g"],
-        "prompt_ids": [[1, 2, 3], [1, 2, 3]], "response_ids": [[4, 5, 6, 7], [4, 5, 6, 7]],
-        "loss_mask": [[1, 1, 1, 0], [1, 1, 1, 0]], "reward": [0.0, 1.0],
+        "trajectory_id": ["ok", "bad-traj"],
+        "group_id": ["g", "g"],
+        "prompt_ids": [[1, 2, 3], [1, 2, 3]],
+        "response_ids": [[4, 5, 6, 7], [4, 5, 6, 7]],
+        "loss_mask": [[1, 1, 1, 0], [1, 1, 1, 0]],
+        "reward": [0.0, 1.0],
         "routes": [pad_rows(5), pad_rows(5)],
     }
     rollout_table(**base, spec=SPEC)  # token 5 is the last one covered by captured row 4
@@ -307,8 +379,14 @@ def test_widening_in_table_with_unknown_num_experts() -> None:
     trace.record(np.array([[[256, 1], [0, 300]]] * 2), prompt_tokens=2, generated_tokens=1)
     wide = trace.finalize(num_tokens=3, loss_mask=[0, 0, 0])
     table = rollout_table(
-        trajectory_id=["s", "w"], group_id=["g", "g"], prompt_ids=[[1], [1, 2]], response_ids=[[2], [3]],
-        loss_mask=[[0], [0]], reward=[0, 1], routes=[r3arrow.numpy_to_routes(small), wide], spec=spec,
+        trajectory_id=["s", "w"],
+        group_id=["g", "g"],
+        prompt_ids=[[1], [1, 2]],
+        response_ids=[[2], [3]],
+        loss_mask=[[0], [0]],
+        reward=[0, 1],
+        routes=[r3arrow.numpy_to_routes(small), wide],
+        spec=spec,
     )
     assert route_spec(table).dtype == np.uint16
     assert_follows_schema_file(table.schema, route_spec(table))
@@ -328,18 +406,32 @@ def test_widening_in_table_with_unknown_num_experts() -> None:
         ({"prompt_ids": [[1], [2**40]]}, SchemaError, "prompt_ids"),
         ({"routes": [np.zeros((1, 3, 2), np.uint8)]}, SchemaError, "routes"),
         ({"routes": [pad_rows(1), pad_rows(5)]}, RouteShapeError, "at most 4"),
-        ({"routes": [np.zeros((1, 4, 2), np.uint8), np.zeros((1, 3, 2), np.uint8)]}, RouteShapeError, "routes"),
+        (
+            {"routes": [np.zeros((1, 4, 2), np.uint8), np.zeros((1, 3, 2), np.uint8)]},
+            RouteShapeError,
+            "routes",
+        ),
         ({"routes": [np.zeros((1, 3, 2)), np.zeros((1, 3, 2))]}, RouteShapeError, "integer"),
-        ({"routes": [np.full((1, 3, 2), 16), np.zeros((1, 3, 2), np.uint8)]}, ExpertRangeError, "num_experts=16"),
+        (
+            {"routes": [np.full((1, 3, 2), 16), np.zeros((1, 3, 2), np.uint8)]},
+            ExpertRangeError,
+            "num_experts=16",
+        ),
         ({"trajectory_id": ["a", None]}, SchemaError, "trajectory_id"),
         ({"reward": [1.0, None]}, SchemaError, "reward"),
         ({"response_ids": [[1, 2], None]}, SchemaError, "response_ids"),
     ],
 )
-def test_invalid_build_raises_typed_error(change: dict[str, Any], error: type[Exception], match: str) -> None:
+def test_invalid_build_raises_typed_error(
+    change: dict[str, Any], error: type[Exception], match: str
+) -> None:
     base: dict[str, Any] = {
-        "trajectory_id": ["a", "b"], "group_id": ["g", "g"], "prompt_ids": [[1], [2]],
-        "response_ids": [[1, 2], [3, 4, 5]], "loss_mask": [[1, 0], [1, 0, 0]], "reward": [0.0, 1.0],
+        "trajectory_id": ["a", "b"],
+        "group_id": ["g", "g"],
+        "prompt_ids": [[1], [2]],
+        "response_ids": [[1, 2], [3, 4, 5]],
+        "loss_mask": [[1, 0], [1, 0, 0]],
+        "reward": [0.0, 1.0],
         "routes": [pad_rows(1), pad_rows(2)],
     }
     rollout_table(**base, spec=SPEC)
@@ -351,8 +443,14 @@ def test_null_routes_row_is_rejected_not_turned_into_empty() -> None:
     col = pa.array([[[[0, 1]] * 3], None], type=SPEC.routes_type)
     with pytest.raises(R3ArrowError):
         rollout_table(
-            trajectory_id=["a", "b"], group_id=["g", "g"], prompt_ids=[[1], [2]], response_ids=[[1], [3]],
-            loss_mask=[[0], [0]], reward=[0.0, 1.0], routes=col, spec=SPEC,
+            trajectory_id=["a", "b"],
+            group_id=["g", "g"],
+            prompt_ids=[[1], [2]],
+            response_ids=[[1], [3]],
+            loss_mask=[[0], [0]],
+            reward=[0.0, 1.0],
+            routes=col,
+            spec=SPEC,
         )
 
 
@@ -368,7 +466,9 @@ def test_validate_rollouts_rejects_foreign_tables() -> None:
         validate_rollouts(table.replace_schema_metadata(None))
     with pytest.raises(SchemaError, match="'reward'"):
         validate_rollouts(table.drop_columns(["reward"]))
-    cast = table.set_column(table.schema.get_field_index("reward"), "reward", table.column("reward").cast(pa.float32()))
+    cast = table.set_column(
+        table.schema.get_field_index("reward"), "reward", table.column("reward").cast(pa.float32())
+    )
     with pytest.raises(SchemaError, match="float"):
         validate_rollouts(cast)
 
@@ -417,7 +517,9 @@ def test_take_rows_rejects_non_integer_indices() -> None:
 def test_selection_on_a_multi_chunk_table() -> None:
     rng = np.random.default_rng(8)
     a, b = make_table(rng, 4), make_table(rng, 4)
-    b = b.set_column(0, b.schema.field(0), pa.chunked_array([[f"b-{i}" for i in range(4)]], pa.large_string()))
+    b = b.set_column(
+        0, b.schema.field(0), pa.chunked_array([[f"b-{i}" for i in range(4)]], pa.large_string())
+    )
     both = pa.concat_tables([a, b])
     assert both.column("routes").num_chunks == 2
     out = take_rows(both, [7, 0])
@@ -439,7 +541,15 @@ def test_filter_groups_literal() -> None:
     rng = np.random.default_rng(9)
     cols = make_rows(rng, 7)
     cols["group_id"] = ["a", "b", "a", "c", "b", "c", "d"]
-    cols["reward"] = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.5]  # a varies; b all 0; c all 1; d a single row
+    cols["reward"] = [
+        1.0,
+        0.0,
+        0.0,
+        1.0,
+        0.0,
+        1.0,
+        0.5,
+    ]  # a varies; b all 0; c all 1; d a single row
     table = rollout_table(**cols, spec=SPEC, step=list(range(7)))
     out = filter_groups(table)
     assert out.column("trajectory_id").to_pylist() == ["traj-0", "traj-2"]
@@ -452,7 +562,9 @@ def test_filter_groups_literal() -> None:
 def test_filter_groups_other_columns_and_errors() -> None:
     table = make_table(np.random.default_rng(10), 6)
     labels = pa.array(["x", "x", "y", "x", "x", "x"])
-    grouped = table.append_column("label", labels).append_column("bucket", pa.array([0, 0, 0, 1, 1, 1]))
+    grouped = table.append_column("label", labels).append_column(
+        "bucket", pa.array([0, 0, 0, 1, 1, 1])
+    )
     out = filter_groups(grouped, by="bucket", value="label")  # string values; an int group key
     assert out.column("bucket").to_pylist() == [0, 0, 0]
     with pytest.raises(SchemaError, match="'nope'"):
@@ -466,7 +578,9 @@ def test_filter_groups_other_columns_and_errors() -> None:
     data=st.data(),
     chunk_at=st.integers(0, 24),
 )
-def test_filter_groups_matches_a_pure_python_reference(groups: list[str], data: st.DataObject, chunk_at: int) -> None:
+def test_filter_groups_matches_a_pure_python_reference(
+    groups: list[str], data: st.DataObject, chunk_at: int
+) -> None:
     n = len(groups)
     values = data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
     rng = np.random.default_rng(n)
@@ -551,8 +665,14 @@ def test_dense_layer_value_outside_storage_dtype_is_never_silently_wrapped(value
     data = np.array([[[value, 0], [0, 1]]], dtype=np.int64)
     try:
         table = rollout_table(
-            trajectory_id=["t"], group_id=["g"], prompt_ids=[[1]], response_ids=[[2]], loss_mask=[[0]],
-            reward=[0.0], routes=[data], spec=spec,
+            trajectory_id=["t"],
+            group_id=["g"],
+            prompt_ids=[[1]],
+            response_ids=[[2]],
+            loss_mask=[[0]],
+            reward=[0.0],
+            routes=[data],
+            spec=spec,
         )
     except R3ArrowError:
         return
@@ -569,20 +689,35 @@ def test_dense_layer_value_outside_storage_dtype_is_never_silently_wrapped(value
     seed=st.integers(0, 2**32 - 1),
 )
 def test_rollout_table_routes_round_trip_for_random_shapes_and_dtypes(
-    layers: int, topk: int, num_experts: int | None, in_dtype: type, lengths: list[int], arrow_input: bool, seed: int
+    layers: int,
+    topk: int,
+    num_experts: int | None,
+    in_dtype: type,
+    lengths: list[int],
+    arrow_input: bool,
+    seed: int,
 ) -> None:
-    spec = RouteSpec(num_layers=layers, topk=max(1, min(topk, num_experts or topk)), num_experts=num_experts)
+    spec = RouteSpec(
+        num_layers=layers, topk=max(1, min(topk, num_experts or topk)), num_experts=num_experts
+    )
     rng = np.random.default_rng(seed)
     max_id = min(int(np.iinfo(in_dtype).max) + 1, num_experts or 600)
     routes = [random_routes(rng, n, spec, num_experts=max_id, dtype=in_dtype) for n in lengths]
     n = len(lengths)
     arg: list[Any] = routes
     if arrow_input:
-        arg = [r3arrow.numpy_to_routes(r.astype(spec.widened_for(max_id - 1).dtype)) for r in routes]
+        arg = [
+            r3arrow.numpy_to_routes(r.astype(spec.widened_for(max_id - 1).dtype)) for r in routes
+        ]
     table = rollout_table(
-        trajectory_id=[f"t{i}" for i in range(n)], group_id=["g"] * n, prompt_ids=[[1]] * n,
-        response_ids=[list(range(k)) for k in lengths], loss_mask=[[0] * k for k in lengths],
-        reward=[0.0] * n, routes=arg, spec=spec,
+        trajectory_id=[f"t{i}" for i in range(n)],
+        group_id=["g"] * n,
+        prompt_ids=[[1]] * n,
+        response_ids=[list(range(k)) for k in lengths],
+        loss_mask=[[0] * k for k in lengths],
+        reward=[0.0] * n,
+        routes=arg,
+        spec=spec,
     )
     out_spec = route_spec(table)
     assert out_spec.same_shape(spec)

@@ -15,8 +15,15 @@ HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 
 
 def test_demo_small_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = DemoConfig(groups=3, samples=3, turns=2, max_tokens=6, out_dir=tmp_path, progress=False,
-                     microbatch_tokens=256)
+    cfg = DemoConfig(
+        groups=3,
+        samples=3,
+        turns=2,
+        max_tokens=6,
+        out_dir=tmp_path,
+        progress=False,
+        microbatch_tokens=256,
+    )
     result = run_demo(cfg)
     out = capsys.readouterr().out
     assert result.ok
@@ -27,8 +34,13 @@ def test_demo_small_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     # dynamic sampling kept whole groups with varied rewards, in order
     kept = result.kept
     for group in set(kept.column("group_id").to_pylist()):
-        rewards = [r for g, r in zip(kept.column("group_id").to_pylist(), kept.column("reward").to_pylist(),
-                                     strict=True) if g == group]
+        rewards = [
+            r
+            for g, r in zip(
+                kept.column("group_id").to_pylist(), kept.column("reward").to_pylist(), strict=True
+            )
+            if g == group
+        ]
         assert len(set(rewards)) > 1 or kept.num_rows == table.num_rows
     back = r3arrow.read_rollouts(result.parquet)
     assert back.equals(kept)
@@ -43,8 +55,23 @@ def test_demo_small_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_demo_cli_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["demo", "--groups", "2", "--samples", "2", "--turns", "2", "--max-tokens", "4",
-                 "--out", str(tmp_path / "d"), "--no-progress", "--no-replay"])
+    code = main(
+        [
+            "demo",
+            "--groups",
+            "2",
+            "--samples",
+            "2",
+            "--turns",
+            "2",
+            "--max-tokens",
+            "4",
+            "--out",
+            str(tmp_path / "d"),
+            "--no-progress",
+            "--no-replay",
+        ]
+    )
     assert code == EXIT_OK
     out = capsys.readouterr().out
     assert "replay: skipped (--no-replay)" in out
@@ -52,9 +79,32 @@ def test_demo_cli_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_demo_shape_flags_shape_the_embedded_engine(tmp_path: Path) -> None:
-    code = main(["demo", "--groups", "1", "--samples", "2", "--turns", "1", "--max-tokens", "3",
-                 "--out", str(tmp_path), "--no-progress", "--no-replay", "--num-layers", "3",
-                 "--topk", "3", "--num-experts", "300", "--moe-layers", "0", "2"])
+    code = main(
+        [
+            "demo",
+            "--groups",
+            "1",
+            "--samples",
+            "2",
+            "--turns",
+            "1",
+            "--max-tokens",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+            "--no-replay",
+            "--num-layers",
+            "3",
+            "--topk",
+            "3",
+            "--num-experts",
+            "300",
+            "--moe-layers",
+            "0",
+            "2",
+        ]
+    )
     assert code == EXIT_OK
     spec = r3arrow.route_spec(r3arrow.read_rollouts(tmp_path / "rollouts.parquet"))
     assert (spec.num_layers, spec.topk, spec.num_experts) == (3, 3, 300)

@@ -38,12 +38,16 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def one_trajectory(url: str, spec: r3arrow.RouteSpec, env: Any, prompt: list[int], **kw: Any) -> tuple[Trajectory, TurnStore]:
+def one_trajectory(
+    url: str, spec: r3arrow.RouteSpec, env: Any, prompt: list[int], **kw: Any
+) -> tuple[Trajectory, TurnStore]:
     store = TurnStore(spec)
 
     async def main() -> Trajectory:
         async with EngineClient(url, spec) as client:
-            return await run_trajectory(client, env, prompt, trajectory_id="t", group_id="g", store=store, **kw)
+            return await run_trajectory(
+                client, env, prompt, trajectory_id="t", group_id="g", store=store, **kw
+            )
 
     return run(main()), store
 
@@ -53,7 +57,9 @@ def test_trajectory_grows_conversation_masks_observations_and_captures_routes(
 ) -> None:
     env = ArithmeticEnv(vocab_size=512, turns=3, observation_len=3)
     prompt = list(range(100, 110))
-    traj, store = one_trajectory(server.url, engine.spec, env, prompt, max_turns=10, sampling_params=SP)
+    traj, store = one_trajectory(
+        server.url, engine.spec, env, prompt, max_turns=10, sampling_params=SP
+    )
     g = [o.token_ids for o in traj.outputs]
     assert traj.num_turns == 3 and traj.stop == "done" and [len(x) for x in g] == [4, 4, 4]
     # response = gen1 + obs(gen1) + gen2 + obs(gen2) + gen3; observations are loss-masked
@@ -73,7 +79,9 @@ def test_trajectory_grows_conversation_masks_observations_and_captures_routes(
     np.testing.assert_array_equal(routes, engine.routes_for(conv)[:-1])
 
 
-def test_environment_sees_each_turn_and_may_be_async(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_environment_sees_each_turn_and_may_be_async(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     seen: list[tuple[int, list[int], int]] = []
 
     class Echo:
@@ -81,31 +89,51 @@ def test_environment_sees_each_turn_and_may_be_async(engine: ReferenceEngine, se
 
         async def step(self, conversation: Conversation) -> Step:
             await asyncio.sleep(0)
-            seen.append((conversation.num_turns, conversation.last_generated, conversation.num_tokens))
+            seen.append(
+                (conversation.num_turns, conversation.last_generated, conversation.num_tokens)
+            )
             conversation.state["n"] = conversation.state.get("n", 0) + 1
             last = conversation.last_generated[-1]
-            return Step(observation_tokens=[last, last], reward=0.5, done=conversation.state["n"] == 2)
+            return Step(
+                observation_tokens=[last, last], reward=0.5, done=conversation.state["n"] == 2
+            )
 
-    traj, _ = one_trajectory(server.url, engine.spec, Echo(), [1, 2, 3], max_turns=5, sampling_params=SP)
+    traj, _ = one_trajectory(
+        server.url, engine.spec, Echo(), [1, 2, 3], max_turns=5, sampling_params=SP
+    )
     g = [o.token_ids for o in traj.outputs]
     assert seen == [(1, g[0], 3 + 4), (2, g[1], 3 + 4 + 2 + 4)]
     assert traj.response_ids == g[0] + [g[0][-1]] * 2 + g[1] and traj.reward == 1.0
 
 
-def test_max_turns_max_total_tokens_and_reward_hook(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_max_turns_max_total_tokens_and_reward_hook(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     env = ArithmeticEnv(vocab_size=512, turns=100, observation_len=2)
     traj, _ = one_trajectory(server.url, engine.spec, env, [5] * 6, max_turns=2, sampling_params=SP)
     assert (traj.num_turns, traj.stop, len(traj.response_ids)) == (2, "max_turns", 4 + 2 + 4)
     # 6 prompt + 4 gen = 10; the next turn would start at 10 + 2 = 12 >= 12: stop, no observation
     traj, _ = one_trajectory(
-        server.url, engine.spec, env, [5] * 6, max_turns=5, sampling_params=SP, max_total_tokens=12,
+        server.url,
+        engine.spec,
+        env,
+        [5] * 6,
+        max_turns=5,
+        sampling_params=SP,
+        max_total_tokens=12,
         reward_fn=lambda conv, r: float(len(conv.response_ids)) + r,
     )
-    assert (traj.num_turns, traj.stop, traj.response_ids == traj.outputs[0].token_ids) == (1, "max_total_tokens", True)
+    assert (traj.num_turns, traj.stop, traj.response_ids == traj.outputs[0].token_ids) == (
+        1,
+        "max_total_tokens",
+        True,
+    )
     assert traj.reward == 4.0 + (1.0 if sum(traj.response_ids) % 2 == 0 else 0.0)
 
 
-def test_bad_environment_answers_are_clear_errors(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_bad_environment_answers_are_clear_errors(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     class Wrong:
         def step(self, conversation: Conversation) -> Any:
             return {"observation_tokens": [1]}
@@ -120,22 +148,31 @@ def test_bad_environment_answers_are_clear_errors(engine: ReferenceEngine, serve
         one_trajectory(server.url, engine.spec, Negative(), [1, 2], sampling_params=SP)
 
 
-def test_rollouts_64_concurrent_trajectories_build_a_valid_table(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_rollouts_64_concurrent_trajectories_build_a_valid_table(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     env = ArithmeticEnv(vocab_size=512, turns=3, observation_len=2)
     prompts = [[(7 * i + k) % 512 for k in range(4 + i % 5)] for i in range(16)]
 
     async def main() -> pa.Table:
         async with EngineClient(server.url, engine.spec, max_concurrency=64) as client:
             return await run_rollouts(
-                client, env, prompts, group_size=4, max_turns=3,
-                sampling_params={"max_tokens": 3, "temperature": 1.0}, seed=11,
+                client,
+                env,
+                prompts,
+                group_size=4,
+                max_turns=3,
+                sampling_params={"max_tokens": 3, "temperature": 1.0},
+                seed=11,
             )
 
     table = run(main())
     assert table.num_rows == 64 and server.log.count(GEN) == 64 * 3
     r3arrow.validate_rollouts(table)
     assert table.column("group_id").to_pylist() == [f"g{i}" for i in range(16) for _ in range(4)]
-    assert table.column("trajectory_id").to_pylist() == [f"g{i}-{j}" for i in range(16) for j in range(4)]
+    assert table.column("trajectory_id").to_pylist() == [
+        f"g{i}-{j}" for i in range(16) for j in range(4)
+    ]
     assert table.column("num_turns").to_pylist() == [3] * 64
     ids = input_ids(table).to_pylist()
     values, offsets = flat_routes(table)
@@ -143,12 +180,16 @@ def test_rollouts_64_concurrent_trajectories_build_a_valid_table(engine: Referen
     for row, tokens in enumerate(ids):
         assert tokens[: len(prompts[row // 4])] == prompts[row // 4]
         # no mixing: each row's routes are the engine's routing of that row's own tokens
-        np.testing.assert_array_equal(values[offsets[row] : offsets[row + 1]], engine.routes_for(tokens)[:-1])
+        np.testing.assert_array_equal(
+            values[offsets[row] : offsets[row + 1]], engine.routes_for(tokens)[:-1]
+        )
         assert sum(mask[row]) == 9  # 3 turns x 3 generated tokens; observations and prompt masked
     # sampled members of a group differ, so dynamic sampling keeps some groups and drops others
     kept = r3arrow.filter_groups(table)
     assert 0 < kept.num_rows < 64 and kept.num_rows % 4 == 0
-    assert r3arrow.router_padding_mask(table).to_pylist()[0][-1] is True  # last sampled token: no row
+    assert (
+        r3arrow.router_padding_mask(table).to_pylist()[0][-1] is True
+    )  # last sampled token: no row
 
 
 def test_failed_turn_propagates_and_completed_turns_stay_in_the_store(
@@ -159,30 +200,48 @@ def test_failed_turn_propagates_and_completed_turns_stay_in_the_store(
 
     async def main() -> None:
         async with EngineClient(server.url, engine.spec) as client:
-            plan.then(Fault.delay(0)).then(Fault.short_routes(1))  # turn 1 fine, turn 2 one row short
-            await run_trajectory(client, env, [1, 2, 3], trajectory_id="t", store=store, sampling_params=SP)
+            plan.then(Fault.delay(0)).then(
+                Fault.short_routes(1)
+            )  # turn 1 fine, turn 2 one row short
+            await run_trajectory(
+                client, env, [1, 2, 3], trajectory_id="t", store=store, sampling_params=SP
+            )
 
     with pytest.raises(r3arrow.RouteShapeError, match="rows"):
         run(main())
     assert store.num_turns == 1 and store.to_table().column("token_start").to_pylist() == [0]
 
 
-def test_trajectories_table_checks_store_against_traces(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_trajectories_table_checks_store_against_traces(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     env = ArithmeticEnv(vocab_size=512, turns=2)
     traj, store = one_trajectory(server.url, engine.spec, env, [4, 5, 6], sampling_params=SP)
     table = trajectories_table([traj], store)
     assert table.column("stop").to_pylist() == ["done"]
     other = TurnStore(engine.spec)
-    with pytest.raises(r3arrow.RouteShapeError, match=r"expected \d+ route rows in the store, found 0"):
+    with pytest.raises(
+        r3arrow.RouteShapeError, match=r"expected \d+ route rows in the store, found 0"
+    ):
         trajectories_table([traj], other)
 
 
-def test_rollouts_reject_a_spec_that_contradicts_the_store(engine: ReferenceEngine, server: EngineServer) -> None:
-    other = r3arrow.RouteSpec(num_layers=engine.spec.num_layers, topk=engine.spec.topk + 1, num_experts=8)
+def test_rollouts_reject_a_spec_that_contradicts_the_store(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
+    other = r3arrow.RouteSpec(
+        num_layers=engine.spec.num_layers, topk=engine.spec.topk + 1, num_experts=8
+    )
 
     async def main() -> None:
         async with EngineClient(server.url) as client:
-            await run_rollouts(client, ArithmeticEnv(vocab_size=512), [[1, 2]], spec=other, store=TurnStore(engine.spec))
+            await run_rollouts(
+                client,
+                ArithmeticEnv(vocab_size=512),
+                [[1, 2]],
+                spec=other,
+                store=TurnStore(engine.spec),
+            )
 
     before = server.log.count(GEN)
     with pytest.raises(r3arrow.RouteShapeError, match="expected the store's"):
@@ -213,7 +272,12 @@ def test_groups_stick_to_one_server_and_prefixes_share_a_store(engine: Reference
 
         async def main() -> list[pa.Table]:
             async with EngineClient([a.url, b.url], engine.spec) as client:
-                kw: dict[str, Any] = {"group_size": 3, "max_turns": 2, "sampling_params": SP, "store": store}
+                kw: dict[str, Any] = {
+                    "group_size": 3,
+                    "max_turns": 2,
+                    "sampling_params": SP,
+                    "store": store,
+                }
                 out = [await run_rollouts(client, env, prompts, id_prefix="s1/", **kw)]
                 marks.extend([a.log.count(GEN), b.log.count(GEN)])
                 out.append(await run_rollouts(client, env, prompts, id_prefix="s2/", **kw))
@@ -228,9 +292,16 @@ def test_groups_stick_to_one_server_and_prefixes_share_a_store(engine: Reference
                     bodies = s.log.bodies(GEN)
                     bodies = bodies[:mark] if batch == 0 else bodies[mark:]
                     hits.append(sum(body["token_ids"][:6] == prompt for body in bodies))
-                assert sorted(hits) == [0, 3 * 2], (batch, i, hits)  # 3 members x 2 turns on one server
+                assert sorted(hits) == [0, 3 * 2], (
+                    batch,
+                    i,
+                    hits,
+                )  # 3 members x 2 turns on one server
         assert a.log.count(GEN) > 0 and b.log.count(GEN) > 0
-    assert first.column("trajectory_id")[0].as_py() == "s1/g0-0" and second.column("group_id")[-1].as_py() == "s2/g5"
+    assert (
+        first.column("trajectory_id")[0].as_py() == "s1/g0-0"
+        and second.column("group_id")[-1].as_py() == "s2/g5"
+    )
     # greedy: both batches are the same conversations, with the same routes, from one shared store
     assert first.column("routes").equals(second.column("routes"))
     assert store.num_turns == 2 * 18 * 2

@@ -14,7 +14,6 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 import pytest
-from conftest import random_routes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,6 +23,7 @@ from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteShapeErr
 from r3arrow.io import read_rollouts, write_rollouts
 from r3arrow.spec import RouteSpec
 from r3arrow.table import flat_routes, rollout_table
+from r3arrow.testing import random_routes
 
 
 # ------------------------------------------------------------------ helpers

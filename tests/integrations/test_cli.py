@@ -10,12 +10,12 @@ import numpy as np
 import orjson
 import pyarrow as pa
 import pytest
-from conftest import random_routes
 
 import r3arrow
 from r3arrow import codec
 from r3arrow.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
 from r3arrow.spec import RouteSpec
+from r3arrow.testing import random_routes
 
 SPEC = RouteSpec(num_layers=4, topk=2, num_experts=8, moe_layers=(1, 2, 3))
 
@@ -23,7 +23,10 @@ SPEC = RouteSpec(num_layers=4, topk=2, num_experts=8, moe_layers=(1, 2, 3))
 def _table(rng: np.random.Generator, rows: int = 5) -> pa.Table:
     prompts = [rng.integers(0, 100, size=int(rng.integers(2, 6))).tolist() for _ in range(rows)]
     responses = [rng.integers(0, 100, size=int(rng.integers(1, 6))).tolist() for _ in range(rows)]
-    routes = [random_routes(rng, len(p) + len(r) - 1, SPEC) for p, r in zip(prompts, responses, strict=True)]
+    routes = [
+        random_routes(rng, len(p) + len(r) - 1, SPEC)
+        for p, r in zip(prompts, responses, strict=True)
+    ]
     return r3arrow.rollout_table(
         trajectory_id=[f"t{i}" for i in range(rows)],
         group_id=[f"g{i // 2}" for i in range(rows)],
@@ -60,7 +63,10 @@ def test_usage_error_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_console_script_entry_point(rollout_file: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "r3arrow", "inspect", str(rollout_file), "--json"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert orjson.loads(proc.stdout)["rows"] == 5
@@ -72,8 +78,14 @@ def test_inspect_reports_rows_tokens_captured_and_size(
     table = r3arrow.read_rollouts(rollout_file)
     assert main(["inspect", str(rollout_file), "--json"]) == EXIT_OK
     info = orjson.loads(capsys.readouterr().out)
-    tokens = sum(len(p) + len(r) for p, r in zip(
-        table.column("prompt_ids").to_pylist(), table.column("response_ids").to_pylist(), strict=True))
+    tokens = sum(
+        len(p) + len(r)
+        for p, r in zip(
+            table.column("prompt_ids").to_pylist(),
+            table.column("response_ids").to_pylist(),
+            strict=True,
+        )
+    )
     captured = sum(len(r) for r in table.column("routes").to_pylist())
     assert info["rows"] == 5 and info["tokens"] == tokens and info["captured_rows"] == captured
     assert info["captured_fraction"] == pytest.approx(captured / tokens)
@@ -84,8 +96,9 @@ def test_inspect_reports_rows_tokens_captured_and_size(
     assert "rows (trajectories): 5" in text and "of tokens" in text
 
 
-def test_inspect_step_directory_and_ipc(tmp_path: Path, rng: np.random.Generator,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_step_directory_and_ipc(
+    tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]
+) -> None:
     for step in (0, 3):
         r3arrow.write_rollouts(_table(rng), tmp_path / "run", step=step)
     assert main(["inspect", str(tmp_path / "run"), "--json"]) == EXIT_OK
@@ -97,8 +110,9 @@ def test_inspect_step_directory_and_ipc(tmp_path: Path, rng: np.random.Generator
 
 
 @pytest.mark.parametrize("content", [b"", b"PAR1 not really parquet", b"\x00" * 100])
-def test_inspect_corrupt_file_fails_clearly(tmp_path: Path, content: bytes,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_corrupt_file_fails_clearly(
+    tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(content)
     assert main(["inspect", str(bad)]) == EXIT_ERROR
@@ -111,8 +125,9 @@ def test_inspect_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "nope.parquet" in capsys.readouterr().err
 
 
-def test_stats_json_and_plot(rollout_file: Path, tmp_path: Path,
-                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_json_and_plot(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     png = tmp_path / "load.png"
     assert main(["stats", str(rollout_file), "--json", "--plot", str(png)]) == EXIT_OK
     out = orjson.loads(capsys.readouterr().out)
@@ -131,15 +146,20 @@ def _dump(path: Path, records: list[dict[str, object]]) -> Path:
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "packed", "sglang", "npy"])
-def test_convert_payload_dumps_round_trip(tmp_path: Path, rng: np.random.Generator, fmt: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_payload_dumps_round_trip(
+    tmp_path: Path, rng: np.random.Generator, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     records, expected = [], []
     for i in range(3):
         prompt, response = list(range(1, 4 + i)), list(range(10, 12 + i))
         routes = random_routes(rng, len(prompt) + len(response) - 1, SPEC)
         expected.append(routes)
-        rec: dict[str, object] = {"trajectory_id": f"x{i}", "prompt_ids": prompt, "response_ids": response,
-                                  "reward": float(i)}
+        rec: dict[str, object] = {
+            "trajectory_id": f"x{i}",
+            "prompt_ids": prompt,
+            "response_ids": response,
+            "reward": float(i),
+        }
         if fmt == "vllm":
             rec["routed_experts"] = codec.encode_vllm(routes)
         elif fmt == "packed":
@@ -152,38 +172,93 @@ def test_convert_payload_dumps_round_trip(tmp_path: Path, rng: np.random.Generat
         records.append(rec)
     src = _dump(tmp_path / "dump.jsonl", records)
     out = tmp_path / "out.parquet"
-    args = ["convert", str(src), "--out", str(out), "--num-layers", "4", "--topk", "2",
-            "--num-experts", "8", "--moe-layers", "1", "2", "3", "--format", fmt]
+    args = [
+        "convert",
+        str(src),
+        "--out",
+        str(out),
+        "--num-layers",
+        "4",
+        "--topk",
+        "2",
+        "--num-experts",
+        "8",
+        "--moe-layers",
+        "1",
+        "2",
+        "3",
+        "--format",
+        fmt,
+    ]
     assert main(args) == EXIT_OK, capsys.readouterr().err
     table = r3arrow.read_rollouts(out)
     assert table.column("trajectory_id").to_pylist() == ["x0", "x1", "x2"]
     assert table.column("reward").to_pylist() == [0.0, 1.0, 2.0]
     values, offsets = r3arrow.table.flat_routes(table)
     for i, want in enumerate(expected):
-        np.testing.assert_array_equal(values[offsets[i]:offsets[i + 1]], want)
+        np.testing.assert_array_equal(values[offsets[i] : offsets[i + 1]], want)
 
 
-def test_convert_bad_payload_names_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_bad_payload_names_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     good = codec.encode_vllm(np.zeros((3, 4, 2), np.uint8) + np.array([0, 1], np.uint8))
-    src = _dump(tmp_path / "d.jsonl", [
-        {"prompt_ids": [1, 2], "response_ids": [3, 4], "routed_experts": good},
-        {"prompt_ids": [1, 2], "response_ids": [3, 4], "routed_experts": "!!not base64!!"},
-    ])
+    src = _dump(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt_ids": [1, 2], "response_ids": [3, 4], "routed_experts": good},
+            {"prompt_ids": [1, 2], "response_ids": [3, 4], "routed_experts": "!!not base64!!"},
+        ],
+    )
     out = tmp_path / "o.parquet"
-    code = main(["convert", str(src), "--out", str(out), "--num-layers", "4", "--topk", "2",
-                 "--num-experts", "8"])
+    code = main(
+        [
+            "convert",
+            str(src),
+            "--out",
+            str(out),
+            "--num-layers",
+            "4",
+            "--topk",
+            "2",
+            "--num-experts",
+            "8",
+        ]
+    )
     assert code == EXIT_ERROR
     err = capsys.readouterr().err
     assert "d.jsonl:2" in err
     assert not out.exists()
 
 
-def test_convert_ids_out_of_range_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_ids_out_of_range_rejected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     routes = np.full((3, 4, 2), 9, np.uint8)
-    src = _dump(tmp_path / "d.jsonl", [
-        {"prompt_ids": [1, 2], "response_ids": [3, 4], "routed_experts": codec.encode_vllm(routes)}])
-    code = main(["convert", str(src), "--out", str(tmp_path / "o.parquet"), "--num-layers", "4",
-                 "--topk", "2", "--num-experts", "8"])
+    src = _dump(
+        tmp_path / "d.jsonl",
+        [
+            {
+                "prompt_ids": [1, 2],
+                "response_ids": [3, 4],
+                "routed_experts": codec.encode_vllm(routes),
+            }
+        ],
+    )
+    code = main(
+        [
+            "convert",
+            str(src),
+            "--out",
+            str(tmp_path / "o.parquet"),
+            "--num-layers",
+            "4",
+            "--topk",
+            "2",
+            "--num-experts",
+            "8",
+        ]
+    )
     assert code == EXIT_ERROR
     assert "num_experts=8" in capsys.readouterr().err
 
@@ -194,7 +269,9 @@ def test_bench_rejects_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_convert_npy_paths_resolve_against_the_dump_not_the_cwd(
-    tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     dump_dir = tmp_path / "dumps"
@@ -202,46 +279,92 @@ def test_convert_npy_paths_resolve_against_the_dump_not_the_cwd(
     routes = random_routes(rng, 4, SPEC)
     np.save(dump_dir / "a.npy", routes, allow_pickle=False)
     np.save(tmp_path / "abs.npy", routes, allow_pickle=False)
-    src = _dump(dump_dir / "d.jsonl", [
-        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": "a.npy"},
-        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": str(tmp_path / "abs.npy")},
-    ])
+    src = _dump(
+        dump_dir / "d.jsonl",
+        [
+            {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": "a.npy"},
+            {
+                "prompt_ids": [1, 2, 3],
+                "response_ids": [4, 5],
+                "routes_npy": str(tmp_path / "abs.npy"),
+            },
+        ],
+    )
     monkeypatch.chdir(tmp_path)  # a.npy is not in the cwd
-    spec_args = ["--num-layers", "4", "--topk", "2", "--num-experts", "8", "--moe-layers", "1", "2", "3"]
-    assert main(["convert", "dumps/d.jsonl", "--out", "o.parquet", "--format", "npy", *spec_args]) == EXIT_OK
+    spec_args = [
+        "--num-layers",
+        "4",
+        "--topk",
+        "2",
+        "--num-experts",
+        "8",
+        "--moe-layers",
+        "1",
+        "2",
+        "3",
+    ]
+    assert (
+        main(["convert", "dumps/d.jsonl", "--out", "o.parquet", "--format", "npy", *spec_args])
+        == EXIT_OK
+    )
     values, _ = r3arrow.table.flat_routes(r3arrow.read_rollouts(tmp_path / "o.parquet"))
     np.testing.assert_array_equal(values, np.concatenate([routes, routes]))
     capsys.readouterr()
     # a missing file, a non-.npy file and a non-integer array each name the line and exit 1
     np.savez(dump_dir / "z.npz", a=routes)
     np.save(dump_dir / "f.npy", routes.astype(np.float32), allow_pickle=False)
-    for name, needle in (("gone.npy", "no such file"), ("z.npz", "expected an .npy file"),
-                         ("f.npy", "expected an integer array")):
-        _dump(src, [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": "a.npy"},
-                    {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": name}])
+    for name, needle in (
+        ("gone.npy", "no such file"),
+        ("z.npz", "expected an .npy file"),
+        ("f.npy", "expected an integer array"),
+    ):
+        _dump(
+            src,
+            [
+                {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": "a.npy"},
+                {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": name},
+            ],
+        )
         assert main(["convert", str(src), "--out", "x.parquet", *spec_args]) == EXIT_ERROR
         err = capsys.readouterr().err
         assert err.startswith(f"r3arrow: error: {src}:2: ") and needle in err, err
     assert not (tmp_path / "x.parquet").exists()
 
 
-def test_convert_table_errors_name_the_record(tmp_path: Path, rng: np.random.Generator,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_table_errors_name_the_record(
+    tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]
+) -> None:
     good = codec.encode_vllm(random_routes(rng, 4, SPEC))
     too_many = codec.encode_vllm(random_routes(rng, 9, SPEC))  # 9 rows for 5 tokens
-    src = _dump(tmp_path / "d.jsonl", [
-        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routed_experts": good},
-        {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routed_experts": too_many},
-    ])
-    code = main(["convert", str(src), "--out", str(tmp_path / "o.parquet"), "--num-layers", "4",
-                 "--topk", "2", "--num-experts", "8"])
+    src = _dump(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routed_experts": good},
+            {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routed_experts": too_many},
+        ],
+    )
+    code = main(
+        [
+            "convert",
+            str(src),
+            "--out",
+            str(tmp_path / "o.parquet"),
+            "--num-layers",
+            "4",
+            "--topk",
+            "2",
+            "--num-experts",
+            "8",
+        ]
+    )
     assert code == EXIT_ERROR
     err = capsys.readouterr().err
     assert f"{src}:2: row 1:" in err and "found 9" in err
 
 
-def test_stats_exit_codes_and_ipc_input(rollout_file: Path, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_exit_codes_and_ipc_input(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["stats", str(tmp_path / "missing.parquet")]) == EXIT_ERROR
     assert "missing.parquet" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # checked before any work
@@ -252,7 +375,9 @@ def test_stats_exit_codes_and_ipc_input(rollout_file: Path, tmp_path: Path,
     # an Arrow IPC file is recognised by its magic bytes, whatever its suffix
     ipc = r3arrow.write_ipc(r3arrow.read_rollouts(rollout_file), tmp_path / "rollouts.bin")
     assert main(["stats", str(ipc), "--json"]) == EXIT_OK
-    assert orjson.loads(capsys.readouterr().out)["load"] == r3arrow.expert_load(
-        r3arrow.read_rollouts(rollout_file)).to_dicts()
+    assert (
+        orjson.loads(capsys.readouterr().out)["load"]
+        == r3arrow.expert_load(r3arrow.read_rollouts(rollout_file)).to_dicts()
+    )
     assert main(["inspect", str(ipc), "--json"]) == EXIT_OK
     assert orjson.loads(capsys.readouterr().out)["rows"] == 5

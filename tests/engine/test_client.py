@@ -52,7 +52,12 @@ def snapshot(trace: r3arrow.RouteTrace) -> tuple[int, int, int]:
 
 
 async def conversation(
-    client: EngineClient, trace: r3arrow.RouteTrace, prompt: list[int], turns: int, obs: int = 2, **kw: Any
+    client: EngineClient,
+    trace: r3arrow.RouteTrace,
+    prompt: list[int],
+    turns: int,
+    obs: int = 2,
+    **kw: Any,
 ) -> tuple[list[int], list[GenerateOutput]]:
     """Grow a conversation: generate, then append ``obs`` observation tokens, ``turns`` times."""
     conv = list(prompt)
@@ -88,10 +93,14 @@ def test_three_turns_send_captured_as_prompt_start_and_match_engine_routing(
     assert all(o.finish_reason == "length" and len(o.token_ids) == 3 for o in outs)
     assert trace.captured == len(conv) - 1 == 23
     # the finished routes are the engine's own routing of the whole conversation
-    np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[: len(conv) - 1])
+    np.testing.assert_array_equal(
+        trace_rows(trace, len(conv)), engine.routes_for(conv)[: len(conv) - 1]
+    )
 
 
-def test_routed_experts_of_each_turn_are_the_new_rows(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_routed_experts_of_each_turn_are_the_new_rows(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> tuple[list[int], list[GenerateOutput]]:
@@ -102,12 +111,16 @@ def test_routed_experts_of_each_turn_are_the_new_rows(engine: ReferenceEngine, s
     full = engine.routes_for(conv)
     for o in outs:
         assert o.routed_experts is not None and not o.routed_experts.flags.writeable
-        np.testing.assert_array_equal(o.routed_experts, full[o.prompt_start : o.prompt_start + o.num_route_rows])
+        np.testing.assert_array_equal(
+            o.routed_experts, full[o.prompt_start : o.prompt_start + o.num_route_rows]
+        )
         assert o.payload_bytes > o.num_route_rows * engine.spec.row_nbytes  # base64 + .npy header
         assert o.response_bytes > o.payload_bytes
 
 
-def test_probe_spec_reads_the_route_shape(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+def test_probe_spec_reads_the_route_shape(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
     async def main() -> r3arrow.RouteSpec:
         async with EngineClient(server.url) as client:
             return await client.probe_spec(num_experts=8)
@@ -118,7 +131,9 @@ def test_probe_spec_reads_the_route_shape(engine: ReferenceEngine, plan: FaultPl
         run(main())
 
 
-def test_without_trace_prompt_start_is_sent_as_given(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_without_trace_prompt_start_is_sent_as_given(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     prompt = list(range(20, 32))
 
     async def main() -> GenerateOutput:
@@ -132,11 +147,15 @@ def test_without_trace_prompt_start_is_sent_as_given(engine: ReferenceEngine, se
     np.testing.assert_array_equal(out.routed_experts, full[5 : 12 + 3 - 1])
 
 
-def test_completions_endpoint_with_token_prompts(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_completions_endpoint_with_token_prompts(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> tuple[list[int], list[GenerateOutput]]:
-        async with EngineClient(server.url, engine.spec, endpoint="completions", model="r3arrow-tiny-moe") as client:
+        async with EngineClient(
+            server.url, engine.spec, endpoint="completions", model="r3arrow-tiny-moe"
+        ) as client:
             return await conversation(client, trace, list(range(40, 50)), turns=2)
 
     conv, outs = run(main())
@@ -147,7 +166,9 @@ def test_completions_endpoint_with_token_prompts(engine: ReferenceEngine, server
     np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[:-1])
 
 
-def test_logprobs_cache_salt_and_model_pass_through(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_logprobs_cache_salt_and_model_pass_through(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     async def main() -> GenerateOutput:
         async with EngineClient(server.url, engine.spec, cache_salt="salt-A") as client:
             return await client.generate([1, 2, 3], sampling_params={**SP, "logprobs": 0})
@@ -166,7 +187,9 @@ def test_concurrent_conversations_do_not_mix(engine: ReferenceEngine, server: En
 
     async def main() -> list[tuple[list[int], list[GenerateOutput]]]:
         async with EngineClient(server.url, engine.spec, max_concurrency=n) as client:
-            return await asyncio.gather(*(conversation(client, t, p, turns=2) for t, p in zip(traces, prompts, strict=True)))
+            return await asyncio.gather(
+                *(conversation(client, t, p, turns=2) for t, p in zip(traces, prompts, strict=True))
+            )
 
     results = run(main())
     assert server.log.count(GEN) == 2 * n
@@ -175,13 +198,17 @@ def test_concurrent_conversations_do_not_mix(engine: ReferenceEngine, server: En
         np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[:-1])
 
 
-def test_max_concurrency_bounds_requests_in_flight(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+def test_max_concurrency_bounds_requests_in_flight(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
     plan.then(Fault.delay(0.15), times=None)
 
     async def main() -> float:
         async with EngineClient(server.url, engine.spec, max_concurrency=2) as client:
             t0 = time.perf_counter()
-            await asyncio.gather(*(client.generate([i + 1, 2], sampling_params={"max_tokens": 1}) for i in range(6)))
+            await asyncio.gather(
+                *(client.generate([i + 1, 2], sampling_params={"max_tokens": 1}) for i in range(6))
+            )
             return time.perf_counter() - t0
 
     # 6 requests, 2 at a time, each held >= 0.15 s by the server: at least 3 rounds
@@ -189,7 +216,9 @@ def test_max_concurrency_bounds_requests_in_flight(engine: ReferenceEngine, plan
 
 
 # ------------------------------------------------------------------------ faults
-@pytest.mark.parametrize("fault", [Fault.status(503), Fault.status(500), Fault.drop_connection(), Fault.status(429)])
+@pytest.mark.parametrize(
+    "fault", [Fault.status(503), Fault.status(500), Fault.drop_connection(), Fault.status(429)]
+)
 def test_transient_failures_are_retried_and_recorded_once(
     engine: ReferenceEngine, plan: FaultPlan, server: EngineServer, fault: Fault
 ) -> None:
@@ -197,7 +226,9 @@ def test_transient_failures_are_retried_and_recorded_once(
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> tuple[GenerateOutput, dict[str, int]]:
-        async with EngineClient(server.url, engine.spec, backoff_base=0.01, max_retries=3) as client:
+        async with EngineClient(
+            server.url, engine.spec, backoff_base=0.01, max_retries=3
+        ) as client:
             out = await client.generate(list(range(1, 9)), sampling_params=SP, trace=trace)
             return out, client.stats
 
@@ -216,7 +247,9 @@ def test_retries_exhausted_raise_engine_error_and_leave_trace(
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> None:
-        async with EngineClient(server.url, engine.spec, backoff_base=0.01, max_retries=2) as client:
+        async with EngineClient(
+            server.url, engine.spec, backoff_base=0.01, max_retries=2
+        ) as client:
             await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
     with pytest.raises(EngineHTTPError, match=r"after 3 attempts.*HTTP 502") as info:
@@ -226,27 +259,37 @@ def test_retries_exhausted_raise_engine_error_and_leave_trace(
     assert snapshot(trace) == (0, 0, 0)
 
 
-def test_oversized_response_body_is_refused_not_retried(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_oversized_response_body_is_refused_not_retried(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     """A body past ``max_body_bytes`` stops being read: a data error, no retry, trace unchanged."""
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> None:
-        async with EngineClient(server.url, engine.spec, backoff_base=0.01, max_retries=3) as client:
+        async with EngineClient(
+            server.url, engine.spec, backoff_base=0.01, max_retries=3
+        ) as client:
             client.max_body_bytes = 200  # any real generate response is larger
             await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
-    with pytest.raises(r3arrow.PayloadTooLargeError, match=r"expected a response body <= 200 bytes"):
+    with pytest.raises(
+        r3arrow.PayloadTooLargeError, match=r"expected a response body <= 200 bytes"
+    ):
         run(main())
     assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("code", [400, 404, 422])
-def test_client_errors_fail_at_once(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer, code: int) -> None:
+def test_client_errors_fail_at_once(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer, code: int
+) -> None:
     plan.then(Fault.status(code), times=None)
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> None:
-        async with EngineClient(server.url, engine.spec, backoff_base=0.01, max_retries=5) as client:
+        async with EngineClient(
+            server.url, engine.spec, backoff_base=0.01, max_retries=5
+        ) as client:
             await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
     with pytest.raises(EngineHTTPError, match=rf"HTTP {code}: injected fault") as info:
@@ -255,21 +298,29 @@ def test_client_errors_fail_at_once(engine: ReferenceEngine, plan: FaultPlan, se
     assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
 
 
-def test_engine_rejection_message_reaches_the_caller(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_engine_rejection_message_reaches_the_caller(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     async def main() -> None:
         async with EngineClient(server.url, engine.spec, max_retries=3) as client:
             await client.generate([1, 2, 3], sampling_params={"max_tokens": 10**6})
 
-    with pytest.raises(EngineHTTPError, match=r"HTTP 400: max_tokens=1000000 cannot be greater") as info:
+    with pytest.raises(
+        EngineHTTPError, match=r"HTTP 400: max_tokens=1000000 cannot be greater"
+    ) as info:
         run(main())
     assert info.value.status == 400 and server.log.count(GEN) == 1
 
 
-def test_retry_after_is_honoured_and_bounded(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+def test_retry_after_is_honoured_and_bounded(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
     plan.then(Fault.status(429, retry_after=0.3)).then(Fault.status(429, retry_after=60))
 
     async def main() -> float:
-        async with EngineClient(server.url, engine.spec, backoff_base=0.001, retry_after_max=0.4) as client:
+        async with EngineClient(
+            server.url, engine.spec, backoff_base=0.001, retry_after_max=0.4
+        ) as client:
             t0 = time.perf_counter()
             await client.generate([1, 2], sampling_params=SP)
             return time.perf_counter() - t0
@@ -340,9 +391,14 @@ def test_missing_routes_with_a_trace_is_an_engine_error(
     assert snapshot(trace) == (0, 0, 0)
 
 
-def test_expert_ids_out_of_range_for_the_spec(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_expert_ids_out_of_range_for_the_spec(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     narrow = r3arrow.RouteSpec(
-        num_layers=engine.spec.num_layers, topk=engine.spec.topk, num_experts=2, moe_layers=engine.spec.moe_layers
+        num_layers=engine.spec.num_layers,
+        topk=engine.spec.topk,
+        num_experts=2,
+        moe_layers=engine.spec.moe_layers,
     )
     trace = r3arrow.RouteTrace(narrow)
 
@@ -355,7 +411,9 @@ def test_expert_ids_out_of_range_for_the_spec(engine: ReferenceEngine, server: E
     assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
 
 
-def test_timeout_is_honoured_and_not_retried(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+def test_timeout_is_honoured_and_not_retried(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
     plan.then(Fault.delay(3.0))
     trace = r3arrow.RouteTrace(engine.spec)
 
@@ -370,13 +428,19 @@ def test_timeout_is_honoured_and_not_retried(engine: ReferenceEngine, plan: Faul
     assert server.log.count(GEN) == 1 and snapshot(trace) == (0, 0, 0)
 
 
-def test_timeouts_can_be_retried(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+def test_timeouts_can_be_retried(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
     plan.then(Fault.delay(1.0))
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> GenerateOutput:
         async with EngineClient(
-            server.url, engine.spec, timeout=httpx.Timeout(0.3), retry_timeouts=True, backoff_base=0.01
+            server.url,
+            engine.spec,
+            timeout=httpx.Timeout(0.3),
+            retry_timeouts=True,
+            backoff_base=0.01,
         ) as client:
             return await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
@@ -385,7 +449,9 @@ def test_timeouts_can_be_retried(engine: ReferenceEngine, plan: FaultPlan, serve
 
 
 # ------------------------------------------------------------- input validation
-def test_bad_requests_are_rejected_before_sending(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_bad_requests_are_rejected_before_sending(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> None:
@@ -401,10 +467,15 @@ def test_bad_requests_are_rejected_before_sending(engine: ReferenceEngine, serve
             with pytest.raises(ValueError, match="n=1, no stream"):
                 await client.generate(conv, sampling_params={**SP, "n": 2}, trace=trace)
             with pytest.raises(ValueError, match="set by the client"):
-                await client.generate(conv, sampling_params={**SP, "routed_experts_prompt_start": 0}, trace=trace)
+                await client.generate(
+                    conv, sampling_params={**SP, "routed_experts_prompt_start": 0}, trace=trace
+                )
             with pytest.raises(ValueError, match=r"prompt_start: expected an int in \[0, 2\)"):
                 await client.generate([1, 2], sampling_params=SP, prompt_start=2)
-            with pytest.raises(ValueError, match="flat sequence of int token ids, found shape \\[2\\] of dtype float64"):
+            with pytest.raises(
+                ValueError,
+                match="flat sequence of int token ids, found shape \\[2\\] of dtype float64",
+            ):
                 await client.generate([1.0, 2.5], sampling_params=SP)
             with pytest.raises(ValueError, match="found shape \\[1, 2\\]"):
                 await client.generate([[1, 2]], sampling_params=SP)
@@ -413,7 +484,9 @@ def test_bad_requests_are_rejected_before_sending(engine: ReferenceEngine, serve
     assert server.log.count(GEN) == 1 and trace.num_turns == 1
 
 
-def test_numpy_token_ids_are_sent_as_plain_ints(engine: ReferenceEngine, server: EngineServer) -> None:
+def test_numpy_token_ids_are_sent_as_plain_ints(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
     async def main() -> tuple[GenerateOutput, GenerateOutput]:
         async with EngineClient(server.url, engine.spec) as client:
             scalars = await client.generate([np.int64(1), np.int32(2), 3], sampling_params=SP)
@@ -441,7 +514,9 @@ def test_constructor_validates_options() -> None:
         EngineClient("http://a", vocab_size=0)
 
 
-def test_one_request_per_trace_at_a_time(engine: ReferenceEngine, plan: FaultPlan, server: EngineServer) -> None:
+def test_one_request_per_trace_at_a_time(
+    engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
+) -> None:
     plan.then(Fault.delay(0.3))
     trace = r3arrow.RouteTrace(engine.spec)
 
@@ -474,7 +549,9 @@ def test_sessions_stick_to_one_server_and_fail_over(engine: ReferenceEngine) -> 
         async def turns(client: EngineClient, session: str, n: int) -> None:
             conv = [3, 1, 4, 1, 5]
             for _ in range(n):
-                out = await client.generate(conv, sampling_params=SP, trace=trace, session_id=session)
+                out = await client.generate(
+                    conv, sampling_params=SP, trace=trace, session_id=session
+                )
                 conv = conv + out.token_ids + [2]
 
         async def main() -> None:
@@ -490,7 +567,9 @@ def test_sessions_stick_to_one_server_and_fail_over(engine: ReferenceEngine) -> 
                     out = await client.generate(conv2, sampling_params={"max_tokens": 1}, trace=t2)
                     traced.add(out.base_url)
                     conv2 += [*out.token_ids, 2]
-                    plain.append((await client.generate([7, 7], sampling_params={"max_tokens": 1})).base_url)
+                    plain.append(
+                        (await client.generate([7, 7], sampling_params={"max_tokens": 1})).base_url
+                    )
                 assert len(traced) == 1
                 assert set(plain) == set(urls) and plain[0] != plain[1]
 
@@ -528,7 +607,9 @@ def test_parse_response_accepts_packed_and_nested_routes(engine: ReferenceEngine
 
     routes = engine.routes_for([1, 2, 3, 4, 5])[:4]
     for payload in (encode_vllm(routes), encode_packed(routes), routes.tolist()):
-        body = orjson.dumps({"choices": [{"token_ids": [9], "finish_reason": "length", "routed_experts": payload}]})
+        body = orjson.dumps(
+            {"choices": [{"token_ids": [9], "finish_reason": "length", "routed_experts": payload}]}
+        )
         parsed = parse_response(body, spec=engine.spec)
         np.testing.assert_array_equal(parsed.routes, routes)
         assert parsed.token_ids == [9]
@@ -537,7 +618,9 @@ def test_parse_response_accepts_packed_and_nested_routes(engine: ReferenceEngine
     spaced = b'{"choices": [{"token_ids": [9], "routed_experts" :  "' + b64.encode() + b'"}]}'
     np.testing.assert_array_equal(parse_response(spaced, spec=engine.spec).routes, routes)
     ones = np.full((3, 4, 2), 255, np.uint8)  # base64 "////..."
-    escaped = orjson.dumps({"choices": [{"token_ids": [9], "routed_experts": encode_vllm(ones)}]}).replace(b"/", b"\\/")
+    escaped = orjson.dumps(
+        {"choices": [{"token_ids": [9], "routed_experts": encode_vllm(ones)}]}
+    ).replace(b"/", b"\\/")
     assert b"\\/" in escaped
     np.testing.assert_array_equal(parse_response(escaped).routes, ones)
     two = orjson.dumps({"choices": [{"token_ids": [9], "routed_experts": b64}] * 2})

@@ -344,7 +344,9 @@ def test_ipc_spec_inference_and_widening() -> None:
     dense_junk = np.array(
         [[[1, 2], [300, 0]]], dtype=np.uint16
     )  # layer 1 is dense: not checked as ids
-    with pytest.raises(ExpertRangeError, match=r"<= 255 \(storage uint8\).* found 300 \(token 0, layer 1"):
+    with pytest.raises(
+        ExpertRangeError, match=r"<= 255 \(storage uint8\).* found 300 \(token 0, layer 1"
+    ):
         codec.encode_ipc(dense_junk, RouteSpec(2, 2, 16, moe_layers=(0,)))
     zeros = dense_junk.copy()
     zeros[0, 1] = 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import random_routes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,14 +26,23 @@ from r3arrow.spec import (
     storage_dtype_for,
     validate_layers,
 )
+from r3arrow.testing import random_routes
 
 # ------------------------------------------------------------------- dtype
 
 
 @pytest.mark.parametrize(
     ("num_experts", "dtype"),
-    [(1, np.uint8), (8, np.uint8), (128, np.uint8), (256, np.uint8), (257, np.uint16),
-     (300, np.uint16), (65536, np.uint16), (65537, np.int32)],
+    [
+        (1, np.uint8),
+        (8, np.uint8),
+        (128, np.uint8),
+        (256, np.uint8),
+        (257, np.uint16),
+        (300, np.uint16),
+        (65536, np.uint16),
+        (65537, np.int32),
+    ],
 )
 def test_storage_dtype_is_smallest_that_holds_all_ids(num_experts: int, dtype: type) -> None:
     assert storage_dtype_for(num_experts) == np.dtype(dtype)
@@ -128,7 +136,10 @@ def test_widened_for() -> None:
 def test_spec_json_round_trip(spec: RouteSpec) -> None:
     back = RouteSpec.from_json(spec.to_json())
     assert (back.num_layers, back.topk, back.num_experts, back.router_layers) == (
-        spec.num_layers, spec.topk, spec.num_experts, spec.router_layers,
+        spec.num_layers,
+        spec.topk,
+        spec.num_experts,
+        spec.router_layers,
     )
     assert back.dtype == spec.dtype
     assert back.arrow_type == spec.arrow_type
@@ -154,12 +165,19 @@ def test_spec_json_fields() -> None:
 
     obj = json.loads(RouteSpec(num_layers=4, topk=2, num_experts=300, moe_layers=(0, 2)).to_json())
     assert obj == {
-        "version": 1, "num_layers": 4, "topk": 2, "num_experts": 300, "moe_layers": [0, 2], "dtype": "uint16",
+        "version": 1,
+        "num_layers": 4,
+        "topk": 2,
+        "num_experts": 300,
+        "moe_layers": [0, 2],
+        "dtype": "uint16",
         "id_dtype": None,
     }
 
 
-@pytest.mark.parametrize("data", [b"not json", b"[1, 2]", b"{}", b'{"num_layers": 2}', b'{"num_layers": 2, "topk": 2}'])
+@pytest.mark.parametrize(
+    "data", [b"not json", b"[1, 2]", b"{}", b'{"num_layers": 2}', b'{"num_layers": 2, "topk": 2}']
+)
 def test_spec_from_bad_json_raises_schema_error(data: bytes) -> None:
     with pytest.raises(SchemaError, match="RouteSpec"):
         RouteSpec.from_json(data)
@@ -180,11 +198,15 @@ _DTYPES = st.sampled_from([np.uint8, np.uint16, np.int32])
 
 
 @given(shape=_SHAPES, dtype=_DTYPES, seed=st.integers(0, 2**32 - 1))
-def test_numpy_arrow_round_trip_is_exact_and_zero_copy(shape: tuple[int, int, int], dtype: type, seed: int) -> None:
+def test_numpy_arrow_round_trip_is_exact_and_zero_copy(
+    shape: tuple[int, int, int], dtype: type, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     info = np.iinfo(dtype)
     arr = rng.integers(0, info.max, size=shape, dtype=dtype, endpoint=True)
-    spec = RouteSpec(num_layers=shape[1], topk=shape[2], num_experts=None, id_dtype=np.dtype(dtype).name)
+    spec = RouteSpec(
+        num_layers=shape[1], topk=shape[2], num_experts=None, id_dtype=np.dtype(dtype).name
+    )
     routes = numpy_to_routes(arr, spec)
     assert routes.type == spec.arrow_type
     assert len(routes) == shape[0]
@@ -192,11 +214,15 @@ def test_numpy_arrow_round_trip_is_exact_and_zero_copy(shape: tuple[int, int, in
     assert back.dtype == arr.dtype
     np.testing.assert_array_equal(back, arr)
     if arr.size:
-        assert np.shares_memory(back, arr)  # numpy -> Arrow -> numpy never copies a contiguous array
+        assert np.shares_memory(
+            back, arr
+        )  # numpy -> Arrow -> numpy never copies a contiguous array
 
 
 @given(shape=_SHAPES, seed=st.integers(0, 2**32 - 1), data=st.data())
-def test_routes_to_numpy_respects_slices(shape: tuple[int, int, int], seed: int, data: st.DataObject) -> None:
+def test_routes_to_numpy_respects_slices(
+    shape: tuple[int, int, int], seed: int, data: st.DataObject
+) -> None:
     rng = np.random.default_rng(seed)
     arr = rng.integers(0, 255, size=shape, dtype=np.uint8)
     routes = numpy_to_routes(arr)
@@ -217,7 +243,9 @@ def test_numpy_to_routes_rejects() -> None:
     with pytest.raises(RouteShapeError):
         numpy_to_routes(np.zeros((3, 4), dtype=np.uint8))
     with pytest.raises(RouteShapeError):
-        numpy_to_routes(np.zeros((3, 4, 2), dtype=np.uint8), RouteSpec(num_layers=4, topk=3, num_experts=8))
+        numpy_to_routes(
+            np.zeros((3, 4, 2), dtype=np.uint8), RouteSpec(num_layers=4, topk=3, num_experts=8)
+        )
     with pytest.raises(RouteDTypeError):
         numpy_to_routes(np.zeros((3, 4, 2), dtype=np.int64))
     with pytest.raises(RouteDTypeError):
@@ -295,7 +323,9 @@ def test_check_no_duplicate_experts() -> None:
     arr[1, 2] = [4, 6, 4]
     with pytest.raises(DuplicateExpertError, match=r"\[4, 6, 4\] at token 1, layer 2"):
         check_no_duplicate_experts(arr, spec)
-    check_no_duplicate_experts(np.zeros((4, 3, 1), dtype=np.uint8), RouteSpec(num_layers=3, topk=1, num_experts=8))
+    check_no_duplicate_experts(
+        np.zeros((4, 3, 1), dtype=np.uint8), RouteSpec(num_layers=3, topk=1, num_experts=8)
+    )
 
 
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(0, 20))
@@ -323,6 +353,12 @@ def test_validate_layers() -> None:
 
 
 def test_all_errors_are_r3arrow_errors() -> None:
-    for err in (DuplicateExpertError, ExpertRangeError, RouteDTypeError, RouteShapeError, SchemaError):
+    for err in (
+        DuplicateExpertError,
+        ExpertRangeError,
+        RouteDTypeError,
+        RouteShapeError,
+        SchemaError,
+    ):
         assert issubclass(err, R3ArrowError)
     assert issubclass(RouteShapeError, ValueError) and issubclass(RouteDTypeError, TypeError)

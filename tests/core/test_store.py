@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import random_routes
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -23,6 +22,7 @@ from r3arrow.errors import (
     SchemaError,
 )
 from r3arrow.store import turn_batch, turn_schema
+from r3arrow.testing import random_routes
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))
 
@@ -38,7 +38,9 @@ def split_turns(rng: np.random.Generator, total: int) -> list[int]:
     """Random positive turn lengths summing to ``total``."""
     if total == 0:
         return []
-    cuts = np.sort(rng.choice(np.arange(1, total), size=min(total - 1, int(rng.integers(0, 5))), replace=False))
+    cuts = np.sort(
+        rng.choice(np.arange(1, total), size=min(total - 1, int(rng.integers(0, 5))), replace=False)
+    )
     return np.diff(np.concatenate([[0], cuts, [total]])).astype(int).tolist()
 
 
@@ -118,7 +120,9 @@ def test_gap_detected_with_clear_message() -> None:
     store.append("ok", 0, random_routes(rng, 2, SPEC))
     store.append("traj-7", 0, random_routes(rng, 3, SPEC))
     store.append("traj-7", 4, random_routes(rng, 2, SPEC))  # rows 3 are missing
-    with pytest.raises(ContiguityError, match=r"'traj-7'.*starting at token 3, found one at 4 \(a gap\)"):
+    with pytest.raises(
+        ContiguityError, match=r"'traj-7'.*starting at token 3, found one at 4 \(a gap\)"
+    ):
         store.routes(["ok", "traj-7"])
     assert len(store.routes(["ok"])) == 1  # other trajectories are still assembled
 
@@ -135,7 +139,9 @@ def test_overlap_detected_with_clear_message() -> None:
     store = TurnStore(SPEC)
     store.append("t", 0, random_routes(rng, 5, SPEC))
     store.append("t", 3, random_routes(rng, 4, SPEC))  # rows 3, 4 twice
-    with pytest.raises(ContiguityError, match=r"'t'.*starting at token 5, found one at 3 \(an overlap\)"):
+    with pytest.raises(
+        ContiguityError, match=r"'t'.*starting at token 5, found one at 3 \(an overlap\)"
+    ):
         store.routes(["t"])
 
 
@@ -204,7 +210,9 @@ def test_store_routes_feed_a_trace_equivalent_column() -> None:
         store.append("t", start, chunk)
         seen = p + gen
     out = trace.finalize(num_tokens=seen, loss_mask=np.zeros(seen))
-    np.testing.assert_array_equal(as_lists(store.routes(["t"]), SPEC)[0], routes_to_numpy(out, SPEC))
+    np.testing.assert_array_equal(
+        as_lists(store.routes(["t"]), SPEC)[0], routes_to_numpy(out, SPEC)
+    )
 
 
 # -------------------------------------------------------------- concurrency
@@ -213,7 +221,9 @@ def test_store_routes_feed_a_trace_equivalent_column() -> None:
 def test_concurrent_appends_from_many_threads() -> None:
     num_traj, threads = 48, 8
     rng = np.random.default_rng(8)
-    expected = {f"traj-{i}": random_routes(rng, int(rng.integers(1, 60)), SPEC) for i in range(num_traj)}
+    expected = {
+        f"traj-{i}": random_routes(rng, int(rng.integers(1, 60)), SPEC) for i in range(num_traj)
+    }
     plans = {tid: split_turns(rng, len(r)) for tid, r in expected.items()}
     store = TurnStore(SPEC)
     barrier = threading.Barrier(threads)
@@ -244,7 +254,9 @@ def test_concurrent_appends_from_many_threads() -> None:
     seed=st.integers(0, 2**32 - 1),
     chunks=st.integers(1, 3),
 )
-def test_routes_equals_concatenation_for_any_append_order(lengths: list[int], seed: int, chunks: int) -> None:
+def test_routes_equals_concatenation_for_any_append_order(
+    lengths: list[int], seed: int, chunks: int
+) -> None:
     rng = np.random.default_rng(seed)
     expected = {f"t{i}": random_routes(rng, n, SPEC) for i, n in enumerate(lengths)}
     turns = []
@@ -272,7 +284,9 @@ def test_routes_equals_concatenation_for_any_append_order(lengths: list[int], se
     kind=st.sampled_from(["drop", "duplicate", "shift_left", "shift_right"]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_broken_turn_sequences_are_detected(lengths: list[int], victim: int, kind: str, seed: int) -> None:
+def test_broken_turn_sequences_are_detected(
+    lengths: list[int], victim: int, kind: str, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     turns = []
     for i, n in enumerate(lengths):

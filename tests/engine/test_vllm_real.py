@@ -25,7 +25,11 @@ from r3arrow.table import flat_routes, input_ids
 
 URL = os.environ.get("R3ARROW_VLLM_URL")
 VOCAB = int(os.environ.get("R3ARROW_VLLM_VOCAB", "512"))
-NUM_EXPERTS = int(os.environ["R3ARROW_VLLM_NUM_EXPERTS"]) if os.environ.get("R3ARROW_VLLM_NUM_EXPERTS") else None
+NUM_EXPERTS = (
+    int(os.environ["R3ARROW_VLLM_NUM_EXPERTS"])
+    if os.environ.get("R3ARROW_VLLM_NUM_EXPERTS")
+    else None
+)
 
 pytestmark = [
     pytest.mark.vllm,
@@ -61,11 +65,19 @@ def test_multiturn_routes_match_full_prefix_request() -> None:
         store = TurnStore(spec)
         async with EngineClient(URL, spec, timeout=300, max_retries=1, vocab_size=VOCAB) as client:
             traj = await run_trajectory(
-                client, env, prompt, trajectory_id="t0", store=store, max_turns=6, sampling_params=GREEDY
+                client,
+                env,
+                prompt,
+                trajectory_id="t0",
+                store=store,
+                max_turns=6,
+                sampling_params=GREEDY,
             )
             conv_ids = traj.prompt_ids + traj.response_ids
             # One full-prefix request over the whole conversation: rows for all N tokens.
-            full = await client.generate(conv_ids, sampling_params={**GREEDY, "max_tokens": 1}, prompt_start=0)
+            full = await client.generate(
+                conv_ids, sampling_params={**GREEDY, "max_tokens": 1}, prompt_start=0
+            )
         assert full.routed_experts is not None
         routes = routes_to_numpy(store.routes(["t0"]).flatten(), store.spec)
         return traj, routes, np.asarray(full.routed_experts)
@@ -84,8 +96,10 @@ def test_multiturn_routes_match_full_prefix_request() -> None:
     assert full.shape == (n, spec.num_layers, spec.topk)
     rate = topk_set_agreement(routes, full[: n - 1])
     exact = float(np.mean(np.all(routes == full[: n - 1], axis=-1)))
-    print(f"\nvLLM multi-turn vs full-prefix: top-k set agreement {rate:.4%}, exact order {exact:.4%} "
-          f"over {routes.shape[0]} tokens x {spec.num_layers} layers")
+    print(
+        f"\nvLLM multi-turn vs full-prefix: top-k set agreement {rate:.4%}, exact order {exact:.4%} "
+        f"over {routes.shape[0]} tokens x {spec.num_layers} layers"
+    )
     assert rate >= 0.99
 
 
@@ -102,7 +116,9 @@ def test_prompt_start_per_turn_and_row_counts() -> None:
             for turn in range(3):
                 before = trace.captured
                 out = await client.generate(conv, sampling_params=GREEDY, trace=trace)
-                seen.append((before, out.prompt_start, len(conv), len(out.token_ids), out.num_route_rows))
+                seen.append(
+                    (before, out.prompt_start, len(conv), len(out.token_ids), out.num_route_rows)
+                )
                 conv = conv + out.token_ids + [(turn * 31 + k) % VOCAB for k in range(2)]
         return seen
 
@@ -144,11 +160,19 @@ def test_sampled_rollouts_agree_with_full_prefix_requests() -> None:
     async def main() -> tuple[pa.Table, list[np.ndarray]]:
         async with EngineClient(URL, spec, timeout=300, max_retries=1, vocab_size=VOCAB) as client:
             table = await run_rollouts(
-                client, env, prompts, group_size=2, max_turns=3, seed=5,
+                client,
+                env,
+                prompts,
+                group_size=2,
+                max_turns=3,
+                seed=5,
                 sampling_params={"max_tokens": 5, "temperature": 1.0, "ignore_eos": True},
             )
             fulls = await asyncio.gather(
-                *(client.generate(ids, sampling_params={**GREEDY, "max_tokens": 1}) for ids in input_ids(table).to_pylist())
+                *(
+                    client.generate(ids, sampling_params={**GREEDY, "max_tokens": 1})
+                    for ids in input_ids(table).to_pylist()
+                )
             )
         return table, [np.asarray(f.routed_experts) for f in fulls]
 
@@ -158,6 +182,8 @@ def test_sampled_rollouts_agree_with_full_prefix_requests() -> None:
     captured = np.concatenate([values[offsets[i] : offsets[i + 1]] for i in range(table.num_rows)])
     reference = np.concatenate([f[: offsets[i + 1] - offsets[i]] for i, f in enumerate(fulls)])
     rate = topk_set_agreement(captured, reference)
-    print(f"\nvLLM sampled rollouts ({table.num_rows} trajectories) vs full-prefix: top-k set agreement {rate:.4%} "
-          f"over {captured.shape[0]} tokens")
+    print(
+        f"\nvLLM sampled rollouts ({table.num_rows} trajectories) vs full-prefix: top-k set agreement {rate:.4%} "
+        f"over {captured.shape[0]} tokens"
+    )
     assert rate >= 0.99

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import random_routes
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -22,6 +21,7 @@ from r3arrow.errors import (
     TerminalGapError,
     TraceStateError,
 )
+from r3arrow.testing import random_routes
 from r3arrow.trace import check_terminal_gap, expected_rows
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=8)
@@ -58,7 +58,9 @@ def test_multi_turn_suffix_literal() -> None:
     # Final observation of 2 tokens: N = 16, rows 13 and 14 (predicting tokens 14, 15) are missing.
     mask = np.zeros(16, dtype=np.uint8)
     mask[5:8] = 1  # turn 1 generated tokens 5, 6, 7
-    mask[10:14] = 1  # turn 2 generated tokens 10..13 (13 is the last sampled token: predicted by row 12)
+    mask[10:14] = (
+        1  # turn 2 generated tokens 10..13 (13 is the last sampled token: predicted by row 12)
+    )
     out = trace.finalize(num_tokens=16, loss_mask=mask)
     assert isinstance(out, pa.Array)
     assert out.type == SPEC.arrow_type
@@ -72,7 +74,9 @@ def test_terminal_gap_loss_active_target_raises_naming_the_token() -> None:
     trace.record(rows_of(7), prompt_tokens=5, generated_tokens=3)  # captured 7, tokens 0..7
     mask = np.zeros(10, dtype=np.uint8)
     mask[9] = 1  # token 9 would need row 8; rows 7, 8 are missing
-    with pytest.raises(TerminalGapError, match="missing routed-expert row for loss-active target at token 9"):
+    with pytest.raises(
+        TerminalGapError, match="missing routed-expert row for loss-active target at token 9"
+    ):
         trace.finalize(num_tokens=10, loss_mask=mask)
     assert not trace.finalized  # a failed finalize leaves the trace usable
     mask[8] = 1
@@ -150,7 +154,9 @@ def test_chunk_with_wrong_shape_rejected_and_trace_unchanged(rows: np.ndarray, m
 
 def test_non_contiguous_turns_rejected() -> None:
     trace = RouteTrace(SPEC)
-    trace.record(rows_of(5), prompt_tokens=4, generated_tokens=2)  # captured 5, conversation of 6 tokens
+    trace.record(
+        rows_of(5), prompt_tokens=4, generated_tokens=2
+    )  # captured 5, conversation of 6 tokens
     # The prompt start (captured = 5) must lie inside the prompt.
     with pytest.raises(RouteShapeError, match="captured=5"):
         trace.record(rows_of(0), prompt_tokens=5, generated_tokens=1)
@@ -167,7 +173,9 @@ def test_strided_numpy_input_is_accepted_exactly() -> None:
     view = big[::2, ::2]  # non-contiguous view, [5, 3, 2]
     trace = RouteTrace(SPEC)
     trace.record(view, prompt_tokens=4, generated_tokens=2)
-    np.testing.assert_array_equal(to_np(trace.finalize(num_tokens=6, loss_mask=np.zeros(6)), SPEC), view)
+    np.testing.assert_array_equal(
+        to_np(trace.finalize(num_tokens=6, loss_mask=np.zeros(6)), SPEC), view
+    )
 
 
 @pytest.mark.parametrize(
@@ -196,7 +204,9 @@ def test_numpy_integer_token_counts_accepted() -> None:
 # ----------------------------------------------------------- inputs, dtypes
 
 
-@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64])
+@pytest.mark.parametrize(
+    "dtype", [np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64]
+)
 def test_any_integer_numpy_dtype_is_stored_in_spec_dtype(dtype: type) -> None:
     data = rows_of(4, dtype=dtype)
     trace = RouteTrace(SPEC)
@@ -221,7 +231,9 @@ def test_arrow_input_of_spec_type() -> None:
     trace.record(numpy_to_routes(a, SPEC), prompt_tokens=3, generated_tokens=2)
     chunked = pa.chunked_array([numpy_to_routes(b[:1], SPEC), numpy_to_routes(b[1:], SPEC)])
     trace.record(chunked, prompt_tokens=6, generated_tokens=2)
-    sliced = numpy_to_routes(np.concatenate([a, b]), SPEC).slice(4, 2)  # an Arrow slice: offset != 0
+    sliced = numpy_to_routes(np.concatenate([a, b]), SPEC).slice(
+        4, 2
+    )  # an Arrow slice: offset != 0
     trace.record(sliced, prompt_tokens=9, generated_tokens=1)
     out = trace.finalize(num_tokens=10, loss_mask=np.zeros(10))
     np.testing.assert_array_equal(to_np(out, SPEC), np.concatenate([a, b, b[:2]]))
@@ -230,9 +242,17 @@ def test_arrow_input_of_spec_type() -> None:
 def test_arrow_input_with_wrong_type_or_nulls_rejected() -> None:
     trace = RouteTrace(SPEC)
     with pytest.raises(RouteShapeError):
-        trace.record(numpy_to_routes(np.zeros((2, 4, 2), dtype=np.uint8)), prompt_tokens=2, generated_tokens=1)
+        trace.record(
+            numpy_to_routes(np.zeros((2, 4, 2), dtype=np.uint8)),
+            prompt_tokens=2,
+            generated_tokens=1,
+        )
     with pytest.raises(RouteShapeError):
-        trace.record(pa.array([[[0, 1]] * 3, None], type=SPEC.arrow_type), prompt_tokens=2, generated_tokens=1)
+        trace.record(
+            pa.array([[[0, 1]] * 3, None], type=SPEC.arrow_type),
+            prompt_tokens=2,
+            generated_tokens=1,
+        )
     with pytest.raises(RouteShapeError):
         trace.record(pa.array([1, 2], type=pa.uint8()), prompt_tokens=2, generated_tokens=1)
     assert trace.captured == 0
@@ -244,16 +264,22 @@ def test_writable_chunk_reused_by_caller_does_not_corrupt_trace() -> None:
     trace = RouteTrace(SPEC)
     trace.record(buf, prompt_tokens=3, generated_tokens=1)
     buf[:] = 7  # the caller reuses its receive buffer
-    np.testing.assert_array_equal(to_np(trace.finalize(num_tokens=4, loss_mask=np.zeros(4)), SPEC), want)
+    np.testing.assert_array_equal(
+        to_np(trace.finalize(num_tokens=4, loss_mask=np.zeros(4)), SPEC), want
+    )
 
 
 def test_read_only_chunk_is_accepted() -> None:
     data = rows_of(3, seed=4)
-    ro = np.frombuffer(data.tobytes(), dtype=data.dtype).reshape(data.shape)  # as a decoder returns it
+    ro = np.frombuffer(data.tobytes(), dtype=data.dtype).reshape(
+        data.shape
+    )  # as a decoder returns it
     assert not ro.flags.writeable
     trace = RouteTrace(SPEC)
     trace.record(ro, prompt_tokens=3, generated_tokens=1)
-    np.testing.assert_array_equal(to_np(trace.finalize(num_tokens=4, loss_mask=np.zeros(4)), SPEC), data)
+    np.testing.assert_array_equal(
+        to_np(trace.finalize(num_tokens=4, loss_mask=np.zeros(4)), SPEC), data
+    )
 
 
 # ---------------------------------------------------------------- id range
@@ -285,7 +311,9 @@ def test_dense_layer_values_are_not_range_checked_against_num_experts() -> None:
     data = np.array([[[0, 0], [1, 3]], [[9, 9], [0, 2]]], dtype=np.uint8)  # dense layer 0 carries 9
     trace = RouteTrace(spec)
     trace.record(data, prompt_tokens=2, generated_tokens=1)
-    np.testing.assert_array_equal(to_np(trace.finalize(num_tokens=3, loss_mask=np.zeros(3)), spec), data)
+    np.testing.assert_array_equal(
+        to_np(trace.finalize(num_tokens=3, loss_mask=np.zeros(3)), spec), data
+    )
 
 
 @pytest.mark.parametrize("value", [-1, 1000])
@@ -318,7 +346,9 @@ def test_widening_when_a_later_turn_has_id_at_least_256() -> None:
     assert trace.spec.dtype == np.uint16  # never narrows back
     out = trace.finalize(num_tokens=7, loss_mask=np.zeros(7))
     assert out.type == trace.spec.arrow_type == pa.list_(pa.list_(pa.uint16(), 2), 2)
-    np.testing.assert_array_equal(to_np(out, trace.spec), np.concatenate([t1, t2, t3]).astype(np.uint16))
+    np.testing.assert_array_equal(
+        to_np(out, trace.spec), np.concatenate([t1, t2, t3]).astype(np.uint16)
+    )
 
 
 def test_widening_to_int32() -> None:
@@ -336,7 +366,9 @@ def test_failed_record_does_not_widen() -> None:
         trace.record(np.array([[[300, 1]]] * 2), prompt_tokens=1, generated_tokens=1)
     assert trace.spec.dtype == np.uint8 and trace.dtype == np.uint8
     trace.record(np.array([[[3, 1]]]), prompt_tokens=1, generated_tokens=1)
-    assert trace.finalize(num_tokens=2, loss_mask=np.zeros(2)).type.value_type.value_type == pa.uint8()
+    assert (
+        trace.finalize(num_tokens=2, loss_mask=np.zeros(2)).type.value_type.value_type == pa.uint8()
+    )
 
 
 def test_known_num_experts_over_256_is_uint16_from_the_start() -> None:
@@ -414,7 +446,9 @@ class Turn:
     gen: int  # generated tokens
 
 
-_TURNS = st.lists(st.builds(Turn, obs=st.integers(0, 6), gen=st.integers(1, 6)), min_size=1, max_size=6)
+_TURNS = st.lists(
+    st.builds(Turn, obs=st.integers(0, 6), gen=st.integers(1, 6)), min_size=1, max_size=6
+)
 
 
 def _plan(turns: list[Turn]) -> list[tuple[int, int, int]]:
@@ -447,8 +481,14 @@ def _specs(draw: st.DrawFn, num_experts: int | None) -> RouteSpec:
     data=st.data(),
 )
 def test_any_valid_turn_sequence_finalizes_to_the_concatenation(
-    turns: list[Turn], tail: int, num_experts: int | None, in_dtype: type,
-    as_arrow: list[bool], read_only: bool, seed: int, data: st.DataObject,
+    turns: list[Turn],
+    tail: int,
+    num_experts: int | None,
+    in_dtype: type,
+    as_arrow: list[bool],
+    read_only: bool,
+    seed: int,
+    data: st.DataObject,
 ) -> None:
     rng = np.random.default_rng(seed)
     spec = data.draw(_specs(num_experts))
@@ -464,7 +504,9 @@ def test_any_valid_turn_sequence_finalizes_to_the_concatenation(
             arg = numpy_to_routes(chunk)
         elif read_only:
             arg = np.frombuffer(chunk.tobytes(), dtype=chunk.dtype).reshape(chunk.shape)
-        assert trace.record(arg, prompt_tokens=p, generated_tokens=g) == sum(len(c) for c in chunks[:-1])
+        assert trace.record(arg, prompt_tokens=p, generated_tokens=g) == sum(
+            len(c) for c in chunks[:-1]
+        )
     want = np.concatenate(chunks).astype(np.int64)
     num_tokens = trace.seen_tokens + tail
     mask = np.zeros(num_tokens, dtype=np.uint8)
@@ -480,8 +522,17 @@ def test_any_valid_turn_sequence_finalizes_to_the_concatenation(
 
 
 _MUTATIONS = [
-    "rows_minus", "rows_plus", "layers", "topk", "rank", "float", "too_high", "negative",
-    "prompt_short", "prompt_not_after_start", "gen_zero",
+    "rows_minus",
+    "rows_plus",
+    "layers",
+    "topk",
+    "rank",
+    "float",
+    "too_high",
+    "negative",
+    "prompt_short",
+    "prompt_not_after_start",
+    "gen_zero",
 ]
 
 
@@ -546,7 +597,9 @@ def test_invalid_mutation_catalogue_is_exercised() -> None:
     spec = RouteSpec(num_layers=3, topk=2, num_experts=8, moe_layers=(0, 2))
     for mutation in _MUTATIONS:
         trace = RouteTrace(spec)
-        trace.record(random_routes(np.random.default_rng(0), 4, spec), prompt_tokens=3, generated_tokens=2)
+        trace.record(
+            random_routes(np.random.default_rng(0), 4, spec), prompt_tokens=3, generated_tokens=2
+        )
         rows = random_routes(np.random.default_rng(1), 4, spec).astype(np.int64)
         p, g = 7, 2  # 7 - 4 + 2 - 1 = 4 rows
         bad: Any = rows
@@ -579,7 +632,11 @@ def test_invalid_mutation_catalogue_is_exercised() -> None:
 
 @pytest.mark.parametrize(
     "ragged",
-    [[[1, 2], [3]], [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3]]], [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3], [4]]]],
+    [
+        [[1, 2], [3]],
+        [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3]]],
+        [[[0, 1], [2, 3], [4, 5]], [[0, 1], [2, 3], [4]]],
+    ],
 )
 def test_ragged_nested_lists_raise_typed_error(ragged: list[Any]) -> None:
     with pytest.raises(R3ArrowError):
@@ -590,20 +647,35 @@ def test_ragged_nested_lists_raise_typed_error(ragged: list[Any]) -> None:
 
 @given(
     arr=hnp.arrays(
-        dtype=st.one_of(hnp.integer_dtypes(), hnp.unsigned_integer_dtypes(), hnp.floating_dtypes(),
-                        hnp.boolean_dtypes(), hnp.byte_string_dtypes(max_len=2)),
+        dtype=st.one_of(
+            hnp.integer_dtypes(),
+            hnp.unsigned_integer_dtypes(),
+            hnp.floating_dtypes(),
+            hnp.boolean_dtypes(),
+            hnp.byte_string_dtypes(max_len=2),
+        ),
         shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4),
     ),
     prompt=st.integers(-1, 5),
     gen=st.integers(-1, 4),
 )
-def test_arbitrary_arrays_are_accepted_only_when_valid(arr: np.ndarray, prompt: int, gen: int) -> None:
+def test_arbitrary_arrays_are_accepted_only_when_valid(
+    arr: np.ndarray, prompt: int, gen: int
+) -> None:
     spec = RouteSpec(num_layers=3, topk=2, num_experts=8, moe_layers=(0, 2))
     valid = (
-        prompt >= 1 and gen >= 1 and arr.dtype.kind in "iu" and arr.ndim == 3 and arr.shape[1:] == (3, 2)
+        prompt >= 1
+        and gen >= 1
+        and arr.dtype.kind in "iu"
+        and arr.ndim == 3
+        and arr.shape[1:] == (3, 2)
         and arr.shape[0] == prompt + gen - 1
-        and bool(((arr[:, [0, 2]].astype(np.int64) >= 0) & (arr[:, [0, 2]].astype(np.int64) < 8)).all())
-        and bool((arr[:, 1].astype(np.int64) >= 0).all() and (arr[:, 1].astype(np.int64) < 256).all())
+        and bool(
+            ((arr[:, [0, 2]].astype(np.int64) >= 0) & (arr[:, [0, 2]].astype(np.int64) < 8)).all()
+        )
+        and bool(
+            (arr[:, 1].astype(np.int64) >= 0).all() and (arr[:, 1].astype(np.int64) < 256).all()
+        )
     )
     trace = RouteTrace(spec)
     try:
