@@ -43,7 +43,7 @@ from r3arrow.io import (
 from r3arrow.spec import RouteSpec, routes_to_numpy
 from r3arrow.table import rollout_schema, route_spec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------- builders

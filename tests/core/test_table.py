@@ -41,7 +41,7 @@ from r3arrow.table import (
 )
 from r3arrow.testing import random_routes
 
-SCHEMA_FILE = Path(__file__).resolve().parents[1] / "schemas" / "rollout.v1.json"
+SCHEMA_FILE = Path(__file__).resolve().parents[2] / "schemas" / "rollout.v1.json"
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))
 
 # ------------------------------------------------------- the JSON schema file
