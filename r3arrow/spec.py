@@ -16,7 +16,6 @@ import orjson
 import pyarrow as pa
 
 from r3arrow.errors import (
-    DuplicateExpertError,
     ExpertRangeError,
     RouteDTypeError,
     RouteShapeError,
@@ -283,66 +282,6 @@ def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.n
     return arr
 
 
-def _first_where(mask: np.ndarray, layers: Sequence[int] | None = None) -> tuple[int, int]:
-    """(token, layer) of the first True in ``mask`` ``[rows, L, K]``, optionally among ``layers``."""
-    hits = np.argwhere(mask)
-    if layers is not None:
-        hits = hits[np.isin(hits[:, 1], layers)]
-    return int(hits[0, 0]), int(hits[0, 1])
-
-
-def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
-    """Validate ids of ``arr`` ``[rows, L, K]``; return (min, max) over all layers ((0, -1) if empty).
-
-    Router layers need ids in ``[0, num_experts)``; every layer (dense ones carry
-    zeros from vLLM) needs values ``>= 0`` that fit the storage dtype, so nothing
-    is ever wrapped by a narrowing cast. Raises `ExpertRangeError` naming the
-    token and layer. The common valid case costs one max (and one min for signed input).
-    """
-    if arr.size == 0:
-        return 0, -1
-    hi = int(arr.max())
-    lo = int(arr.min()) if arr.dtype.kind == "i" else 0
-    e = spec.num_experts
-    cap = int(np.iinfo(spec.dtype if e is not None else np.int32).max)
-    if lo >= 0 and hi <= cap and (e is None or hi < e):
-        return lo, hi
-    if lo < 0:
-        row, layer = _first_where(arr < 0)
-        raise ExpertRangeError(
-            f"{what}: expected expert ids >= 0, found {lo} (token {row}, layer {layer})"
-        )
-    if e is not None and int(arr.max(axis=(0, 2))[list(spec.router_layers)].max()) >= e:
-        row, layer = _first_where(arr >= e, spec.router_layers)
-        raise ExpertRangeError(
-            f"{what}: expected expert ids < num_experts={e}, found {int(arr[row, layer].max())} "
-            f"(token {row}, layer {layer})"
-        )
-    if hi > cap:
-        row, layer = _first_where(arr > cap)
-        raise ExpertRangeError(
-            f"{what}: expected values <= {cap} (storage {spec.dtype if e is not None else 'int32'}) on "
-            f"every layer, found {hi} (token {row}, layer {layer}; dense layers should be 0)"
-        )
-    return lo, hi
-
-
-def check_no_duplicate_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> None:
-    """Raise `DuplicateExpertError` if any router-layer top-k row repeats an expert."""
-    if arr.shape[0] == 0 or spec.topk == 1:
-        return
-    layers = list(spec.router_layers)
-    sub = arr if spec.moe_layers is None else arr[:, layers, :]
-    s = np.sort(sub, axis=-1)
-    dup = s[..., 1:] == s[..., :-1]
-    if dup.any():
-        row, layer, _ = np.argwhere(dup)[0]
-        raise DuplicateExpertError(
-            f"{what}: expected {spec.topk} distinct experts per token and layer, found "
-            f"{sub[row, layer].tolist()} at token {row}, layer {layers[layer]}"
-        )
-
-
 def dummy_route_row(spec: RouteSpec) -> np.ndarray:
     """The padding row ``[0, 1, ..., K-1]`` on every layer, shape ``[L, K]``, storage dtype."""
     return np.broadcast_to(np.arange(spec.topk, dtype=spec.dtype), spec.row_shape)
@@ -372,3 +311,8 @@ __all__: Sequence[str] = [
     "storage_dtype_for",
     "validate_layers",
 ]
+
+
+# The id rules live in r3arrow.ids; these names stay importable from here.
+from r3arrow.ids import check_distinct_experts as check_no_duplicate_experts  # noqa: E402
+from r3arrow.ids import check_route_ids  # noqa: E402

@@ -321,7 +321,7 @@ def test_check_no_duplicate_experts() -> None:
     arr[:, [0, 2]] = [5, 1, 7]
     check_no_duplicate_experts(arr, spec)  # dense layer 1 is all zeros: not a duplicate
     arr[1, 2] = [4, 6, 4]
-    with pytest.raises(DuplicateExpertError, match=r"\[4, 6, 4\] at token 1, layer 2"):
+    with pytest.raises(DuplicateExpertError, match=r"\[4, 6, 4\] \(token 1, layer 2\)"):
         check_no_duplicate_experts(arr, spec)
     check_no_duplicate_experts(
         np.zeros((4, 3, 1), dtype=np.uint8), RouteSpec(num_layers=3, topk=1, num_experts=8)

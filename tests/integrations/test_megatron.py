@@ -324,7 +324,7 @@ def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace)
             install_replay(good[:2], num_tokens=n)
         dup = [t.clone() for t in good]
         dup[1][0, 1] = dup[1][0, 0]
-        with pytest.raises(DuplicateExpertError, match="layer 2: expected 2 distinct"):
+        with pytest.raises(DuplicateExpertError, match=r"expected 2 distinct experts per token and layer, found .* layer 2\)"):
             install_replay(dup, num_tokens=n, layers=MOE, num_experts=EXPERTS)
         high = [t.clone() for t in good]
         high[0][3, 0] = EXPERTS
@@ -334,12 +334,12 @@ def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace)
             install_replay([t.to(torch.uint8) for t in good], num_tokens=n)
         mb = collate(table)
         mb.routes[1, 2, 1, 1] = mb.routes[1, 2, 1, 0]
-        with pytest.raises(DuplicateExpertError, match="layer 2: expected 2 distinct experts"):
+        with pytest.raises(DuplicateExpertError, match=r"expected 2 distinct experts per token and layer, found .* layer 2\)"):
             install_replay(mb, routers)
         mb = collate(table)
         mb.routes[0, 3, 2, 0] = EXPERTS
         with pytest.raises(
-            ExpertRangeError, match=rf"layer 3: expected expert ids in \[0, {EXPERTS}\)"
+            ExpertRangeError, match=rf"expected expert ids < num_experts={EXPERTS}, found .* layer 3\)"
         ):
             install_replay(mb)
         with pytest.raises(ReplayError, match=r"routers for global layers \[1, 2\]"):

@@ -1,0 +1,205 @@
+"""The expert-id rules, in one place: id range and distinct experts per top-k row.
+
+The rules (see ``docs/design.md``, "Expert ids"):
+
+* On a **router layer** every id is in ``[0, num_experts)`` (``num_experts=None``:
+  only ``>= 0``), and the ``K`` ids of one token's row are distinct.
+* On a **dense layer** (no router; vLLM reports a row of zeros) values are not
+  expert ids and are not checked for duplicates, but they must be ``>= 0`` and
+  fit the storage dtype, so that no narrowing cast ever wraps a value.
+
+Every function here takes numpy arrays; :func:`check_router_ids` also takes torch
+tensors (CPU tensors are viewed through numpy, zero-copy; tensors on another
+device are checked there with the same operations), without importing torch.
+The common valid case costs one min/max and ``K - 1`` vector comparisons per
+cache-sized block; locating the offending token and layer runs only on failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from r3arrow.errors import DuplicateExpertError, ExpertRangeError
+
+if TYPE_CHECKING:
+    from r3arrow.spec import RouteSpec
+
+_BLOCK_IDS = 1 << 17  # ids per block: the transposed block stays in L2
+
+
+def _first(mask: Any) -> list[int]:
+    """Index (as ints) of the first True of a numpy array or torch tensor."""
+    if isinstance(mask, np.ndarray):
+        return [int(v) for v in np.argwhere(mask)[0]]
+    return [int(v) for v in mask.nonzero()[0].tolist()]
+
+
+def check_router_ids(
+    arr: Any,
+    num_experts: int | None,
+    layer_ids: Sequence[int],
+    *,
+    layers_first: bool = False,
+    what: str = "routes",
+    token_offset: int = 0,
+    range_error: type[ExpertRangeError] = ExpertRangeError,
+    duplicate_error: type[DuplicateExpertError] = DuplicateExpertError,
+) -> None:
+    """Check the router-layer rules on ``arr``; raise on the first violation.
+
+    Parameters
+    ----------
+    arr:
+        Integer ids, numpy array or torch tensor: ``[tokens, layers, K]``, or
+        ``[layers, tokens, K]`` with ``layers_first``. Only router layers belong
+        here (select them first).
+    num_experts:
+        Exclusive upper bound of the ids, or ``None`` for "no upper bound".
+    layer_ids:
+        The global layer id of each entry of the layer axis (used in messages).
+    layers_first:
+        Layout flag, see ``arr``.
+    what:
+        What the ids are, for messages (``"routes"``, ``"replay target"``).
+    token_offset:
+        Added to token positions in messages and fields (the block's start).
+    range_error, duplicate_error:
+        The exception types to raise (the replay boundary raises its own
+        subclasses).
+
+    Raises
+    ------
+    ExpertRangeError
+        (or ``range_error``) an id is negative or ``>= num_experts``; the error's
+        ``token`` and ``layer`` fields locate it.
+    DuplicateExpertError
+        (or ``duplicate_error``) a row names the same expert twice.
+    """
+    if arr.ndim != 3:
+        raise ValueError(f"{what}: expected a 3-d id array, found shape {list(arr.shape)}")
+    n_layers = arr.shape[0] if layers_first else arr.shape[1]
+    tokens = arr.shape[1] if layers_first else arr.shape[0]
+    k = int(arr.shape[2])
+    if len(layer_ids) != n_layers:
+        raise ValueError(f"layer_ids: expected {n_layers} ids, found {len(layer_ids)}")
+    if tokens == 0 or n_layers == 0:
+        return
+    numpy_in = isinstance(arr, np.ndarray)
+    on_cpu = numpy_in or arr.device.type == "cpu"
+    data: Any = arr if numpy_in else (arr.numpy() if on_cpu else arr)
+    step = max(1, _BLOCK_IDS // max(1, n_layers * k))
+    signed = bool(np.dtype(data.dtype).kind == "i") if on_cpu else True
+    for a in range(0, tokens, step):
+        blk = data[:, a : a + step] if layers_first else data[a : a + step]
+        # [K, layers, tokens_in_block], contiguous: every test below is a straight vector op.
+        perm = (2, 0, 1) if layers_first else (2, 1, 0)
+        xt = np.ascontiguousarray(blk.transpose(perm)) if on_cpu else blk.permute(perm).contiguous()
+        lo = int(xt.min()) if signed else 0
+        hi = int(xt.max())
+        if lo < 0 or (num_experts is not None and hi >= num_experts):
+            bad = xt < 0 if num_experts is None else (xt < 0) | (xt >= num_experts)
+            kk, layer, tok = _first(bad)
+            value = int(xt[kk, layer, tok])
+            bound = ">= 0" if value < 0 else f"< num_experts={num_experts}"
+            raise range_error(
+                f"{what}: expected expert ids {bound}, found {value} "
+                f"(token {token_offset + a + tok}, layer {layer_ids[layer]})",
+                token=token_offset + a + tok,
+                layer=layer_ids[layer],
+            )
+        for r in range(1, k):
+            eq = xt[: k - r] == xt[r:]
+            if bool(eq.any()):
+                _, layer, tok = _first(eq)
+                row = xt[:, layer, tok].tolist()
+                raise duplicate_error(
+                    f"{what}: expected {k} distinct experts per token and layer, found {row} "
+                    f"(token {token_offset + a + tok}, layer {layer_ids[layer]})",
+                    token=token_offset + a + tok,
+                    layer=layer_ids[layer],
+                )
+
+
+def storage_cap(spec: RouteSpec) -> int:
+    """Largest value the spec's storage holds (int32's when ``num_experts`` is unknown)."""
+    return int(np.iinfo(spec.dtype if spec.num_experts is not None else np.int32).max)
+
+
+def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
+    """Check the id range of ``arr`` ``[rows, L, K]``; return (min, max) over all layers.
+
+    Router layers need ids in ``[0, num_experts)``; every layer needs values
+    ``>= 0`` that fit the storage dtype. Returns ``(0, -1)`` for no rows. Does not
+    check duplicates (:func:`check_distinct_experts`, or :func:`check_routes` for
+    both). Raises `ExpertRangeError` with ``token`` and ``layer`` set.
+    """
+    if arr.size == 0:
+        return 0, -1
+    hi = int(arr.max())
+    lo = int(arr.min()) if arr.dtype.kind == "i" else 0
+    e = spec.num_experts
+    cap = storage_cap(spec)
+    if lo >= 0 and hi <= cap and (e is None or hi < e):
+        return lo, hi
+    layers = list(spec.router_layers)
+    if layers and (lo < 0 or (e is not None and hi >= e)):
+        check_router_ids(
+            arr[:, layers, :] if spec.moe_layers is not None else arr, e, layers, what=what
+        )
+    bad = (arr < 0) | (arr > cap)
+    if bad.any():
+        tok, layer, _ = _first(bad)
+        raise ExpertRangeError(
+            f"{what}: expected values <= {cap} (storage {spec.dtype if e is not None else 'int32'}) "
+            f"and >= 0 on every layer, found {int(arr[tok, layer][bad[tok, layer]][0])} "
+            f"(token {tok}, layer {layer}; dense layers should be 0)",
+            token=tok,
+            layer=layer,
+        )
+    return lo, hi
+
+
+def check_distinct_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> None:
+    """Raise `DuplicateExpertError` if a router-layer row of ``arr`` ``[rows, L, K]`` repeats an expert.
+
+    With ``spec.moe_layers=None`` every layer is a router layer; a duplicate on a
+    layer that is really dense (vLLM reports zeros there) is then reported with a
+    hint to declare ``moe_layers``.
+    """
+    if arr.shape[0] == 0 or spec.topk == 1:
+        return
+    layers = list(spec.router_layers)
+    sub = arr if spec.moe_layers is None else arr[:, layers, :]
+    try:
+        check_router_ids(sub, None, layers, what=what)
+    except ExpertRangeError:  # negative ids: check_route_ids reports those
+        return
+    except DuplicateExpertError as exc:
+        if spec.moe_layers is None and exc.layer is not None and exc.token is not None:
+            if not arr[:, exc.layer, :].any():
+                raise DuplicateExpertError(
+                    f"{exc.message}; layer {exc.layer} is all zeros, as vLLM reports dense "
+                    f"layers: declare the router layers with RouteSpec(moe_layers=...)",
+                    token=exc.token,
+                    layer=exc.layer,
+                ) from None
+        raise
+
+
+def check_routes(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
+    """Both rules on ``arr`` ``[rows, L, K]``: :func:`check_route_ids` then :func:`check_distinct_experts`."""
+    lo_hi = check_route_ids(arr, spec, what=what)
+    check_distinct_experts(arr, spec, what=what)
+    return lo_hi
+
+
+__all__ = [
+    "check_distinct_experts",
+    "check_route_ids",
+    "check_router_ids",
+    "check_routes",
+    "storage_cap",
+]
