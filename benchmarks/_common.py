@@ -4,8 +4,11 @@ Every benchmark measures its baseline and `memcpy_gbps` in the same run and repo
 `peak_rss_mb` (this process's own VmHWM; `reset_peak_rss` restarts it) and `arrow_peak_mb`
 (Arrow's pool peak, which tracemalloc misses) report peak memory; `run_isolated` runs a case
 in its own process so its peak is its own.
-Import from a benchmark script as ``from _common import ...`` (the scripts run from
-``benchmarks/``) or ``from benchmarks._common import ...`` from the repository root.
+A benchmark script imports it as ``from _common import ...`` with no ``sys.path`` edit:
+Python puts a script's own directory first on ``sys.path`` (``python benchmarks/bench_x.py``
+and ``r3arrow bench``, which runs the scripts from ``benchmarks/``, both work), and r3arrow
+itself comes from the installed (editable) package. From the repository root, use
+``from benchmarks._common import ...``. This module never edits ``sys.path``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class Timer:
 
 
 def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
-    """Memory-copy speed in GB/s: numpy copy of ``nbytes`` into a warm preallocated buffer, best of ``repeat``."""
+    """Memory-copy speed in GB/s: numpy copy of ``nbytes`` into a warm preallocated buffer,
+    best of ``repeat``."""
     nbytes = max(1, int(nbytes))
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -146,7 +150,7 @@ def run_isolated(
 
 
 def markdown_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
-    """Render rows as a GitHub markdown table; floats get 3 significant digits (or 1 decimal if ≥100)."""
+    """A GitHub markdown table of ``rows``; floats get 3 significant digits (1 decimal if ≥100)."""
 
     def fmt(v: Any) -> str:
         if isinstance(v, float):
@@ -181,7 +185,7 @@ def add_quick(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def machine_line() -> str:
-    """One line describing the machine (CPU count, Python, numpy/pyarrow versions) for the report."""
+    """One line describing the machine (CPUs, Python, numpy/pyarrow versions) for the report."""
     import platform
 
     import pyarrow as pa

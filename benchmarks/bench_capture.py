@@ -9,14 +9,15 @@ conversation of 32K tokens (each turn ~256 observation/prompt + ~256 generated t
 Cases (each in its own subprocess, so peak memory is per case):
   copy_warm     one copy of the final trace(s) into a warm buffer (this run's memcpy speed)
   copy_fresh    one copy of the final trace(s) into a fresh array (allocation + first touch)
-  trace_ro      RouteTrace.record per turn + finalize; chunks read-only, as a codec decode returns them
-  trace_rw      same with writable chunks (the trace copies each, so a reused buffer cannot corrupt it)
-  store_append  TurnStore.append per turn only (one record batch per turn; no assembly)
-  store         TurnStore.append per turn + routes() for all trajectories
+  trace_ro      RouteTrace.record per turn + finalize; chunks read-only, as a decode returns them
+  trace_rw      same with writable chunks (the trace copies each: a reused buffer cannot corrupt it)
+  store_append  the capture path only: store.trace(tid).record per turn (validated once by the
+                trace, one record batch per turn into the store; no assembly)
+  store         the capture path + routes() for all trajectories
   recv_incr     end to end: materialise each turn's new rows (decode into a fresh read-only array),
                 record, finalize
-  recv_full     baseline end to end: materialise every turn's full prefix into a fresh array, keep the
-                latest (what the reference did before prompt starts)
+  recv_full     baseline end to end: materialise every turn's full prefix into a fresh array, keep
+                the latest (what the reference did before prompt starts)
 
 Targets: >= 20x fewer route bytes at 64 turns; assembly (trace_ro, store) within 2x one copy of
 the final trace (copy_fresh).
@@ -35,14 +36,10 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from _common import (
     GB,
     best_of,
@@ -86,7 +83,7 @@ class Conversation:
 
 
 def plan(rng: np.random.Generator, tid: str, total: int, turns: int) -> Conversation:
-    """A conversation of ``total`` tokens in ``turns`` turns: each turn ~half observation, half generated."""
+    """A conversation of ``total`` tokens in ``turns`` turns (each ~half observation, half new)."""
     per = np.full(turns, total // turns)
     per[: total % turns] += 1
     obs = np.maximum(1, (per * rng.uniform(0.375, 0.625, size=turns)).astype(int))
@@ -148,7 +145,7 @@ def make_case(
     if name in ("trace_ro", "trace_rw"):
         parts = [chunks(c, writable=name == "trace_rw") for c in convs]
 
-        def run_trace() -> list[pa.Array]:
+        def run_trace() -> list[pa.Array[Any]]:
             out = []
             for conv, cs, mask in zip(convs, parts, masks, strict=True):
                 trace = RouteTrace(SPEC)
@@ -174,9 +171,14 @@ def make_case(
         ]
 
         def append_all() -> TurnStore:
+            # The one capture path: each trajectory's trace validates a turn once and hands it
+            # to the store (rollout.py does the same through the client).
             store = TurnStore(SPEC)
+            traces = [store.trace(tid) for tid in ids]
             for i, t in order:
-                store.append(ids[i], starts[i][t], parts[i][t])
+                p, g, _, _ = convs[i].turns[t]
+                start = traces[i].record(parts[i][t], prompt_tokens=p, generated_tokens=g)
+                assert start == starts[i][t]
             return store
 
         if name == "store_append":
@@ -185,7 +187,7 @@ def make_case(
                 lambda store: None if store.num_turns == len(order) else sys.exit("lost turns"),
             )
 
-        def run_store() -> pa.Array:
+        def run_store() -> pa.Array[Any]:
             return append_all().routes(ids)
 
         def check_store(col: Any) -> None:
@@ -196,7 +198,7 @@ def make_case(
         return run_store, check_store
     if name == "recv_incr":
 
-        def run_recv_incr() -> list[pa.Array]:
+        def run_recv_incr() -> list[pa.Array[Any]]:
             out = []
             for conv, mask in zip(convs, masks, strict=True):
                 trace = RouteTrace(SPEC)
@@ -214,9 +216,9 @@ def make_case(
     if name == "recv_full":
 
         def run_recv_full() -> list[np.ndarray]:
-            out = []
+            out: list[np.ndarray] = []
             for conv in convs:
-                latest = None
+                latest = conv.routes[:0]
                 for _, _, _, full in conv.turns:
                     latest = np.array(conv.routes[:full])  # decode of the full-prefix payload
                 out.append(latest)
@@ -237,7 +239,7 @@ def run_case(name: str, wl: str, quick: bool) -> dict[str, Any]:
     out = fn()
     _, np_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    arrow_peak = max(0, pa.default_memory_pool().max_memory() - arrow_before)
+    arrow_peak = max(0, (pa.default_memory_pool().max_memory() or 0) - (arrow_before or 0))
     rss_delta = proc_status_mb("VmHWM") - rss_before  # NaN without /proc
     check(out)
     del out
@@ -305,7 +307,8 @@ def main() -> None:
             )
         desc = f"{turns[0]} turns" if len(turns) == 1 else f"{turns[0]}-{turns[-1]} turns each"
         print(
-            f"## {wl}: {ntraj} trajectories, {tokens:,} tokens, {desc}; final routes {final / 2**20:.1f} MiB\n"
+            f"## {wl}: {ntraj} trajectories, {tokens:,} tokens, {desc}; "
+            f"final routes {final / 2**20:.1f} MiB\n"
         )
         print(
             f"route bytes: incremental {incr / 2**20:.1f} MiB, full prefix {full / 2**20:.1f} MiB, "

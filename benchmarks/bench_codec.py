@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import functools
 import gc
-import sys
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 import pyarrow as pa
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     GB,
     arrow_peak_mb,
@@ -61,7 +57,7 @@ def json_baseline(arr: np.ndarray, repeat: int) -> tuple[float, str]:
 
 
 def alloc_peak_mb(fn: Callable[[], Any]) -> float:
-    """Peak bytes allocated (tracemalloc: numpy, bytearray) plus Arrow pool growth during one call."""
+    """Peak bytes allocated (tracemalloc: numpy, bytearray) plus Arrow pool growth in one call."""
     gc.collect()
     pool = pa.total_allocated_bytes()
     tracemalloc.start()
@@ -158,14 +154,17 @@ def main() -> None:
     )
     lo, hi = min(ipc_times), max(ipc_times)
     print(
-        f"\nArrow IPC decode, {lo} vs {hi} tokens: {ipc_times[lo] * 1e6:.0f} us vs {ipc_times[hi] * 1e6:.0f} us "
-        f"({ipc_times[hi] / ipc_times[lo]:.2f}x time for {hi // lo}x data: zero-copy, constant in size)."
+        f"\nArrow IPC decode, {lo} vs {hi} tokens: {ipc_times[lo] * 1e6:.0f} us vs "
+        f"{ipc_times[hi] * 1e6:.0f} us ({ipc_times[hi] / ipc_times[lo]:.2f}x time for "
+        f"{hi // lo}x data: zero-copy, constant in size)."
     )
     print(
-        "GB/s counts the uint8 [tokens, 48, 8] routes decoded (SGLang's int32 payload is 4x larger);"
+        "GB/s counts the uint8 [tokens, 48, 8] routes decoded "
+        "(SGLang's int32 payload is 4x larger);"
     )
     print(
-        "'x JSON' = JSON time / codec time for the same tokens; alloc peak = tracemalloc + Arrow pool in one decode."
+        "'x JSON' = JSON time / codec time for the same tokens; "
+        "alloc peak = tracemalloc + Arrow pool in one decode."
     )
     print(f"process peak RSS {peak_rss_mb():.0f} MB, Arrow pool peak {arrow_peak_mb():.1f} MB")
 

@@ -20,14 +20,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from _common import best_of, machine_line, markdown_table, parser, proc_status_mb, reset_peak_rss
 
 
@@ -42,7 +37,7 @@ def make_table(
     plen = np.minimum(rng.integers(64, 1024, n_traj), n - 1)
     cap = n - 1
     total = int(cap.sum())
-    # Distinct ids without a [T, L, K] int64 temporary: random start + K fixed distinct offsets mod E.
+    # Distinct ids without a [T, L, K] int64 temporary: random start + K distinct offsets mod E.
     dt = np.uint8 if experts <= 256 else np.uint16
     routes = np.empty((total, layers, topk), dtype=dt)
     offs = rng.permutation(experts)[:topk].astype(np.int64)
@@ -68,7 +63,8 @@ def make_table(
 
 
 def dense_baseline(table: Any, layers: list[int]) -> list[Any]:
-    """Reference path: left-pad into [B, S_max, L, K], select layers, permute to [L, S, B, K], widen."""
+    """Reference path: left-pad into [B, S_max, L, K], select layers, permute to [L, S, B, K],
+    widen."""
     import torch
 
     from r3arrow.table import flat_routes, sequence_lengths
@@ -146,10 +142,23 @@ def run_case(args: Any) -> dict[str, Any]:
         warm = min(warm, best_of(fn, 1, warmup=0))
     check = float("nan")
     if args.case != "dense":  # install-time check of the targets (ids in range, no duplicates)
-        from r3arrow.megatron import _check_microbatch_ids
+        from r3arrow.errors import ReplayDuplicateError, ReplayRangeError
+        from r3arrow.ids import check_router_ids
 
         mb = collate_for_check(table)
-        check = best_of(lambda: _check_microbatch_ids(mb, spec.num_experts), 3)
+
+        def install_check() -> None:  # what r3arrow.megatron.install_replay runs on a microbatch
+            check_router_ids(
+                mb.replay_tensor(),
+                spec.num_experts,
+                mb.layers,
+                layers_first=True,
+                what="replay target",
+                range_error=ReplayRangeError,
+                duplicate_error=ReplayDuplicateError,
+            )
+
+        check = best_of(install_check, 3)
     return {
         "check_s": check,
         "case": args.case,
@@ -233,8 +242,9 @@ def main() -> None:
             ]
         )
     print(
-        f"{args.trajectories} trajectories, {packed['tokens']:,} tokens, {args.layers} layers, top-{args.topk}, "
-        f"{args.experts} experts, PP={args.pp} stage {args.stage}; torch threads={args.threads}; "
+        f"{args.trajectories} trajectories, {packed['tokens']:,} tokens, {args.layers} layers, "
+        f"top-{args.topk}, {args.experts} experts, PP={args.pp} stage {args.stage}; "
+        f"torch threads={args.threads}; "
         f"memcpy {gbps:.1f} GB/s ({copy_s * 1e3:.1f} ms for the packed target bytes, measured "
         "interleaved with each case in its process)"
     )

@@ -1,4 +1,4 @@
-"""Rollout persistence: r3arrow Parquet (fixed_size_binary per token) vs naive nested Parquet, IPC, memcpy.
+"""Rollout persistence: r3arrow Parquet (fixed_size_binary per token) vs naive Parquet, IPC, memcpy.
 
 Shape: 48 layers, top-8, 128 experts (uint8 ids); 64 trajectories of 2K-8K tokens (~128 MB of
 routes; ``--quick``: 8 trajectories of 256-1K tokens). Ids are 8 distinct experts per token and
@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,11 +37,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent))
-from _common import (  # noqa: E402
+from _common import (  # the script's folder is on sys.path when run as a script
     GB,
     arrow_peak_mb,
     machine_line,
@@ -53,8 +48,8 @@ from _common import (  # noqa: E402
     run_isolated,
 )
 
-import r3arrow  # noqa: E402
-from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy  # noqa: E402
+import r3arrow
+from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 SPEC = RouteSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
@@ -131,7 +126,7 @@ def trajectory_lengths(quick: bool, seed: int = 1) -> np.ndarray:
 
 
 def build_table(routes: np.ndarray, lengths: np.ndarray) -> pa.Table:
-    """A rollout table whose trajectories have ``lengths`` tokens, each fully captured but the last."""
+    """A rollout table of trajectories of ``lengths`` tokens, each captured but the last."""
     n = len(lengths)
     prompt = lengths // 4
     response = lengths - prompt
@@ -322,7 +317,8 @@ def report(
     size = "quick" if quick else "full"
     print(f"# bench_io ({size}): {machine_line()}")
     print(
-        f"{info['trajectories']} trajectories, {info['tokens']:,} tokens, routes [{LAYERS}, {TOPK}] "
+        f"{info['trajectories']} trajectories, {info['tokens']:,} tokens, "
+        f"routes [{LAYERS}, {TOPK}] "
         f"uint8 ({EXPERTS} experts): {raw / 2**20:.1f} MiB raw; memcpy {copy_gbps:.1f} GB/s\n"
     )
     headers = [

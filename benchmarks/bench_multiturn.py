@@ -21,14 +21,11 @@ Run: ``python benchmarks/bench_multiturn.py [--quick]`` from the repository root
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import orjson
@@ -211,7 +208,7 @@ def part2(
         # the same payload through a plain JSON parse first (what a generic client does)
         return decode_routes(orjson.loads(npy_body)["choices"][0]["routed_experts"], spec)[0]
 
-    cases = [
+    cases: list[tuple[str, Callable[[], np.ndarray | None], int]] = [
         (
             "base64 .npy, r3arrow client",
             lambda: parse_response(npy_body, spec=spec).routes,

@@ -1,10 +1,10 @@
-"""Benchmark: expert-load statistics (r3arrow.stats, r3arrow.ray) against their baselines.
+"""Benchmark: expert-load statistics (r3arrow.stats, local and Ray engines) against baselines.
 
 Part 1, in memory (≥ 100M expert ids in the full run): `r3arrow.stats.expert_load`
 (one ``np.bincount`` over ``layer * E + id`` codes per cache-sized chunk) vs a
 numpy ``np.bincount`` per layer and vs a naive Polars explode + group-by.
 Part 2, a multi-step Parquet directory: the single-process streamed path vs
-`r3arrow.ray.expert_load` on a local 2-CPU Ray cluster (driver and Ray
+``r3arrow.stats.expert_load(..., engine="ray")`` on a local 2-CPU Ray cluster (driver and Ray
 hash-aggregate reduction).
 
 The in-memory cases share one subprocess and run interleaved round-robin (the
@@ -24,16 +24,13 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
+from _common import (  # the script's folder is on sys.path when run as a script
     arrow_peak_mb,
     best_of,
     machine_line,
@@ -178,12 +175,13 @@ def case_directory(name: str, root: str) -> dict[str, Any]:
     result: dict[str, Any] = {}
     cold = None
     if name == "dir-local":
-        fn = lambda: result.__setitem__("c", stats.expert_load(root)["tokens"].to_numpy())  # noqa: E731
+
+        def fn() -> None:
+            result["c"] = stats.expert_load(root)["tokens"].to_numpy()
+
         repeat = 3
     else:
         import ray
-
-        from r3arrow import ray as r3ray
 
         t0 = time.perf_counter()
         ray.init(
@@ -191,10 +189,11 @@ def case_directory(name: str, root: str) -> dict[str, Any]:
         )
         ray.data.DataContext.get_current().enable_progress_bars = False
         init = time.perf_counter() - t0
-        reduce: r3ray.Reduce = "ray" if name == "dir-ray-hash" else "driver"
+        reduce: stats.Reduce = "ray" if name == "dir-ray-hash" else "driver"
 
         def fn() -> None:
-            result["c"] = r3ray.expert_load(root, reduce=reduce)["tokens"].to_numpy()
+            load = stats.expert_load(root, engine="ray", reduce=reduce)
+            result["c"] = load["tokens"].to_numpy()
 
         t0 = time.perf_counter()
         fn()
@@ -275,7 +274,8 @@ def main() -> None:
             ]
         )
     print(
-        f"## Expert load in memory: {ids / 1e6:.1f}M expert ids ({LAYERS} layers × top-{TOPK}, {EXPERTS} experts, uint8)\n"
+        f"## Expert load in memory: {ids / 1e6:.1f}M expert ids "
+        f"({LAYERS} layers × top-{TOPK}, {EXPERTS} experts, uint8)\n"
     )
     print(
         markdown_table(
@@ -294,12 +294,15 @@ def main() -> None:
     )
     ratio = fastest_baseline / res["r3arrow"]["seconds"]
     print(
-        f"\ntargets{' (set for ≥ 100M ids; this is --quick)' if args.quick else ''}: within 2× of the faster baseline → {ratio:.2f}× "
-        f"({'met' if ratio >= 0.5 else 'MISSED'}); ≥ 10× naive → {naive / res['r3arrow']['seconds']:.1f}× "
+        f"\ntargets{' (set for ≥ 100M ids; this is --quick)' if args.quick else ''}: "
+        f"within 2× of the faster baseline → {ratio:.2f}× "
+        f"({'met' if ratio >= 0.5 else 'MISSED'}); "
+        f"≥ 10× naive → {naive / res['r3arrow']['seconds']:.1f}× "
         f"({'met' if naive / res['r3arrow']['seconds'] >= 10 else 'MISSED'})\n"
     )
     print(
-        "Peak RSS above start: the timed runs only (VmHWM reset after data generation and a warm-up run; "
+        "Peak RSS above start: the timed runs only (VmHWM reset after data generation and a "
+        "warm-up run; "
         "the warm-up imports torch, whose libraries are not counted). The input routes are "
         f"{ids / 2**20:.0f} MiB.\n"
     )
@@ -331,8 +334,10 @@ def main() -> None:
         dir_ids = dres["dir-local"]["ids"]
         dlabels = {
             "dir-local": "r3arrow.stats.expert_load(dir), 1 process, streamed by step",
-            "dir-ray-driver": "r3arrow.ray.expert_load(dir), 2 CPUs, reduce='driver'",
-            "dir-ray-hash": "r3arrow.ray.expert_load(dir), 2 CPUs, reduce='ray' (hash aggregate)",
+            "dir-ray-driver": "r3arrow.stats.expert_load(dir, engine='ray'), 2 CPUs, "
+            "reduce='driver'",
+            "dir-ray-hash": "r3arrow.stats.expert_load(dir, engine='ray'), 2 CPUs, "
+            "reduce='ray' (hash aggregate)",
         }
         drows = []
         for c, d in dres.items():
@@ -348,7 +353,8 @@ def main() -> None:
                 ]
             )
         print(
-            f"## Multi-file directory: {written} Parquet files ({STEPS} steps), {disk / 2**20:.0f} MiB on disk "
+            f"## Multi-file directory: {written} Parquet files ({STEPS} steps), "
+            f"{disk / 2**20:.0f} MiB on disk "
             f"(page cache warm), {dir_ids / 1e6:.1f}M expert ids\n"
         )
         print(
@@ -367,8 +373,9 @@ def main() -> None:
         )
         if not args.no_ray:
             print(
-                f"\nRay init: {dres['dir-ray-driver']['init_seconds']:.1f} s (not included). Worker memory is not in the "
-                "driver's RSS. The machine has 2 cores shared with the driver, the raylet and the object store."
+                f"\nRay init: {dres['dir-ray-driver']['init_seconds']:.1f} s (not included). "
+                "Worker memory is not in the driver's RSS. The machine has 2 cores shared with "
+                "the driver, the raylet and the object store."
             )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,7 @@
-"""Argument checks shared by every module (argument misuse raises builtins, see :mod:`r3arrow.errors`)."""
+"""Argument checks shared by every module.
+
+Argument misuse raises builtins (see :mod:`r3arrow.errors`).
+"""
 
 from __future__ import annotations
 

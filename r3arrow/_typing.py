@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 
@@ -13,5 +13,5 @@ PathLike: TypeAlias = str | os.PathLike[str]
 TableLike: TypeAlias = pa.Table | pa.RecordBatch
 """A rollout table or one record batch of it."""
 
-ArrowArray: TypeAlias = pa.Array | pa.ChunkedArray
+ArrowArray: TypeAlias = "pa.Array[Any] | pa.ChunkedArray[Any]"
 """An Arrow column, contiguous or chunked."""

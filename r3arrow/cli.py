@@ -8,7 +8,6 @@ interrupted.
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -20,7 +19,8 @@ import orjson
 import pyarrow as pa
 
 from r3arrow.errors import PayloadError, R3ArrowError, SchemaError
-from r3arrow.spec import RouteSpec, as_route_rows, check_route_ids
+from r3arrow.ids import check_route_ids
+from r3arrow.spec import RouteSpec, as_route_rows
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -61,7 +61,7 @@ def _human_bytes(n: float) -> str:
 
 # --------------------------------------------------------------------- inspect
 def inspect_summary(path: Path) -> dict[str, Any]:
-    """Schema, spec, rows, tokens, captured fraction and size on disk of a rollout file or directory."""
+    """Schema, spec, rows, tokens, captured fraction and size on disk of a rollout file or dir."""
     from r3arrow.table import captured_lengths, route_spec, sequence_lengths
 
     table = _read_any(path)
@@ -94,9 +94,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{info['path']}")
     print(f"  rows (trajectories): {info['rows']}")
     print(f"  tokens:              {info['tokens']}")
-    print(
-        f"  captured rows:       {info['captured_rows']} ({info['captured_fraction']:.1%} of tokens)"
-    )
+    fraction = f"{info['captured_fraction']:.1%} of tokens"
+    print(f"  captured rows:       {info['captured_rows']} ({fraction})")
     print(
         f"  spec:                {spec['num_layers']} layers x top-{spec['topk']}, "
         f"{spec['num_experts']} experts, ids {spec['dtype']}, router layers "
@@ -193,6 +192,18 @@ def _decode_record(rec: dict[str, Any], fmt: str, spec: RouteSpec, base: Path) -
     return codec.decode_sglang(payload, spec)
 
 
+def _located(exc: R3ArrowError, where: str, path: Path) -> R3ArrowError:
+    """A copy of ``exc`` (same type and fields) whose message starts with ``where``."""
+    new = type(exc).__new__(type(exc))
+    message = f"{where}: {exc}"
+    Exception.__init__(new, message)
+    new.__dict__.update(exc.__dict__)
+    new.message = message
+    if new.path is None:
+        new.path = str(path)
+    return new
+
+
 def _record_columns(rec: Any, default_id: str) -> dict[str, Any]:
     """The non-route columns of one record, with defaults; raises `SchemaError` on a wrong type."""
     if not isinstance(rec, dict):
@@ -232,11 +243,12 @@ def convert_jsonl(
     for path in paths:
         if path.suffix.lower() in (".npy", ".npz", ".parquet"):
             raise SchemaError(
-                f"{path}: expected a JSON-lines dump (.npy routes are named by a record's routes_npy)"
+                f"{path}: expected a JSON-lines dump "
+                "(.npy routes are named by a record's routes_npy)"
             )
     names = ("trajectory_id", "group_id", "prompt_ids", "response_ids", "loss_mask", "reward")
     cols: dict[str, list[Any]] = {k: [] for k in (*names, "routes")}
-    where: list[str] = []
+    where: list[tuple[str, Path]] = []  # (file:line, file) of each record
     total = sum(p.stat().st_size for p in paths)
     # disable=None: no bar when stderr is not a terminal (logs, pipes)
     with tqdm(
@@ -258,18 +270,19 @@ def convert_jsonl(
                             ) from exc
                         row = _record_columns(rec, f"{path.stem}-{lineno}")
                         row["routes"] = _decode_record(rec, fmt, spec, path.parent)
-                    except (R3ArrowError, OSError) as exc:
+                    except R3ArrowError as exc:
+                        raise _located(exc, loc, path) from exc
+                    except OSError as exc:
                         raise type(exc)(f"{loc}: {exc}") from exc
                     for k, v in row.items():
                         cols[k].append(v)
-                    where.append(loc)
+                    where.append((loc, path))
     try:
         return rollout_table(spec=spec, **cols)
-    except R3ArrowError as exc:  # "row N" is the N-th record: name its file and line
-        m = re.search(r"\brow (\d+)|\broutes\[(\d+)\]", str(exc))
-        i = int(m.group(1) or m.group(2)) if m else -1
-        if 0 <= i < len(where):
-            raise type(exc)(f"{where[i]}: {exc}") from exc
+    except R3ArrowError as exc:  # row N is the N-th record: name its file and line
+        i = exc.row
+        if i is not None and 0 <= i < len(where):
+            raise _located(exc, *where[i]) from exc
         raise
 
 

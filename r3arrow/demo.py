@@ -114,7 +114,7 @@ async def _rollouts(cfg: DemoConfig, url: str, spec: RouteSpec | None) -> pa.Tab
     ]
     async with EngineClient(url, spec, vocab_size=cfg.vocab_size) as client:
         if client.spec is None:
-            await client.probe_spec(num_experts=cfg.num_experts)
+            client.spec = await client.probe_spec(num_experts=cfg.num_experts)
         table = await run_rollouts(
             client,
             ArithmeticEnv(vocab_size=cfg.vocab_size, turns=cfg.turns),
@@ -248,7 +248,11 @@ def _replay_check(routers: list[Any], mb: Any, spec: RouteSpec, table: pa.Table)
 
 
 def run_demo(cfg: DemoConfig) -> DemoResult:
-    """Run the pipeline, printing what each stage did; raise on errors, report checks in the result."""
+    """Run the pipeline, printing what each stage did.
+
+    Errors of any stage propagate; the checks (Parquet round trip, replay) are reported in the
+    result, and `R3ArrowError` is raised at the end if one failed.
+    """
     from r3arrow.collate import MegatronCollator, split_microbatches
     from r3arrow.io import read_rollouts, write_rollouts
     from r3arrow.table import (
@@ -265,15 +269,17 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     with _engine(cfg) as (url, spec):
         where = "embedded engine" if cfg.engine_url is None else "external engine"
         _say(
-            f"[1/6] rollouts: {cfg.groups} groups x {cfg.samples} samples, up to {cfg.turns} turns, {where} at {url}"
+            f"[1/6] rollouts: {cfg.groups} groups x {cfg.samples} samples, "
+            f"up to {cfg.turns} turns, {where} at {url}"
         )
         table = asyncio.run(_rollouts(cfg, url, spec))
     timings["rollouts"] = time.perf_counter() - t0
     spec = route_spec(table)
     tokens, captured = sequence_lengths(table), captured_lengths(table)
     _say(
-        f"  {table.num_rows} trajectories, {int(tokens.sum())} tokens, {int(captured.sum())} route rows "
-        f"({spec.num_layers} layers x top-{spec.topk} of {spec.num_experts} experts, ids {spec.dtype}), "
+        f"  {table.num_rows} trajectories, {int(tokens.sum())} tokens, "
+        f"{int(captured.sum())} route rows ({spec.num_layers} layers x top-{spec.topk} of "
+        f"{spec.num_experts} experts, ids {spec.dtype}), "
         f"{table.nbytes / 1e3:.1f} kB in Arrow"
     )
 
@@ -292,16 +298,18 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     elif kept_groups < groups:
         replaced = replace_groups(table, seed=cfg.seed)
         _say(
-            f"  or, with replacement: {replaced.num_rows} rows, uniform groups redrawn from kept ones (seed {cfg.seed})"
+            f"  or, with replacement: {replaced.num_rows} rows, uniform groups redrawn from "
+            f"kept ones (seed {cfg.seed})"
         )
 
     t = time.perf_counter()
     parquet = write_rollouts(kept, cfg.out_dir / "rollouts.parquet")
     back = read_rollouts(parquet)
     timings["parquet"] = time.perf_counter() - t
-    exact = back.equals(kept) and back.schema.metadata == kept.schema.metadata
+    exact = bool(back.equals(kept)) and back.schema.metadata == kept.schema.metadata
     _say(
-        f"[3/6] parquet: {parquet} ({parquet.stat().st_size / 1e3:.1f} kB), round trip exact: {exact}"
+        f"[3/6] parquet: {parquet} ({parquet.stat().st_size / 1e3:.1f} kB), "
+        f"round trip exact: {exact}"
     )
 
     t = time.perf_counter()
@@ -335,8 +343,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     mb0 = batches[0]
     targets = mb0.replay_targets()
     _say(
-        f"[5/6] megatron collation: {len(batches)} packed microbatch{'' if len(batches) == 1 else 'es'} (<= {cfg.microbatch_tokens} tokens); "
-        f"first: routes {tuple(mb0.routes.shape)} int32, {int(mb0.padding_mask.sum())} padded positions, "
+        f"[5/6] megatron collation: {len(batches)} packed "
+        f"microbatch{'' if len(batches) == 1 else 'es'} (<= {cfg.microbatch_tokens} tokens); "
+        f"first: routes {tuple(mb0.routes.shape)} int32, "
+        f"{int(mb0.padding_mask.sum())} padded positions, "
         f"{len(targets)} replay targets of {tuple(targets[0].shape)}"
     )
 
@@ -370,8 +380,8 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         result.ok = result.ok and differ == 0
         verdict = "identical" if differ == 0 else f"DIFFERENT on {differ} tokens"
         _say(
-            f"[6/6] replay into {len(mb0.layers)} real megatron-core TopKRouters: {checked} tokens, "
-            f"routing {verdict} to the engine's"
+            f"[6/6] replay into {len(mb0.layers)} real megatron-core TopKRouters: "
+            f"{checked} tokens, routing {verdict} to the engine's"
         )
     total = sum(timings.values())
     _say(f"done in {total:.1f} s: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))

@@ -155,7 +155,7 @@ class EngineError(R3ArrowError, RuntimeError):
 
 
 class EngineHTTPError(EngineError):
-    """The engine answered with an HTTP error status (``status``) or could not be reached (``None``).
+    """The engine answered with an HTTP error status (``status``), or was unreachable (``None``).
 
     ``body`` is the (truncated) response body, ``url`` the URL that was requested.
     """

@@ -153,7 +153,8 @@ def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -
     if bad.any():
         tok, layer, _ = _first(bad)
         raise ExpertRangeError(
-            f"{what}: expected values <= {cap} (storage {spec.dtype if e is not None else 'int32'}) "
+            f"{what}: expected values <= {cap} "
+            f"(storage {spec.dtype if e is not None else 'int32'}) "
             f"and >= 0 on every layer, found {int(arr[tok, layer][bad[tok, layer]][0])} "
             f"(token {tok}, layer {layer}; dense layers should be 0)",
             token=tok,
@@ -163,7 +164,7 @@ def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -
 
 
 def check_distinct_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> None:
-    """Raise `DuplicateExpertError` if a router-layer row of ``arr`` ``[rows, L, K]`` repeats an expert.
+    """Raise `DuplicateExpertError` if a router-layer row of ``arr`` ``[rows, L, K]`` repeats one.
 
     With ``spec.moe_layers=None`` every layer is a router layer; a duplicate on a
     layer that is really dense (vLLM reports zeros there) is then reported with a
@@ -178,19 +179,23 @@ def check_distinct_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "rou
     except ExpertRangeError:  # negative ids: check_route_ids reports those
         return
     except DuplicateExpertError as exc:
-        if spec.moe_layers is None and exc.layer is not None and exc.token is not None:
-            if not arr[:, exc.layer, :].any():
-                raise DuplicateExpertError(
-                    f"{exc.message}; layer {exc.layer} is all zeros, as vLLM reports dense "
-                    f"layers: declare the router layers with RouteSpec(moe_layers=...)",
-                    token=exc.token,
-                    layer=exc.layer,
-                ) from None
+        if (
+            spec.moe_layers is None
+            and exc.layer is not None
+            and exc.token is not None
+            and not arr[:, exc.layer, :].any()
+        ):
+            raise DuplicateExpertError(
+                f"{exc.message}; layer {exc.layer} is all zeros, as vLLM reports dense "
+                f"layers: declare the router layers with RouteSpec(moe_layers=...)",
+                token=exc.token,
+                layer=exc.layer,
+            ) from None
         raise
 
 
 def check_routes(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
-    """Both rules on ``arr`` ``[rows, L, K]``: :func:`check_route_ids` then :func:`check_distinct_experts`."""
+    """Both rules on ``arr`` ``[rows, L, K]``: `check_route_ids`, then `check_distinct_experts`."""
     lo_hi = check_route_ids(arr, spec, what=what)
     check_distinct_experts(arr, spec, what=what)
     return lo_hi

@@ -10,7 +10,6 @@ and returns its path. Needs the ``plot`` extra (matplotlib).
 
 from __future__ import annotations
 
-import os
 import re
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
+from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
 from r3arrow.stats import RouteAgreement, agreement_over_steps, load_summary
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-PathLike = str | os.PathLike[str]
 _DPI = 120
 _REFERENCE = {
     "max_over_mean": (1.0, "balanced (1)"),
@@ -92,7 +91,7 @@ def _colorbar(fig: Figure, img: Any, ax: Axes, label: str, *, inches: float, **k
 
 
 def _ticks(ax: Axes, ids: Sequence[int], axis: str, max_ticks: int) -> None:
-    """Label rows (``axis="y"``) or columns with the ids they show (MoE layers need not be contiguous)."""
+    """Label rows (``axis="y"``) or columns with the ids they show (MoE layers may have gaps)."""
     raw = max(1, int(np.ceil(len(ids) / max_ticks)))
     mag = 10 ** (len(str(raw)) - 1)
     step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)  # round strides: 1, 2, 5 x 10^k
@@ -118,7 +117,7 @@ def _matrix(
 
 
 def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = None) -> Path:
-    """Heatmap (layer × expert) of each expert's load ÷ its layer's mean, log2 colour scale, colour bar.
+    """Heatmap (layer × expert) of each expert's load ÷ its layer's mean, log2 scale, colour bar.
 
     ``load``: an `r3arrow.stats.expert_load` frame (a ``step`` column is summed
     over). Blue = under-used, white = balanced (1×), red = hot; black = dead
@@ -164,8 +163,10 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
     routed = int(counts.sum(axis=1).max()) if counts.size else 0
     ax.set_title(
         title
-        or f"Expert load: {len(layers)} MoE layers × {len(experts)} experts, {routed:,} routed per layer\n"
-        f"worst max/mean {worst_per_layer[worst]:.2f} (layer {layers[worst]}), {dead} dead (layer, expert)",
+        or f"Expert load: {len(layers)} MoE layers × {len(experts)} experts, "
+        f"{routed:,} routed per layer\n"
+        f"worst max/mean {worst_per_layer[worst]:.2f} (layer {layers[worst]}), "
+        f"{dead} dead (layer, expert)",
         fontsize=10,
     )
     return _save(fig, out)
@@ -193,7 +194,7 @@ def _lines_and_heatmap(
     path: Path,
     reference: tuple[float, str] | None = None,
 ) -> Path:
-    """Top: summary lines over steps; bottom: layer × step heatmap of ``values`` with a colour bar."""
+    """Top: summary lines over steps; bottom: layer × step heatmap of ``values``, colour bar."""
     height = _clamp(4.2 + 0.16 * len(layers), 6.0, 14)
     fig = _figure(_clamp(4.5 + 0.12 * len(steps), 7.5, 16), height)
     ratio = _clamp(len(layers) / 10, 1.0, 3.0)
@@ -239,8 +240,8 @@ def plot_imbalance(
             f"expected a frame with a step column (by_step=True), found {frame.columns}"
         )
     summary = load_summary(frame) if "expert" in frame.columns else frame
-    if metric not in summary.columns:
-        raise SchemaError(f"metric: expected one of {list(_METRICS)}, found {metric!r}")
+    if metric not in summary.columns:  # argument misuse: a builtin (docs/design.md, Error policy)
+        raise ValueError(f"metric: expected one of {list(_METRICS)}, found {metric!r}")
     layers, steps, values = _matrix(summary, "layer", "step", metric)
     with np.errstate(all="ignore"):
         lines = {
@@ -267,7 +268,7 @@ def plot_imbalance(
 
 
 def _floor_tenth(values: np.ndarray) -> float:
-    """Colour-scale floor: 0 unless every value is high, then the tenth below the minimum (≤ 0.9)."""
+    """Colour-scale floor: 0 unless every value is high, then the tenth below the min (≤ 0.9)."""
     finite = values[np.isfinite(values)]
     return float(min(0.9, np.floor(finite.min() * 10) / 10)) if finite.size else 0.0
 

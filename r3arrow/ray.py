@@ -1,15 +1,17 @@
-"""Ray Data scale-out: rollout Parquet directories as Ray Datasets of Arrow blocks.
+"""Ray Data scale-out: rollout Parquet roots as Ray Datasets of Arrow blocks.
 
-- `read_rollouts`: a ``step=N`` directory (or a file) → ``ray.data.Dataset`` of
+- `read_rollouts`: a step-partitioned root (or a file) → ``ray.data.Dataset`` of
   Arrow blocks with routes restored to the nested per-token type and ``step``
-  as int64; one read task per Parquet row group.
-- `expert_counts` / `expert_load` / `route_agreement` (and ``*_by_step``): the
-  statistics of `r3arrow.stats` as a distributed aggregation — each block is
-  reduced to exact integer partial counts in ``map_batches`` (in parallel, only
-  the small partials move), then combined: streamed to the driver and summed
+  as int64; one read task per Parquet row group. Files, steps and the spec come
+  from `r3arrow.io` (`scan_rollout_files`, `read_row_group`).
+- `partials`: the Ray engine of `r3arrow.stats` (``engine="ray"``) — each block
+  is reduced to exact integer partials in ``map_batches`` (in parallel, only the
+  small partials move), then combined: streamed to the driver and summed
   (``reduce="driver"``, default) or with a Ray ``AggregateFnV2`` hash aggregate
-  (``reduce="ray"``, grouped by ``step`` for the by-step variants). Integer sums
-  are order-independent, so every path equals the single-process one exactly.
+  (``reduce="ray"``, grouped by ``step`` for the by-step statistics). Integer
+  sums are order-independent, so every path equals the single-process one
+  exactly. Call it through ``r3arrow.stats.expert_load(..., engine="ray")`` and
+  friends; ``r3arrow.ray.expert_load`` etc. are deprecated aliases of those.
 - `collate`: a collator (e.g. `r3arrow.collate.MegatronCollator`) run as
   ``map_batches``; each microbatch becomes one row of plain Arrow columns
   (values + shape per tensor) that ``Dataset.write_parquet`` writes back and
@@ -25,127 +27,68 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from r3arrow import stats as _stats
+from r3arrow._checks import check_choice, check_int
+from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
+from r3arrow.io import read_row_group, scan_rollout_files
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
-from r3arrow.stats import TOKEN_SUBSETS, ExpertCounts, RouteAgreement, TokenSubset, stack_steps
+from r3arrow.stats import REDUCES, ExpertCounts, Reduce, RouteAgreement, TokenSubset
 
 if TYPE_CHECKING:
     import ray.data
 
-PathLike = str | os.PathLike[str]
-_Kind = Literal["counts", "agreement"]
 _NO_STEP = -1  # partial rows of data without a step column
-#: Final combine of the partials: "driver" streams them to the driver and sums there (cheap: a
-#: few KB per block); "ray" uses a Ray ``AggregateFnV2`` (hash-shuffle aggregate; seconds of
-#: fixed overhead on a small cluster). Both are exact.
-Reduce = Literal["driver", "ray"]
+#: A block of rollout rows (spec in its metadata) → ``{step or None: int64 partial vector}``.
+BlockFn = Callable[[pa.Table], Mapping[int | None, np.ndarray]]
+#: The exact sum of two partial vectors (an empty vector is zero).
+CombineFn = Callable[[Any, Any], np.ndarray]
 
 
 # ================================================================== reading
-def _step_dirs(root: Path, steps: Sequence[int] | None) -> list[tuple[int, Path]]:
-    from r3arrow.io import list_steps
-
-    present = list_steps(root)
-    if not present:
-        raise SchemaError(f"{root}: expected step=N/ rollout partitions, found none")
-    if steps is not None:
-        wanted = {int(s) for s in steps}
-        missing = sorted(wanted - set(present))
-        if missing:
-            raise SchemaError(f"{root}: expected steps {missing} to exist, found steps {present}")
-        present = [s for s in present if s in wanted]
-    return [(s, root / f"step={s}") for s in present]
-
-
-def _files(path: PathLike, steps: Sequence[int] | None) -> list[tuple[str, int | None]]:
-    """Parquet files to read, each with its step (None for a single file)."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such rollout file or directory")
-    if not p.is_dir():
-        if steps is not None:
-            raise SchemaError(f"{p}: steps= needs a step=N/ directory, found a single file")
-        return [(str(p), None)]
-    files: list[tuple[str, int | None]] = [
-        (str(f), s) for s, d in _step_dirs(p, steps) for f in sorted(d.glob("*.parquet"))
+def _units(path: PathLike, steps: Sequence[int] | None) -> tuple[RouteSpec, list[dict[str, Any]]]:
+    """The shared spec and the read units (path, row group, step); one footer read per file."""
+    spec, files = scan_rollout_files(path, steps=steps)
+    units = [
+        {"path": str(f.path), "row_group": g, "step": f.step}
+        for f in files
+        for g in range(f.num_row_groups)
     ]
-    if not files:
-        raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none")
-    return files
-
-
-def _scan(path: PathLike, steps: Sequence[int] | None) -> tuple[RouteSpec, list[dict[str, Any]]]:
-    """The spec shared by every file and the read units (path, row group, step); one footer
-    read per file. Raises `SchemaError` if a file lacks the spec or two files disagree on it."""
-    spec: RouteSpec | None = None
-    first = ""
-    units: list[dict[str, Any]] = []
-    for f, step in _files(path, steps):
-        try:
-            with pq.ParquetFile(f) as pf:
-                schema, row_groups = pf.schema_arrow, pf.metadata.num_row_groups
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise SchemaError(
-                f"{f}: expected an r3arrow rollout Parquet file, found an unreadable file ({exc})"
-            ) from exc
-        if SPEC_METADATA_KEY not in (schema.metadata or {}):
-            raise SchemaError(
-                f"{f}: expected an r3arrow rollout file (metadata {SPEC_METADATA_KEY.decode()!r}), found none"
-            )
-        s = RouteSpec.from_schema(schema)
-        if spec is None:
-            spec, first = s, f
-        elif s != spec:
-            raise SchemaError(
-                f"expected one RouteSpec under {path}, found {spec} in {first} and {s} in {f}"
-            )
-        units.extend({"path": f, "row_group": g, "step": step} for g in range(row_groups))
-    assert spec is not None  # _files returns at least one file
     return spec, units
 
 
 def rollout_spec(path: PathLike, *, steps: Sequence[int] | None = None) -> RouteSpec:
     """The `RouteSpec` shared by every rollout file under ``path`` (footers only).
 
-    Raises `SchemaError` if a file lacks the spec or two files disagree on it.
+    Raises `SchemaError` (``path`` set) if a file lacks the spec or two files
+    disagree on it; see `r3arrow.io.scan_rollout_files`.
     """
-    return _scan(path, steps)[0]
+    return scan_rollout_files(path, steps=steps)[0]
 
 
 class _ReadUnits:
-    """Batch of read units (path, row group, step) → the rollout rows, routes restored, ``step`` int64."""
+    """Batch of read units (path, row group, step) → rollout rows (routes restored, ``step``)."""
 
     def __init__(self, columns: list[str] | None) -> None:
         self.columns = columns
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        from r3arrow.io import from_storage
-
-        parts = []
-        units = zip(
-            batch.column("path").to_pylist(),
-            batch.column("row_group").to_pylist(),
-            batch.column("step").to_pylist(),
-            strict=True,
-        )
-        for path, row_group, step in units:  # one Parquet row group each: not a hot loop
-            pf = pq.ParquetFile(path)
-            table = pf.read_row_group(row_group, columns=self.columns)
-            table = from_storage(table.replace_schema_metadata(pf.schema_arrow.metadata))
-            if step is not None:
-                steps = pa.array(np.full(table.num_rows, step, np.int64))
-                table = table.append_column(pa.field("step", pa.int64()), steps)
-            parts.append(table.replace_schema_metadata(None))
+        paths: list[Any] = batch.column("path").to_pylist()
+        groups: list[Any] = batch.column("row_group").to_pylist()
+        steps: list[Any] = batch.column("step").to_pylist()
+        units = zip(paths, groups, steps, strict=True)
+        parts = [  # one Parquet row group each: not a hot loop
+            read_row_group(path, group, self.columns, step).replace_schema_metadata(None)
+            for path, group, step in units
+        ]
         return pa.concat_tables(parts)
 
 
@@ -155,12 +98,12 @@ def read_rollouts(
     columns: Sequence[str] | None = None,
     steps: Sequence[int] | None = None,
 ) -> ray.data.Dataset:
-    """A lazy Ray Dataset over a rollout file or ``step=N`` directory, routes restored, ``step`` int64.
+    """A lazy Ray Dataset over a rollout file or step root, routes restored, ``step`` int64.
 
     One read task per Parquet row group, with r3arrow's reader (storage routes
     restored to the nested type without a copy). ``columns`` projects (``step``
-    is added for a directory); ``steps`` selects partitions. Blocks carry no
-    schema metadata: keep ``rollout_spec(path)`` for the spec.
+    is added for a root); ``steps`` selects partitions (each must exist).
+    Blocks carry no schema metadata: keep ``rollout_spec(path)`` for the spec.
     """
     return _read(path, columns, steps)[0]
 
@@ -173,60 +116,35 @@ def _read(
     # Not ray.data.read_parquet: its Parquet reader (Ray 2.60) bin-packs small files into
     # one read task (no parallelism below ~128 MB), and a list of paths is resolved on
     # parallel threads that race on an optional fsspec import when aiohttp is absent.
-    spec, units = _scan(path, steps)  # fails early on foreign files or mixed specs
+    spec, units = _units(path, steps)  # fails early on foreign files or mixed specs
     if not units:
-        raise SchemaError(f"{path}: expected rollout row groups, found none")
+        raise SchemaError(f"{path}: expected rollout row groups, found none", path=path)
     cols = None if columns is None else list(dict.fromkeys(c for c in columns if c != "step"))
     ds = ray.data.from_items(units, override_num_blocks=len(units))
-    return ds.map_batches(_ReadUnits(cols), batch_format="pyarrow", batch_size=1), spec
+    read: Any = _ReadUnits(cols)  # a callable instance (Ray's stubs expect a function or class)
+    return ds.map_batches(read, batch_format="pyarrow", batch_size=1), spec
 
 
 # =========================================================== aggregation
 class _Partials:
-    """Block → one row per step present: ``step`` int64, ``partial`` large_list<int64> (exact counts)."""
+    """Block → one row per step present: ``step`` int64, ``partial`` large_list<int64>."""
 
-    def __init__(self, spec_json: bytes, kind: _Kind, tokens: str, other: str | None) -> None:
+    def __init__(self, spec_json: bytes, block_fn: BlockFn) -> None:
         self.spec_json = spec_json
-        self.kind = kind
-        self.tokens = tokens
-        self.other = other
+        self.block_fn = block_fn
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         table = batch.replace_schema_metadata({SPEC_METADATA_KEY: self.spec_json})
-        parts: Mapping[int, ExpertCounts | RouteAgreement]
-        if "step" not in table.schema.names:
-            table = table.append_column(
-                "step", pa.array(np.full(table.num_rows, _NO_STEP, np.int64))
-            )
-        tok: Any = self.tokens
-        if self.kind == "counts":
-            parts = _stats.expert_counts_by_step(table, tokens=tok)
-        else:
-            assert self.other is not None
-            parts = _stats.route_agreement_by_step(table, self.other, tokens=tok)
+        parts = self.block_fn(table)
         return pa.table(
             {
-                "step": pa.array(list(parts), type=pa.int64()),
-                "partial": pa.array(
-                    [p.to_vector() for p in parts.values()], type=pa.large_list(pa.int64())
-                ),
+                "step": pa.array([_NO_STEP if s is None else s for s in parts], type=pa.int64()),
+                "partial": pa.array(list(parts.values()), type=pa.large_list(pa.int64())),
             }
         )
 
 
-def _sum_vectors(kind: _Kind, a: Any, b: Any) -> np.ndarray:
-    """Sum of two encoded partials (decoded: headers differ, e.g. in width); empty = zero."""
-    va, vb = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
-    if va.size == 0:
-        return vb
-    if vb.size == 0:
-        return va
-    if kind == "counts":
-        return (ExpertCounts.from_vector(va) + ExpertCounts.from_vector(vb)).to_vector()
-    return (RouteAgreement.from_vector(va) + RouteAgreement.from_vector(vb)).to_vector()
-
-
-def _sum_aggregate(kind: _Kind) -> Any:
+def _sum_aggregate(combine: CombineFn) -> Any:
     """A Ray ``AggregateFnV2`` summing the ``partial`` vectors exactly (empty vector = zero)."""
     from ray.data.aggregate import AggregateFnV2
     from ray.data.block import BlockAccessor
@@ -240,36 +158,17 @@ def _sum_aggregate(kind: _Kind) -> Any:
         def aggregate_block(self, block: Any) -> np.ndarray:
             col = BlockAccessor.for_block(block).to_arrow().column("partial")
             acc = np.zeros(0, np.int64)
-            for chunk in col.chunks:
+            for chunk in cast(Any, col).chunks:  # large_list<int64> chunks
                 offsets = np.asarray(chunk.offsets, dtype=np.int64)
                 flat = np.asarray(chunk.values.to_numpy(zero_copy_only=False), dtype=np.int64)
                 for i in range(len(chunk)):  # one row per (block, step): not a hot loop
-                    acc = _sum_vectors(kind, acc, flat[offsets[i] : offsets[i + 1]])
+                    acc = combine(acc, flat[offsets[i] : offsets[i + 1]])
             return acc
 
         def combine(self, current_accumulator: Any, new: Any) -> np.ndarray:
-            return _sum_vectors(kind, current_accumulator, new)
+            return combine(current_accumulator, new)
 
     return SumPartials()
-
-
-def _as_dataset(
-    source: Any, spec: RouteSpec | None, columns: list[str], steps: Sequence[int] | None
-) -> tuple[Any, RouteSpec]:
-    if isinstance(source, str | os.PathLike):
-        return _read(source, columns, steps)
-    if spec is None:
-        raise SchemaError(
-            "expected spec= with a Ray Dataset (Ray blocks carry no schema metadata), found None"
-        )
-    if steps is not None:
-        source = source.map_batches(
-            _KeepSteps([int(s) for s in steps]),
-            batch_format="pyarrow",
-            batch_size=None,
-            zero_copy_batch=True,
-        )
-    return source, spec
 
 
 class _KeepSteps:
@@ -286,37 +185,31 @@ class _KeepSteps:
         return batch.filter(pc.is_in(batch.column("step"), pa.array(self.steps, type=pa.int64())))
 
 
-def _columns(tokens: str, other: str | None) -> list[str]:
-    if tokens not in TOKEN_SUBSETS:
-        raise SchemaError(f"tokens: expected one of {list(TOKEN_SUBSETS)}, found {tokens!r}")
-    need = {
-        "all": [],
-        "prompt": ["prompt_ids"],
-        "response": ["prompt_ids"],
-        "loss": ["prompt_ids", "response_ids", "loss_mask"],
-    }[tokens]
-    return list(dict.fromkeys(["routes", *([other] if other else []), *need]))
-
-
-def _check_reduce(reduce: str) -> None:
-    if reduce not in ("driver", "ray"):
-        raise SchemaError(f"reduce: expected 'driver' or 'ray', found {reduce!r}")
-
-
-def _partials(
-    source: Any,
-    spec: RouteSpec | None,
-    kind: _Kind,
-    tokens: str,
-    other: str | None,
-    steps: Sequence[int] | None,
+def _as_dataset(
+    source: Any, spec: RouteSpec | None, columns: list[str], steps: Sequence[int] | None
 ) -> tuple[Any, RouteSpec]:
-    ds, spec = _as_dataset(source, spec, _columns(tokens, other), steps)
-    fn = _Partials(spec.to_json(), kind, tokens, other)
-    return ds.map_batches(fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True), spec
+    if isinstance(source, str | os.PathLike):
+        return _read(source, columns, steps)
+    if isinstance(source, pa.Table | pa.RecordBatch):
+        raise TypeError(
+            "engine='ray': expected a rollout path or a Ray Dataset, found an in-memory "
+            f"{type(source).__name__} (use engine='local')"
+        )
+    if spec is None:
+        raise TypeError(
+            "expected spec= with a Ray Dataset (Ray blocks carry no schema metadata), found None"
+        )
+    if steps is not None:
+        source = source.map_batches(
+            _KeepSteps([check_int(s, "steps") for s in steps]),
+            batch_format="pyarrow",
+            batch_size=None,
+            zero_copy_batch=True,
+        )
+    return source, spec
 
 
-def _drain(parts: Any, kind: _Kind) -> dict[int, np.ndarray]:
+def _drain(parts: Any, combine: CombineFn) -> dict[int, np.ndarray]:
     """Sum partial rows per step on the driver as they stream in (each row is a few KB)."""
     acc: dict[int, np.ndarray] = {}
     for batch in parts.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -324,50 +217,62 @@ def _drain(parts: Any, kind: _Kind) -> dict[int, np.ndarray]:
         vectors = batch.column("partial")
         for i, step in enumerate(steps):  # one row per (block, step): not a hot loop
             vec = np.asarray(vectors[i].values.to_numpy(zero_copy_only=False), dtype=np.int64)
-            acc[int(step)] = _sum_vectors(kind, acc.get(int(step), np.zeros(0, np.int64)), vec)
+            acc[int(step)] = combine(acc.get(int(step), np.zeros(0, np.int64)), vec)
     return acc
 
 
-def _reduce(
+def partials(
     source: Any,
-    spec: RouteSpec | None,
-    kind: _Kind,
-    tokens: str,
-    other: str | None,
-    steps: Sequence[int] | None,
-    reduce: Reduce,
-) -> tuple[np.ndarray, RouteSpec]:
-    _check_reduce(reduce)
-    parts, spec = _partials(source, spec, kind, tokens, other, steps)
-    if reduce == "ray":
-        result = parts.aggregate(_sum_aggregate(kind))
-        vec = result["partial"] if isinstance(result, dict) else result
-        return np.asarray(vec if vec is not None else np.zeros(0), dtype=np.int64), spec
-    total = np.zeros(0, np.int64)
-    for vec in _drain(parts, kind).values():
-        total = _sum_vectors(kind, total, vec)
-    return total, spec
+    block_fn: BlockFn,
+    combine: CombineFn,
+    *,
+    columns: Sequence[str],
+    spec: RouteSpec | None = None,
+    steps: Sequence[int] | None = None,
+    grouped: bool = False,
+    reduce: Reduce = "driver",
+) -> tuple[dict[int | None, np.ndarray], RouteSpec]:
+    """Exact partial vectors of ``source`` computed on Ray: the engine of ``stats(engine="ray")``.
 
-
-def _reduce_by_step(
-    source: Any,
-    spec: RouteSpec | None,
-    kind: _Kind,
-    tokens: str,
-    other: str | None,
-    steps: Sequence[int] | None,
-    reduce: Reduce,
-) -> dict[int, np.ndarray]:
-    _check_reduce(reduce)
-    parts, _ = _partials(source, spec, kind, tokens, other, steps)
+    ``source``: a rollout path (read with `read_rollouts`, only ``columns``) or a
+    `read_rollouts` Dataset (``spec`` required; ``steps`` filters its rows).
+    ``block_fn`` (picklable) maps each block, spec restored in its metadata, to
+    ``{step or None: vector}``; ``combine`` (picklable) adds two vectors. Returns
+    (``{None: total}``, spec), or with ``grouped`` (``{step: total}``, spec) with
+    a ``None`` key for rows without a step. ``reduce``: `Reduce`.
+    """
+    check_choice(reduce, "reduce", REDUCES)
+    ds, spec = _as_dataset(source, spec, list(columns), steps)
+    fn = _Partials(spec.to_json(), block_fn)
+    parts = ds.map_batches(fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
+    out: dict[int | None, np.ndarray]
     if reduce == "ray":
-        rows = parts.groupby("step").aggregate(_sum_aggregate(kind)).take_all()
-        out = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}
+        if grouped:
+            rows = parts.groupby("step").aggregate(_sum_aggregate(combine)).take_all()
+            per = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}
+        else:
+            result = parts.aggregate(_sum_aggregate(combine))
+            vec = result["partial"] if isinstance(result, dict) else result
+            total = np.asarray(vec if vec is not None else np.zeros(0), dtype=np.int64)
+            return {None: total}, spec
     else:
-        out = _drain(parts, kind)
-    if _NO_STEP in out:
-        raise SchemaError("by step: expected a step=N/ directory or a 'step' column, found neither")
-    return dict(sorted(out.items()))
+        per = _drain(parts, combine)
+    if not grouped:
+        total = np.zeros(0, np.int64)
+        for vec in per.values():
+            total = combine(total, vec)
+        return {None: total}, spec
+    out = {None if s == _NO_STEP else s: v for s, v in per.items()}
+    return out, spec
+
+
+# ============================================== deprecated statistics aliases
+def _deprecated(name: str) -> None:
+    warnings.warn(
+        f"r3arrow.ray.{name} is deprecated: use r3arrow.stats.{name}(..., engine='ray')",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def expert_counts(
@@ -378,13 +283,11 @@ def expert_counts(
     steps: Sequence[int] | None = None,
     reduce: Reduce = "driver",
 ) -> ExpertCounts:
-    """`r3arrow.stats.expert_counts` as a Ray aggregation over a path or a `read_rollouts` Dataset.
-
-    Each block becomes exact partial counts in parallel ``map_batches`` tasks;
-    ``reduce`` picks the final combine (see `Reduce`). A Dataset needs ``spec``.
-    """
-    vec, spec = _reduce(source, spec, "counts", tokens, None, steps, reduce)
-    return ExpertCounts.from_vector(vec) if vec.size else ExpertCounts.empty(spec)
+    """Deprecated: ``r3arrow.stats.expert_counts(source, engine="ray", ...)``."""
+    _deprecated("expert_counts")
+    return _stats.expert_counts(
+        source, tokens=tokens, steps=steps, engine="ray", spec=spec, reduce=reduce
+    )
 
 
 def expert_counts_by_step(
@@ -395,9 +298,11 @@ def expert_counts_by_step(
     steps: Sequence[int] | None = None,
     reduce: Reduce = "driver",
 ) -> dict[int, ExpertCounts]:
-    """Per-step `ExpertCounts`, ascending (``reduce="ray"``: Ray ``groupby("step")`` over the partials)."""
-    per = _reduce_by_step(source, spec, "counts", tokens, None, steps, reduce)
-    return {s: ExpertCounts.from_vector(v) for s, v in per.items()}
+    """Deprecated: ``r3arrow.stats.expert_counts_by_step(source, engine="ray", ...)``."""
+    _deprecated("expert_counts_by_step")
+    return _stats.expert_counts_by_step(
+        source, tokens=tokens, steps=steps, engine="ray", spec=spec, reduce=reduce
+    )
 
 
 def expert_load(
@@ -409,13 +314,10 @@ def expert_load(
     by_step: bool = False,
     reduce: Reduce = "driver",
 ) -> pl.DataFrame:
-    """`r3arrow.stats.expert_load` computed on Ray: same columns, dtypes, order and values."""
-    if not by_step:
-        return expert_counts(
-            source, spec=spec, tokens=tokens, steps=steps, reduce=reduce
-        ).to_polars()
-    per = expert_counts_by_step(source, spec=spec, tokens=tokens, steps=steps, reduce=reduce)
-    return stack_steps({s: c.to_polars() for s, c in per.items()})
+    """Deprecated: ``r3arrow.stats.expert_load(source, engine="ray", ...)``."""
+    _deprecated("expert_load")
+    options: dict[str, Any] = {"tokens": tokens, "steps": steps, "by_step": by_step}
+    return _stats.expert_load(source, engine="ray", spec=spec, reduce=reduce, **options)
 
 
 def route_agreement(
@@ -427,9 +329,11 @@ def route_agreement(
     steps: Sequence[int] | None = None,
     reduce: Reduce = "driver",
 ) -> RouteAgreement:
-    """`r3arrow.stats.route_agreement` of ``routes`` vs the routes column ``other``, on Ray."""
-    vec, spec = _reduce(source, spec, "agreement", tokens, other, steps, reduce)
-    return RouteAgreement.from_vector(vec) if vec.size else RouteAgreement.empty(spec)
+    """Deprecated: ``r3arrow.stats.route_agreement(source, other, engine="ray", ...)``."""
+    _deprecated("route_agreement")
+    return _stats.route_agreement(
+        source, other, spec, tokens=tokens, steps=steps, engine="ray", reduce=reduce
+    )
 
 
 def route_agreement_by_step(
@@ -441,9 +345,11 @@ def route_agreement_by_step(
     steps: Sequence[int] | None = None,
     reduce: Reduce = "driver",
 ) -> dict[int, RouteAgreement]:
-    """Per-step `RouteAgreement` on Ray, ascending."""
-    per = _reduce_by_step(source, spec, "agreement", tokens, other, steps, reduce)
-    return {s: RouteAgreement.from_vector(v) for s, v in per.items()}
+    """Deprecated: ``r3arrow.stats.route_agreement_by_step(source, other, engine="ray", ...)``."""
+    _deprecated("route_agreement_by_step")
+    return _stats.route_agreement_by_step(
+        source, other, tokens=tokens, steps=steps, engine="ray", spec=spec, reduce=reduce
+    )
 
 
 # ================================================================ collation
@@ -466,12 +372,12 @@ def _as_numpy(value: Any) -> np.ndarray | None:
 
 
 def microbatch_row(mb: Any, trajectory_ids: Sequence[str], step: int | None) -> pa.Table:
-    """One-row Arrow table of a microbatch: per array field ``name`` (flat values) and ``name.shape``.
+    """One-row Arrow table of a microbatch: per array field ``name`` (flat) and ``name.shape``.
 
     Also ``trajectory_ids`` and ``step`` (null without steps); ints, floats and
     bools are kept as scalar columns, other fields (spec, None) are dropped.
     """
-    cols: dict[str, pa.Array] = {
+    cols: dict[str, pa.Array[Any]] = {
         "step": pa.array([step], type=pa.int64()),
         "trajectory_ids": pa.array([list(trajectory_ids)], type=pa.large_list(pa.large_string())),
     }
@@ -491,7 +397,7 @@ def microbatch_row(mb: Any, trajectory_ids: Sequence[str], step: int | None) -> 
 
 
 def microbatch_arrays(rows: pa.Table) -> list[dict[str, Any]]:
-    """Decode `collate` output rows: per row, arrays reshaped by their ``.shape`` columns and the scalars."""
+    """Decode `collate` output rows: arrays reshaped by their ``.shape`` columns, and scalars."""
     out: list[dict[str, Any]] = []
     shapes = [n[: -len(".shape")] for n in rows.column_names if n.endswith(".shape")]
     for i in range(rows.num_rows):
@@ -508,6 +414,10 @@ def microbatch_arrays(rows: pa.Table) -> list[dict[str, Any]]:
                 row[name] = col[i].as_py()
         out.append(row)
     return out
+
+
+def _ids(part: pa.Table) -> list[str]:
+    return cast(list[str], part.column("trajectory_id").to_pylist())
 
 
 class _Collate:
@@ -535,7 +445,7 @@ class _Collate:
             bounds = [0, *cuts.tolist(), len(steps)]
             groups = [(int(steps[a]), table.slice(a, b - a)) for a, b in itertools.pairwise(bounds)]
         rows = [
-            microbatch_row(self._collator(part), part.column("trajectory_id").to_pylist(), step)
+            microbatch_row(self._collator(part), _ids(part), step)
             for step, part in groups
             if part.num_rows
         ]
@@ -559,7 +469,7 @@ def collate(
     `microbatch_arrays` decodes them; ``trajectory_ids`` names each row's inputs.
     """
     return dataset.map_batches(
-        _Collate(make_collator, spec.to_json()),
+        cast(Any, _Collate(make_collator, spec.to_json())),  # a callable instance
         batch_format="pyarrow",
         batch_size=batch_size,
         zero_copy_batch=True,
@@ -567,6 +477,8 @@ def collate(
 
 
 __all__ = [
+    "BlockFn",
+    "CombineFn",
     "Reduce",
     "collate",
     "expert_counts",
@@ -574,6 +486,7 @@ __all__ = [
     "expert_load",
     "microbatch_arrays",
     "microbatch_row",
+    "partials",
     "read_rollouts",
     "rollout_spec",
     "route_agreement",

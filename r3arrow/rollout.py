@@ -2,16 +2,18 @@
 
 A user's environment is a function from conversation to observation and reward
 (`Environment.step`). `run_trajectory` alternates engine turns and environment steps:
-each turn sends the whole conversation with the trajectory's `RouteTrace` (so the engine
-returns only the rows not yet captured, DESIGN §2) and appends those rows to a `TurnStore`
-as one record batch at ``token_start = captured before the turn``. Generated tokens get loss
-mask 1, observation tokens 0. `run_rollouts` runs many trajectories concurrently and builds
-the rollout table from the store with one Arrow ``take`` (`r3arrow.table.rollout_table`).
+each turn sends the whole conversation with the trajectory's trace,
+``store.trace(trajectory_id)``, so the engine returns only the rows not yet captured
+(``docs/design.md``, "Rows and incremental capture"). The client records each response
+into that trace, which validates it once and appends it to the `TurnStore` as one record
+batch at ``token_start = captured before the turn``: the one capture path. Generated tokens
+get loss mask 1, observation tokens 0. `run_rollouts` runs many trajectories concurrently
+and builds the rollout table from the store with one gather (`r3arrow.table.rollout_table`).
 
-Routes come from the store; the trace is the per-turn gatekeeper (row counts, id range,
-dtype) and its captured count checks the terminal gap at the end. Traces are never
-finalized here, and the trace and the store's batch share each decoded response buffer, so
-the route bytes exist once until the table is built (one ``take``).
+Routes come from the store; the trace's captured count checks the terminal gap at the end
+(`r3arrow.trace.check_terminal_gap`). Traces are never finalized here, and the trace and the
+store's batch share each decoded response buffer, so the route bytes exist once until the
+table is built.
 """
 
 from __future__ import annotations
@@ -25,12 +27,17 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from r3arrow._checks import (
+    check_int,
+    check_nonnegative_int,
+    check_positive_int,
+)
 from r3arrow.client import EngineClient, GenerateOutput
 from r3arrow.errors import EngineError, RouteShapeError
 from r3arrow.spec import RouteSpec
 from r3arrow.store import TurnStore
 from r3arrow.table import rollout_table
-from r3arrow.trace import RouteTrace, check_terminal_gap
+from r3arrow.trace import check_terminal_gap
 
 
 @dataclasses.dataclass
@@ -164,8 +171,7 @@ async def run_trajectory(
     Requests are pinned to one server per ``group_id`` (else per trajectory).
     Raises the client's errors; the store then holds the turns completed so far.
     """
-    if max_turns < 1:
-        raise ValueError(f"max_turns: expected >= 1, found {max_turns}")
+    check_positive_int(max_turns, "max_turns")
     spec = store.spec
     if client.spec is not None and not client.spec.same_shape(spec):
         raise RouteShapeError(
@@ -178,7 +184,7 @@ async def run_trajectory(
     )
     if not conv.prompt_ids:
         raise ValueError("prompt_ids: expected at least one token, found none")
-    trace = RouteTrace(spec)
+    trace = store.trace(trajectory_id)  # each recorded turn lands in the store, checked once
     # a group shares its prompt: pin the whole group to one server so the prefix cache serves it
     session = group_id or trajectory_id
     reward = 0.0
@@ -193,9 +199,10 @@ async def run_trajectory(
         if (
             out.routed_experts is None or out.token_start is None
         ):  # pragma: no cover - the client raises first
-            raise EngineError(f"trajectory {trajectory_id!r}: engine returned no routed_experts")
-        # zero-copy: the store's batch and the trace share the decoded (read-only) buffer
-        store.append(trajectory_id, out.token_start, out.routed_experts)
+            raise EngineError(
+                f"trajectory {trajectory_id!r}: engine returned no routed_experts",
+                trajectory_id=trajectory_id,
+            )
         conv.outputs.append(out)
         conv.add_generated(out.token_ids)
         step = await _call_step(env, conv)
@@ -216,7 +223,9 @@ async def run_trajectory(
     full_mask = np.concatenate(
         [np.zeros(len(conv.prompt_ids), np.uint8), np.asarray(conv.loss_mask, np.uint8)]
     )
-    check_terminal_gap(trace.captured, full_mask, num_tokens=conv.num_tokens)
+    check_terminal_gap(
+        trace.captured, full_mask, num_tokens=conv.num_tokens, trajectory_id=trajectory_id
+    )
     return Trajectory(
         trajectory_id=trajectory_id,
         group_id=group_id,
@@ -237,7 +246,9 @@ def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> 
     """The rollout table of ``trajectories`` (rows in that order), routes assembled from ``store``.
 
     Extra columns: ``num_turns`` (int32) and ``stop`` (why the loop ended). Raises
-    `RouteShapeError` if the store's routes for a trajectory differ in length from its trace.
+    `RouteShapeError` (``trajectory_id`` and ``row`` set) if the store's routes for a
+    trajectory differ in length from its trace: the trajectories and the store do not belong
+    together (another store, or turns appended to the store from outside).
     """
     ids = [t.trajectory_id for t in trajectories]
     routes = store.routes(ids)
@@ -249,7 +260,10 @@ def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> 
     if bad.size:
         k = int(bad[0])
         raise RouteShapeError(
-            f"trajectory {ids[k]!r}: expected {int(want[k])} route rows in the store, found {int(lens[k])}"
+            f"trajectory {ids[k]!r}: expected {int(want[k])} route rows in the store, "
+            f"found {int(lens[k])}",
+            trajectory_id=ids[k],
+            row=k,
         )
     return rollout_table(
         trajectory_id=ids,
@@ -291,8 +305,7 @@ async def run_rollouts(
     the store's; a different one raises `RouteShapeError`). The first failing
     trajectory's error is raised after the others are cancelled.
     """
-    if group_size < 1:
-        raise ValueError(f"group_size: expected >= 1, found {group_size}")
+    check_positive_int(group_size, "group_size")
     if store is not None and spec is not None and not spec.same_shape(store.spec):
         raise RouteShapeError(f"spec: expected the store's {store.spec} (or None), found {spec}")
     if store is None:
@@ -353,14 +366,9 @@ class ArithmeticEnv:
     """
 
     def __init__(self, *, vocab_size: int, turns: int = 3, observation_len: int = 3) -> None:
-        if vocab_size < 2 or turns < 1 or observation_len < 0:
-            raise ValueError(
-                f"ArithmeticEnv: expected vocab_size >= 2, turns >= 1, observation_len >= 0, "
-                f"found {vocab_size}, {turns}, {observation_len}"
-            )
-        self.vocab_size = vocab_size
-        self.turns = turns
-        self.observation_len = observation_len
+        self.vocab_size = check_int(vocab_size, "vocab_size", minimum=2)
+        self.turns = check_positive_int(turns, "turns")
+        self.observation_len = check_nonnegative_int(observation_len, "observation_len")
 
     def observation(self, generated: Sequence[int]) -> list[int]:
         last = int(generated[-1])

@@ -1,31 +1,42 @@
 """`RouteSpec`: the shape, storage dtype and Arrow type of one token's routes.
 
 Also the zero-copy conversions between numpy ``[rows, L, K]`` arrays and the
-per-token Arrow type ``fixed_size_list<fixed_size_list<dtype, K>, L>``, and the
-vectorised checks (shape, id range, duplicate experts) every entry point uses.
+per-token Arrow type ``fixed_size_list<fixed_size_list<dtype, K>, L>`` and the
+shape/dtype coercion every entry point uses (`as_route_rows`). The expert-id rules
+(range, distinct experts) live in :mod:`r3arrow.ids`; ``check_route_ids`` and
+``check_no_duplicate_experts`` stay importable from here. See ``docs/design.md``,
+"The Arrow data model" and "Expert ids".
+
+Errors: a `RouteSpec` built from bad arguments raises ``ValueError``/``TypeError``
+(argument misuse); routes of the wrong shape or dtype raise `RouteShapeError` /
+`RouteDTypeError`; bad spec metadata in a schema raises `SchemaError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import orjson
 import pyarrow as pa
 
+from r3arrow._checks import check_int, check_positive_int
 from r3arrow.errors import (
     ExpertRangeError,
     RouteDTypeError,
     RouteShapeError,
     SchemaError,
 )
+from r3arrow.ids import check_distinct_experts as check_no_duplicate_experts
+from r3arrow.ids import check_route_ids
 
 #: Schema/file metadata key under which the spec travels (JSON).
 SPEC_METADATA_KEY = b"r3arrow.spec"
 
 _STORAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32))
+_MAX_EXPERTS = int(np.iinfo(np.int32).max)
 _ARROW_OF = {
     np.dtype(np.uint8): pa.uint8(),
     np.dtype(np.uint16): pa.uint16(),
@@ -62,29 +73,29 @@ class RouteSpec:
     id_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        # Argument misuse raises builtins (docs/design.md, "Error policy").
         for name in ("num_layers", "topk"):
-            value = getattr(self, name)
-            if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-                raise RouteShapeError(f"RouteSpec.{name}: expected a positive int, found {value!r}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(
+                self, name, check_positive_int(getattr(self, name), f"RouteSpec.{name}")
+            )
         if self.num_experts is not None:
-            e = self.num_experts
-            if not isinstance(e, int | np.integer) or isinstance(e, bool) or e < 1:
-                raise ExpertRangeError(
-                    f"RouteSpec.num_experts: expected a positive int or None, found {e!r}"
+            e = check_int(
+                self.num_experts, "RouteSpec.num_experts", minimum=1, maximum=_MAX_EXPERTS
+            )
+            object.__setattr__(self, "num_experts", e)
+            if self.topk > e:
+                raise ValueError(
+                    f"RouteSpec: expected topk <= num_experts={e}, found topk={self.topk}"
                 )
-            object.__setattr__(self, "num_experts", int(e))
-            if self.topk > int(e):
-                raise RouteShapeError(f"RouteSpec: topk={self.topk} exceeds num_experts={e}")
         if self.moe_layers is not None:
-            layers = tuple(sorted({int(i) for i in self.moe_layers}))
-            if len(layers) != len(tuple(self.moe_layers)):
-                raise RouteShapeError(
-                    f"RouteSpec.moe_layers: expected unique layer ids, found {list(self.moe_layers)}"
-                )
+            given = [check_int(i, "RouteSpec.moe_layers") for i in self.moe_layers]
+            layers = tuple(sorted(set(given)))
+            if len(layers) != len(given):
+                raise ValueError(f"RouteSpec.moe_layers: expected unique layer ids, found {given}")
             if not layers or layers[0] < 0 or layers[-1] >= self.num_layers:
-                raise RouteShapeError(
-                    f"RouteSpec.moe_layers: expected non-empty ids in [0, {self.num_layers}), found {list(layers)}"
+                raise ValueError(
+                    f"RouteSpec.moe_layers: expected non-empty ids in [0, {self.num_layers}), "
+                    f"found {list(layers)}"
                 )
             object.__setattr__(
                 self, "moe_layers", None if len(layers) == self.num_layers else layers
@@ -92,15 +103,14 @@ class RouteSpec:
         if self.id_dtype is not None:
             dt = np.dtype(self.id_dtype)
             if dt not in _STORAGE_DTYPES:
-                raise RouteDTypeError(
-                    f"RouteSpec.id_dtype: expected uint8, uint16 or int32, found {dt}"
-                )
+                raise ValueError(f"RouteSpec.id_dtype: expected uint8, uint16 or int32, found {dt}")
             if (
                 self.num_experts is not None
                 and storage_dtype_for(self.num_experts).itemsize > dt.itemsize
             ):
-                raise RouteDTypeError(
-                    f"RouteSpec.id_dtype: {dt} cannot hold {self.num_experts} expert ids"
+                raise ValueError(
+                    f"RouteSpec.id_dtype: expected a dtype that holds {self.num_experts} "
+                    f"expert ids, found {dt}"
                 )
             object.__setattr__(self, "id_dtype", dt.name)
 
@@ -186,7 +196,8 @@ class RouteSpec:
             )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise SchemaError(
-                f"invalid r3arrow.spec metadata: expected a RouteSpec JSON object, found {data!r:.200}"
+                "invalid r3arrow.spec metadata: expected a RouteSpec JSON object, "
+                f"found {data!r:.200}"
             ) from exc
 
     def to_metadata(self) -> dict[bytes, bytes]:
@@ -206,7 +217,7 @@ class RouteSpec:
 
 # ----------------------------------------------------------------- conversions
 def routes_to_numpy(
-    routes: pa.Array | pa.ChunkedArray, spec: RouteSpec | None = None
+    routes: pa.Array[Any] | pa.ChunkedArray[Any], spec: RouteSpec | None = None
 ) -> np.ndarray:
     """View an Arrow per-token routes array as numpy ``[rows, L, K]`` (zero-copy for one chunk).
 
@@ -228,18 +239,22 @@ def routes_to_numpy(
     num_layers, topk = t.list_size, t.value_type.list_size
     if spec is not None and (num_layers, topk) != spec.row_shape:
         raise RouteShapeError(
-            f"expected routes [rows, {spec.num_layers}, {spec.topk}], found [rows, {num_layers}, {topk}]"
+            f"expected routes [rows, {spec.num_layers}, {spec.topk}], "
+            f"found [rows, {num_layers}, {topk}]"
         )
     if routes.null_count:
         raise RouteShapeError(f"expected no null tokens in routes, found {routes.null_count}")
-    leaf = routes.flatten().flatten()
+    per_token = cast("pa.FixedSizeListArray[Any, Any]", routes)
+    leaf = cast("pa.FixedSizeListArray[Any, Any]", per_token.flatten()).flatten()
     if leaf.null_count:
         raise RouteShapeError(f"expected no null expert ids, found {leaf.null_count}")
     flat: np.ndarray = leaf.to_numpy(zero_copy_only=True)
     return flat.reshape(len(routes), num_layers, topk)
 
 
-def numpy_to_routes(arr: np.ndarray, spec: RouteSpec | None = None) -> pa.FixedSizeListArray:
+def numpy_to_routes(
+    arr: np.ndarray, spec: RouteSpec | None = None
+) -> pa.FixedSizeListArray[Any, Any]:
     """Wrap a C-contiguous ``[rows, L, K]`` array as the per-token Arrow type, zero-copy."""
     if arr.ndim != 3:
         raise RouteShapeError(f"expected routes [rows, L, K], found shape {arr.shape}")
@@ -277,7 +292,8 @@ def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.n
             raise RouteDTypeError(f"{what}: expected an integer array, found dtype {arr.dtype}")
     if arr.ndim != 3 or arr.shape[1:] != spec.row_shape:
         raise RouteShapeError(
-            f"{what}: expected shape [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
+            f"{what}: expected shape [rows, {spec.num_layers}, {spec.topk}], "
+            f"found {list(arr.shape)}"
         )
     return arr
 
@@ -311,8 +327,3 @@ __all__: Sequence[str] = [
     "storage_dtype_for",
     "validate_layers",
 ]
-
-
-# The id rules live in r3arrow.ids; these names stay importable from here.
-from r3arrow.ids import check_distinct_experts as check_no_duplicate_experts  # noqa: E402
-from r3arrow.ids import check_route_ids  # noqa: E402

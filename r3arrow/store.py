@@ -2,8 +2,16 @@
 
 Many agent loops append concurrently (one record batch per turn: trajectory id,
 token start, routes). `TurnStore.routes` builds the ragged per-trajectory
-``large_list`` column with one Arrow ``take`` (one copy of the route bytes),
-after checking that each trajectory's turns tile ``[0, captured)`` exactly.
+``large_list`` column with one gather (one copy of the route bytes), after
+checking that each trajectory's turns tile ``[0, captured)`` exactly.
+
+Two ways in (``docs/design.md``, "Rows and incremental capture"):
+
+* `TurnStore.trace` returns a `RouteTrace` bound to the store. The trace validates
+  each turn once (`RouteTrace.record`) and hands it over; the store appends it as
+  one record batch without a second check. This is the capture path.
+* `TurnStore.append` / `TurnStore.append_batch` take outside data and validate it
+  (a trust boundary), with the same validator the trace uses.
 """
 
 from __future__ import annotations
@@ -11,42 +19,53 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from r3arrow.errors import ContiguityError, SchemaError
-from r3arrow.spec import RouteSpec, as_route_rows, check_route_ids, numpy_to_routes, routes_to_numpy
+from r3arrow.errors import ContiguityError, R3ArrowError, SchemaError
+from r3arrow.ids import check_route_ids
+from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
+from r3arrow.trace import RouteTrace, validate_route_rows
 
 
 @functools.lru_cache(maxsize=64)
 def turn_schema(spec: RouteSpec) -> pa.Schema:
     """Schema of one turn batch: ``trajectory_id``, ``token_start``, ``routes``."""
-    return pa.schema(
-        [
-            pa.field("trajectory_id", pa.large_string(), nullable=False),
-            pa.field("token_start", pa.int64(), nullable=False),
-            pa.field("routes", spec.routes_type, nullable=False),
-        ],
-        metadata=spec.to_metadata(),
-    )
+    fields: list[pa.Field[Any]] = [
+        pa.field("trajectory_id", pa.large_string(), nullable=False),
+        pa.field("token_start", pa.int64(), nullable=False),
+        pa.field("routes", spec.routes_type, nullable=False),
+    ]
+    meta = cast("dict[bytes | str, bytes | str]", spec.to_metadata())
+    return pa.schema(fields, metadata=meta)
 
 
 def _turn_rows(
     spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any
 ) -> tuple[np.ndarray, RouteSpec]:
     """Validated rows ``[rows, L, K]`` in storage dtype, owned (writable input is copied)."""
+    if not isinstance(trajectory_id, str):
+        raise TypeError(f"trajectory_id: expected a str, found {type(trajectory_id).__name__}")
     what = f"turn of {trajectory_id!r}"
     if token_start < 0:
-        raise ContiguityError(f"{what}: expected token_start >= 0, found {token_start}")
-    arr = as_route_rows(routes, spec, what=what)
-    _, hi = check_route_ids(arr, spec, what=what)
-    spec = spec.widened_for(hi) if spec.num_experts is None else spec
-    if arr.dtype != spec.dtype or arr.flags.writeable:
-        arr = arr.astype(spec.dtype)  # a caller reusing its buffer cannot corrupt the store
-    return np.ascontiguousarray(arr), spec
+        raise ContiguityError(
+            f"{what}: expected token_start >= 0, found {token_start}",
+            trajectory_id=trajectory_id,
+            token=token_start,
+        )
+    try:
+        arr, spec = validate_route_rows(routes, spec, what=what)
+    except R3ArrowError as exc:
+        if exc.trajectory_id is None:
+            exc.trajectory_id = trajectory_id
+        raise
+    if arr.dtype != spec.dtype or arr.flags.writeable or not arr.flags.c_contiguous:
+        arr = arr.astype(spec.dtype, order="C")  # a caller reusing its buffer cannot corrupt it
+        arr.flags.writeable = False
+    return arr, spec
 
 
 def _batch_of(
@@ -78,6 +97,11 @@ class TurnStore:
     Beside each batch it keeps the numpy view of its route rows (taken once, at
     append), so assembling the routes column is one gather, not a walk over Arrow
     objects per turn.
+
+    Capture with ``trace = store.trace(trajectory_id)`` and pass ``trace`` to the
+    engine client (or call ``trace.record``): each turn is validated once by the
+    trace and appended here as one batch. `append` and `append_batch` validate
+    outside data.
     """
 
     _NAMES = ("trajectory_id", "token_start", "routes")
@@ -88,10 +112,38 @@ class TurnStore:
         self._views: list[tuple[np.ndarray, np.ndarray]] = []  # (rows [n, L, K], offsets [turns+1])
         self._lock = threading.Lock()
 
+    def trace(self, trajectory_id: str) -> RouteTrace:
+        """A new `RouteTrace` for ``trajectory_id`` that records into this store.
+
+        Each ``trace.record(...)`` validates the turn once (shape, dtype, id range,
+        row count) and appends it here as one record batch at ``token_start =
+        trace.captured`` before the turn, without a second check; on any error
+        neither the trace nor the store changes. The trace starts at this store's
+        current spec (with ``num_experts=None`` both widen as larger ids arrive).
+        Raises ``TypeError`` if ``trajectory_id`` is not a ``str``.
+        """
+        if not isinstance(trajectory_id, str):
+            raise TypeError(f"trajectory_id: expected a str, found {type(trajectory_id).__name__}")
+
+        def sink(token_start: int, rows: np.ndarray, spec: RouteSpec) -> None:
+            self._append_trusted(trajectory_id, token_start, rows, spec)
+
+        return RouteTrace._bound(self.spec, trajectory_id, sink)
+
     def append(self, trajectory_id: str, token_start: int, routes: Any) -> None:
-        """Append one turn's rows ``[rows, L, K]`` starting at token ``token_start``."""
+        """Append one turn's rows ``[rows, L, K]`` (outside data: validated) at ``token_start``.
+
+        Raises `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError` (bad rows,
+        ``trajectory_id`` set) and `ContiguityError` (negative ``token_start``).
+        """
         rows, spec = _turn_rows(self.spec, trajectory_id, int(token_start), routes)
-        batch = _batch_of(spec, trajectory_id, int(token_start), rows)
+        self._append_trusted(trajectory_id, int(token_start), rows, spec)
+
+    def _append_trusted(
+        self, trajectory_id: str, token_start: int, rows: np.ndarray, spec: RouteSpec
+    ) -> None:
+        """Append validated, owned rows (storage dtype of ``spec``, C-contiguous): no checks."""
+        batch = _batch_of(spec, trajectory_id, token_start, rows)
         self._add(batch, spec, rows, np.array([0, rows.shape[0]], dtype=np.int64))
 
     def append_batch(self, batch: pa.RecordBatch) -> None:
@@ -103,7 +155,7 @@ class TurnStore:
         spec = RouteSpec.from_schema(batch.schema)
         if not spec.same_shape(self.spec):
             raise SchemaError(f"turn batch: expected routes shaped like {self.spec}, found {spec}")
-        col = batch.column(2)
+        col = cast("pa.LargeListArray[Any]", batch.column(2))
         if col.null_count or batch.column(0).null_count or batch.column(1).null_count:
             raise SchemaError("turn batch: expected no nulls")
         offsets = np.asarray(col.offsets, dtype=np.int64)
@@ -141,15 +193,16 @@ class TurnStore:
         ]
         return pa.Table.from_batches(batches, schema=schema)
 
-    def routes(self, trajectory_ids: Sequence[str] | pa.Array) -> pa.LargeListArray:
+    def routes(self, trajectory_ids: Sequence[str] | pa.Array[Any]) -> pa.LargeListArray[Any]:
         """Routes column aligned with ``trajectory_ids`` (a trajectory with no turns gets []).
 
         Raises `ContiguityError` if a trajectory's turns leave a gap, overlap, or
-        repeat a turn.
+        repeat a turn (``trajectory_id`` set, ``token`` = the first token not covered
+        exactly once); ``ValueError`` if ``trajectory_ids`` repeats an id.
         """
         wanted = pa.array(trajectory_ids, type=pa.large_string())
         if pc.count_distinct(wanted).as_py() != len(wanted):
-            raise ContiguityError("trajectory_ids: expected unique ids, found duplicates")
+            raise ValueError("trajectory_ids: expected unique ids, found duplicates")
         with self._lock:
             batches, views, spec = list(self._batches), list(self._views), self.spec
         turn_ids = pa.chunked_array([b.column(0) for b in batches], type=pa.large_string())
@@ -177,14 +230,19 @@ class TurnStore:
                 else "a gap"
             )
             raise ContiguityError(
-                f"trajectory {tid!r}: expected a turn starting at token {int(expect[k])}, found one at "
-                f"{int(start_s[k])} ({kind})"
+                f"trajectory {tid!r}: expected a turn starting at token {int(expect[k])}, "
+                f"found one at {int(start_s[k])} ({kind})",
+                trajectory_id=tid,
+                token=min(int(expect[k]), int(start_s[k])),
             )
         values = _gather(views, sel[order], spec)
         per_traj = np.bincount(pos_s, weights=lens_s, minlength=len(wanted)).astype(np.int64)
         offsets = np.zeros(len(wanted) + 1, dtype=np.int64)
         np.cumsum(per_traj, out=offsets[1:])
-        return pa.LargeListArray.from_arrays(pa.array(offsets), numpy_to_routes(values, spec))
+        out: pa.LargeListArray[Any] = pa.LargeListArray.from_arrays(
+            pa.array(offsets, type=pa.int64()), numpy_to_routes(values, spec)
+        )
+        return out
 
     def clear(self) -> None:
         with self._lock:

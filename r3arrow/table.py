@@ -4,19 +4,29 @@ Building (`rollout_table`), validating (`validate_rollouts`), derived columns
 (`router_padding_mask`, `sequence_loss_mask`), row selection that keeps every
 column attached (`take_rows`, `filter_rows`) and dynamic sampling
 (`filter_groups`, `replace_groups`). All vectorised with Arrow compute/numpy.
+See ``docs/design.md``, "The Arrow data model" and "Dynamic sampling".
+
+One check per trust boundary: `rollout_table` validates what it is given and
+marks the table it returns as validated (:mod:`r3arrow._validated`), so writing it
+does not validate it again; so do `take_rows`, `filter_rows`, `filter_groups` and
+`replace_groups` for results of a validated table. Validation errors carry
+``row`` and ``trajectory_id``; argument misuse raises ``ValueError``/``TypeError``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from r3arrow.errors import RouteShapeError, SchemaError, TerminalGapError
-from r3arrow.spec import RouteSpec, check_route_ids, numpy_to_routes, routes_to_numpy
+from r3arrow._validated import is_validated, mark_validated
+from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
+from r3arrow.ids import check_route_ids
+from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
+from r3arrow.trace import first_terminal_gap, terminal_gap_error
 
 #: Core columns of schema rollout.v1, in order (see schemas/rollout.v1.json).
 ROLLOUT_COLUMNS: tuple[str, ...] = (
@@ -32,7 +42,7 @@ SCHEMA_VERSION = "rollout.v1"
 _VERSION_KEY = b"r3arrow.schema"
 
 
-def rollout_schema(spec: RouteSpec, extra: Sequence[pa.Field] = ()) -> pa.Schema:
+def rollout_schema(spec: RouteSpec, extra: Sequence[pa.Field[Any]] = ()) -> pa.Schema:
     """Arrow schema of a rollout table for ``spec``, with ``extra`` fields after the core ones."""
     core = [
         pa.field("trajectory_id", pa.large_string(), nullable=False),
@@ -43,12 +53,15 @@ def rollout_schema(spec: RouteSpec, extra: Sequence[pa.Field] = ()) -> pa.Schema
         pa.field("reward", pa.float64(), nullable=False),
         pa.field("routes", spec.routes_type, nullable=False),
     ]
-    meta = {**spec.to_metadata(), _VERSION_KEY: SCHEMA_VERSION.encode()}
+    meta = cast(
+        "dict[bytes | str, bytes | str]",
+        {**spec.to_metadata(), _VERSION_KEY: SCHEMA_VERSION.encode()},
+    )
     return pa.schema([*core, *extra], metadata=meta)
 
 
 # ------------------------------------------------------------------ building
-def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> pa.Array:
+def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> pa.Array[Any]:
     """Coerce a column of per-trajectory sequences to ``large_list<value_type>``."""
     want = pa.large_list(value_type)
     if isinstance(values, pa.ChunkedArray):
@@ -60,7 +73,7 @@ def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> p
         offsets = np.zeros(len(values) + 1, dtype=np.int64)
         np.cumsum(lens, out=offsets[1:])
         flat = np.concatenate(values) if len(values) else np.empty(0)
-        arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat))
+        arr = pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), pa.array(flat))
     else:
         try:
             arr = pa.array(values, type=want)
@@ -80,7 +93,7 @@ def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> p
     return arr
 
 
-def _column(values: Any, typ: pa.DataType | None, name: str, rows: int) -> pa.Array:
+def _column(values: Any, typ: pa.DataType | None, name: str, rows: int) -> pa.Array[Any]:
     """A column of ``typ`` (None: as given or inferred) with ``rows`` values; nulls are kept."""
     try:
         arr = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else pa.array(values)
@@ -92,14 +105,26 @@ def _column(values: Any, typ: pa.DataType | None, name: str, rows: int) -> pa.Ar
     return arr
 
 
-def _routes_column(routes: Any, spec: RouteSpec, rows: int) -> tuple[pa.LargeListArray, RouteSpec]:
-    """Build ``large_list<spec.arrow_type>`` from finalized per-trajectory arrays (at most one copy).
+def _check_part_ids(part: np.ndarray, spec: RouteSpec, row: int) -> int:
+    """Id range of trajectory ``row``'s routes; returns the largest id (errors get ``row``)."""
+    try:
+        return check_route_ids(part, spec, what=f"routes[{row}]")[1]
+    except R3ArrowError as exc:
+        exc.row = row
+        raise
+
+
+def _routes_column(
+    routes: Any, spec: RouteSpec, rows: int
+) -> tuple[pa.LargeListArray[Any], RouteSpec]:
+    """``large_list<spec.arrow_type>`` from finalized per-trajectory arrays (at most one copy).
 
     Ids are checked per part before the parts are joined straight into the storage dtype.
     """
     if isinstance(routes, pa.ChunkedArray):
         routes = routes.combine_chunks()
-    if isinstance(routes, pa.LargeListArray | pa.ListArray):
+    column = isinstance(routes, pa.LargeListArray | pa.ListArray)
+    if column:
         if routes.null_count:
             raise SchemaError(f"routes: expected no null rows, found {routes.null_count}")
         parts = [routes_to_numpy(routes.flatten(), spec)]
@@ -113,14 +138,23 @@ def _routes_column(routes: Any, spec: RouteSpec, rows: int) -> tuple[pa.LargeLis
             if p.ndim != 3 or p.shape[1:] != spec.row_shape or p.dtype.kind not in "iu":
                 raise RouteShapeError(
                     f"routes[{i}]: expected integer [rows, {spec.num_layers}, {spec.topk}], "
-                    f"found {p.dtype} {list(p.shape)}"
+                    f"found {p.dtype} {list(p.shape)}",
+                    row=i,
                 )
         lens = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
     if len(lens) != rows:
         raise SchemaError(f"routes: expected {rows} rows (one per trajectory), found {len(lens)}")
-    hi = max(
-        (check_route_ids(p, spec, what=f"routes[{i}]")[1] for i, p in enumerate(parts)), default=-1
-    )
+    if column:
+        try:
+            hi = check_route_ids(parts[0], spec, what="routes")[1]
+        except R3ArrowError as exc:  # name the trajectory and its token (failure path only)
+            ends = np.cumsum(lens)
+            row = int(np.searchsorted(ends, exc.token or 0, side="right"))
+            start = int(ends[row] - lens[row])
+            _check_part_ids(parts[0][start : int(ends[row])], spec, row)
+            raise  # pragma: no cover - the row's own check raises
+    else:
+        hi = max((_check_part_ids(p, spec, i) for i, p in enumerate(parts)), default=-1)
     if spec.num_experts is None:
         spec = spec.widened_for(hi)
     if len(parts) == 1 and parts[0].dtype == spec.dtype:
@@ -131,17 +165,19 @@ def _routes_column(routes: Any, spec: RouteSpec, rows: int) -> tuple[pa.LargeLis
             np.concatenate(parts, axis=0, out=flat, casting="unsafe")
     offsets = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    return pa.LargeListArray.from_arrays(pa.array(offsets), numpy_to_routes(flat, spec)), spec
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), numpy_to_routes(flat, spec)
+    ), spec
 
 
 def rollout_table(
     *,
-    trajectory_id: Sequence[str] | pa.Array,
-    group_id: Sequence[str] | pa.Array,
+    trajectory_id: Sequence[str] | pa.Array[Any],
+    group_id: Sequence[str] | pa.Array[Any],
     prompt_ids: Any,
     response_ids: Any,
     loss_mask: Any,
-    reward: Sequence[float] | np.ndarray | pa.Array,
+    reward: Sequence[float] | np.ndarray | pa.Array[Any],
     routes: Any,
     spec: RouteSpec,
     **extra: Any,
@@ -151,14 +187,16 @@ def rollout_table(
     ``routes`` is a sequence of finalized per-trajectory arrays (Arrow per-token
     routes or numpy ``[rows, L, K]``), or a ``large_list`` column. Extra keyword
     columns (one value per trajectory) are kept after the core columns.
-    Raises `SchemaError`, `RouteShapeError`, `ExpertRangeError`, `TerminalGapError`.
+    Raises `SchemaError`, `RouteShapeError`, `ExpertRangeError`, `TerminalGapError`
+    (with ``row`` set when a trajectory is at fault). The returned table is marked
+    validated (a writer does not check it again).
     """
     rows = len(trajectory_id)
     tid = _column(trajectory_id, pa.large_string(), "trajectory_id", rows)
     gid = _column(group_id, pa.large_string(), "group_id", rows)
     rew = _column(reward, pa.float64(), "reward", rows)
     routes_col, spec = _routes_column(routes, spec, rows)
-    cols: dict[str, pa.Array] = {
+    cols: dict[str, pa.Array[Any]] = {
         "trajectory_id": tid,
         "group_id": gid,
         "prompt_ids": _large_list(prompt_ids, pa.int32(), "prompt_ids", rows),
@@ -180,6 +218,7 @@ def rollout_table(
             raise SchemaError(f"{name}: expected no nulls, found {value.null_count}")
     table = pa.Table.from_arrays(list(cols.values()), schema=schema)
     validate_rollouts(table)
+    mark_validated(table)
     return table
 
 
@@ -189,7 +228,7 @@ def route_spec(table: pa.Table | pa.RecordBatch) -> RouteSpec:
     return RouteSpec.from_schema(table.schema)
 
 
-def list_lengths(col: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def list_lengths(col: pa.Array[Any] | pa.ChunkedArray[Any]) -> np.ndarray:
     """Length of every list in a (chunked) list column, int64 ``[rows]``."""
     return np.asarray(pc.list_value_length(col).to_numpy(zero_copy_only=False), dtype=np.int64)
 
@@ -207,10 +246,18 @@ def sequence_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
     return lengths
 
 
+def _trajectory_id(table: pa.Table | pa.RecordBatch, row: int) -> str | None:
+    value = table.column("trajectory_id")[row].as_py()
+    return value if isinstance(value, str) else None
+
+
 def validate_rollouts(table: pa.Table | pa.RecordBatch) -> RouteSpec:
     """Check schema, per-row lengths and the terminal-gap rule for every trajectory.
 
-    Returns the table's spec. Vectorised over the whole table.
+    Returns the table's spec. Vectorised over the whole table. Raises `SchemaError`
+    (schema, loss mask length), `RouteShapeError` (more route rows than tokens) and
+    `TerminalGapError` (``docs/design.md``, "Ragged routes and the terminal gap"),
+    each with ``row`` and ``trajectory_id`` set when a row is at fault.
     """
     spec = route_spec(table)
     expected = rollout_schema(spec)
@@ -230,13 +277,17 @@ def validate_rollouts(table: pa.Table | pa.RecordBatch) -> RouteSpec:
     if bad.size:
         i = int(bad[0])
         raise SchemaError(
-            f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}"
+            f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}",
+            row=i,
+            trajectory_id=_trajectory_id(table, i),
         )
     bad = np.flatnonzero(cap > plen + rlen)
     if bad.size:
         i = int(bad[0])
         raise RouteShapeError(
-            f"row {i}: expected at most {plen[i] + rlen[i]} route rows (tokens), found {cap[i]}"
+            f"row {i}: expected at most {plen[i] + rlen[i]} route rows (tokens), found {cap[i]}",
+            row=i,
+            trajectory_id=_trajectory_id(table, i),
         )
     # Terminal gap: a loss-active response token t (absolute position P + j) needs row t-1.
     mask = table.column("loss_mask")
@@ -247,14 +298,15 @@ def validate_rollouts(table: pa.Table | pa.RecordBatch) -> RouteSpec:
         )
         starts = np.concatenate([[0], np.cumsum(mlen)[:-1]])
         pos = plen[parent] + (np.arange(flat.size) - starts[parent])
-        viol = np.flatnonzero((flat != 0) & (pos > cap[parent]))
-        if viol.size:
-            k = int(viol[0])
+        k = first_terminal_gap(flat, pos, cap[parent])
+        if k >= 0:
             row = int(parent[k])
-            tid = table.column("trajectory_id")[row].as_py()
-            raise TerminalGapError(
-                f"trajectory {tid!r} (row {row}): missing routed-expert row for loss-active target at "
-                f"token {int(pos[k])} (captured {int(cap[row])} of {int(plen[row] + rlen[row])} tokens)"
+            raise terminal_gap_error(
+                token=int(pos[k]),
+                captured=int(cap[row]),
+                num_tokens=int(plen[row] + rlen[row]),
+                trajectory_id=_trajectory_id(table, row),
+                row=row,
             )
     return spec
 
@@ -269,12 +321,14 @@ def _ragged_positions(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return offsets, parent, pos
 
 
-def router_padding_mask(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray:
+def router_padding_mask(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray[Any]:
     """``large_list<bool>`` over prompt+response: True where no route was captured."""
     total = sequence_lengths(table)
     offsets, parent, pos = _ragged_positions(total)
     flags = pos >= captured_lengths(table)[parent]
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flags, type=pa.bool_()))
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), pa.array(flags, type=pa.bool_())
+    )
 
 
 def _join_prompt_response(
@@ -283,8 +337,8 @@ def _join_prompt_response(
     response: str,
     dtype: Any,
     typ: pa.DataType,
-) -> pa.LargeListArray:
-    """Per trajectory, ``prompt`` values (None = zeros) then the ``response`` column's, as large_list."""
+) -> pa.LargeListArray[Any]:
+    """Per trajectory, ``prompt`` values (None = zeros) then the ``response`` column's values."""
     plen = list_lengths(table.column("prompt_ids"))
     offsets, parent, pos = _ragged_positions(plen + list_lengths(table.column("response_ids")))
     out = np.zeros(offsets[-1], dtype=dtype)
@@ -294,25 +348,28 @@ def _join_prompt_response(
     out[~is_prompt] = np.asarray(
         pc.list_flatten(table.column(response)).to_numpy(zero_copy_only=False)
     )
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(out, type=typ))
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), pa.array(out, type=typ)
+    )
 
 
-def sequence_loss_mask(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray:
+def sequence_loss_mask(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray[Any]:
     """``large_list<uint8>`` over prompt+response: 0 on the prompt, the response mask after."""
     return _join_prompt_response(table, None, "loss_mask", np.uint8, pa.uint8())
 
 
-def input_ids(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray:
+def input_ids(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray[Any]:
     """``large_list<int32>``: prompt_ids followed by response_ids, per trajectory."""
     prompt = np.asarray(pc.list_flatten(table.column("prompt_ids")).to_numpy(zero_copy_only=False))
     return _join_prompt_response(table, prompt, "response_ids", np.int32, pa.int32())
 
 
 def flat_routes(table: pa.Table | pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
-    """(routes ``[sum(captured), L, K]``, offsets ``[B+1]``): zero-copy for a single-chunk column."""
-    col = table.column("routes")
-    if isinstance(col, pa.ChunkedArray):
-        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    """(routes ``[sum(captured), L, K]``, offsets ``[B+1]``); zero-copy for a one-chunk column."""
+    raw = table.column("routes")
+    if isinstance(raw, pa.ChunkedArray):
+        raw = raw.combine_chunks() if raw.num_chunks != 1 else raw.chunk(0)
+    col = cast("pa.LargeListArray[Any]", raw)
     spec = route_spec(table)
     offsets = np.asarray(col.offsets, dtype=np.int64)
     values = routes_to_numpy(col.flatten(), spec)
@@ -328,16 +385,22 @@ def _keep_metadata(result: pa.Table, source: pa.Table) -> pa.Table:
     )
 
 
+def _selected(result: pa.Table, source: pa.Table) -> pa.Table:
+    """``result`` (rows of ``source``, metadata kept), marked validated if ``source`` was."""
+    out = _keep_metadata(result, source)
+    return mark_validated(out) if is_validated(source) else out
+
+
 def take_rows(table: pa.Table, indices: Any) -> pa.Table:
     """Rows at ``indices`` (every column, schema metadata kept)."""
     idx = np.asarray(
         indices.to_numpy(zero_copy_only=False) if isinstance(indices, pa.Array) else indices
     )
     if idx.size and idx.dtype.kind not in "iu":
-        raise SchemaError(f"take_rows: expected integer row indices, found dtype {idx.dtype}")
+        raise TypeError(f"take_rows: expected integer row indices, found dtype {idx.dtype}")
     if idx.ndim != 1:
-        raise SchemaError(f"take_rows: expected a 1-D index array, found shape {list(idx.shape)}")
-    return _keep_metadata(table.take(pa.array(idx.astype(np.int64, copy=False))), table)
+        raise ValueError(f"take_rows: expected a 1-D index array, found shape {list(idx.shape)}")
+    return _selected(table.take(pa.array(idx, type=pa.int64())), table)
 
 
 def filter_rows(table: pa.Table, mask: Any) -> pa.Table:
@@ -348,14 +411,18 @@ def filter_rows(table: pa.Table, mask: Any) -> pa.Table:
         else pa.array(np.asarray(mask, dtype=bool))
     )
     if len(m) != table.num_rows:
-        raise SchemaError(f"filter mask: expected {table.num_rows} values, found {len(m)}")
-    return _keep_metadata(table.filter(m), table)
+        raise ValueError(f"filter mask: expected {table.num_rows} values, found {len(m)}")
+    return _selected(table.filter(m), table)
+
+
+def _dictionary(col: pa.ChunkedArray[Any]) -> pa.DictionaryArray[Any, Any]:
+    return cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(col).combine_chunks())
 
 
 def _group_codes(table: pa.Table, by: str) -> tuple[np.ndarray, int]:
     if by not in table.schema.names:
         raise SchemaError(f"expected a column {by!r} to group by, found {table.schema.names}")
-    enc = pc.dictionary_encode(table.column(by)).combine_chunks()
+    enc = _dictionary(table.column(by))
     return np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64), len(
         enc.dictionary
     )
@@ -368,7 +435,7 @@ def varied_groups(table: pa.Table, by: str = "group_id", value: str = "reward") 
         raise SchemaError(f"expected a column {value!r} to compare, found {table.schema.names}")
     vals = np.asarray(table.column(value).to_numpy())
     if vals.dtype.kind not in "iufb":
-        vals = np.asarray(pc.dictionary_encode(table.column(value)).combine_chunks().indices)
+        vals = np.asarray(_dictionary(table.column(value)).indices)
     vals = vals.astype(np.float64)
     lo = np.full(n, np.inf)
     hi = np.full(n, -np.inf)
@@ -416,7 +483,7 @@ def replace_groups(
     return take_rows(table, src)
 
 
-def with_columns(table: pa.Table, columns: Mapping[str, pa.Array]) -> pa.Table:
+def with_columns(table: pa.Table, columns: Mapping[str, pa.Array[Any]]) -> pa.Table:
     """Append or replace columns, keeping schema metadata."""
     out = table
     for name, col in columns.items():

@@ -1,8 +1,13 @@
-"""Shared test settings and helpers for the whole suite (kept small on purpose).
+"""Shared test settings and fixtures for the whole suite (the one place for them).
 
 Hypothesis profiles: ``default`` (no deadline, 50 examples), ``ci`` (no deadline,
 25 examples, for the 2-core CI box) and ``thorough`` (500 examples). Select with
 ``HYPOTHESIS_PROFILE=ci``.
+
+Data builders and strategies are not fixtures: tests import them from `r3arrow.testing`
+(`random_routes`, `random_rollouts`, `assert_rollouts_equal`) and
+`r3arrow.testing.strategies` (`specs`, `routes`, `shapes`, `rollout_tables`), never from
+this file.
 """
 
 from __future__ import annotations
@@ -12,10 +17,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from r3arrow.engine import EngineServer, FaultPlan, ReferenceEngine
+from r3arrow.spec import RouteSpec
+from r3arrow.testing import random_rollouts
+from r3arrow.testing.strategies import specs
 
 _COMMON: dict[str, Any] = {
     "deadline": None,
@@ -26,10 +36,26 @@ settings.register_profile("ci", max_examples=25, **_COMMON)
 settings.register_profile("thorough", max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
+# ``st.from_type(RouteSpec)`` draws from the shared strategy.
+st.register_type_strategy(RouteSpec, specs())
+
 
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+@pytest.fixture
+def small_spec() -> RouteSpec:
+    """4 layers (layer 0 dense), top-2 of 8 experts: the demo's model shape, ids uint8."""
+    return RouteSpec(num_layers=4, topk=2, num_experts=8, moe_layers=(1, 2, 3))
+
+
+@pytest.fixture
+def small_rollouts(rng: np.random.Generator, small_spec: RouteSpec) -> pa.Table:
+    """A valid 4-trajectory rollout table of `small_spec` (two groups of two): fully captured,
+    one short of the last token, a zero-row trajectory, and one with a terminal gap."""
+    return random_rollouts(rng, small_spec, [(5, 4, 9), (3, 6, 8), (4, 2, 0), (2, 5, 5)])
 
 
 @pytest.fixture

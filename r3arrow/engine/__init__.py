@@ -1,20 +1,22 @@
-"""Embedded reference inference engine: a tiny deterministic MoE model served with vLLM's HTTP schema.
+"""Embedded reference inference engine: a tiny deterministic MoE model behind vLLM's HTTP schema.
 
 `ReferenceEngine` generates and records its own top-k routing per token and layer;
 `EngineServer` serves it on loopback exactly like vLLM's ``/inference/v1/generate`` and
 ``/v1/completions`` (routed experts as base64 ``.npy``, vLLM's row semantics);
 `FaultPlan` injects delays, error statuses, dropped connections and bad route payloads.
+
+Modules: ``model`` (`TinyMoE`, `TinyMoEConfig`, `ReferenceEngine`: torch, no HTTP),
+``_protocol`` (vLLM's request validation, error JSON and response shapes; `encode_npy_b64`),
+``faults`` (`Fault`, `FaultPlan`, `corrupt_routes`: what each fault does), ``server``
+(`EngineServer`, `RequestLog`: the HTTP server). Invalid requests raise
+`r3arrow.errors.EngineRequestError` (also importable from here).
 """
 
-from r3arrow.engine.faults import Fault, FaultPlan
-from r3arrow.engine.model import (
-    EngineRequestError,
-    GenerateResult,
-    ReferenceEngine,
-    TinyMoE,
-    TinyMoEConfig,
-)
-from r3arrow.engine.server import EngineServer, RequestLog, encode_npy_b64
+from r3arrow.engine._protocol import encode_npy_b64
+from r3arrow.engine.faults import Fault, FaultPlan, corrupt_routes
+from r3arrow.engine.model import GenerateResult, ReferenceEngine, TinyMoE, TinyMoEConfig
+from r3arrow.engine.server import EngineServer, RequestLog
+from r3arrow.errors import EngineRequestError
 
 __all__ = [
     "EngineRequestError",
@@ -26,5 +28,6 @@ __all__ = [
     "RequestLog",
     "TinyMoE",
     "TinyMoEConfig",
+    "corrupt_routes",
     "encode_npy_b64",
 ]

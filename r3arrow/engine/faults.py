@@ -1,10 +1,35 @@
-"""Deterministic fault injection for `EngineServer`: delays, error statuses, dropped
-connections and corrupted route payloads, consumed in order by generation requests.
+"""Deterministic fault injection for `EngineServer`, consumed in order by generation requests.
 
     plan = FaultPlan().then(Fault.status(503), times=2).then(Fault.short_routes(1))
     with EngineServer(engine, faults=plan) as server:
         ...                       # 1st and 2nd generation requests: 503, 3rd: one row short
     plan.seen("/inference/v1/generate")   # generation requests received on that path
+
+The faults and what the client sees (``docs/design.md``, "Wire formats"):
+
+======================  =================================================================
+``delay(s)``            the answer comes ``s`` seconds late (a timeout, or a slow engine)
+``status(code)``        HTTP ``code`` with vLLM's error JSON, nothing generated (429/5xx:
+                        retried; other 4xx: refused at once); ``retry_after`` adds the header
+``drop_connection()``   the connection closes after the request is read, no response
+                        (a transport error: retried)
+``malformed_routes(m)`` generated normally, ``routed_experts`` replaced by a corrupt payload
+                        of mode ``m`` (a data error: never retried), see below
+``short_routes(n)``     the last ``n`` route rows dropped (a row-count error)
+``extra_routes(n)``     ``n`` well-formed rows appended (a row-count error)
+``no_routes()``         ``routed_experts: null``, as vLLM without route capture
+======================  =================================================================
+
+Modes of ``malformed_routes`` (`corrupt_routes` applies them):
+
+============  ======================================================================
+``base64``    not base64 at all
+``not_npy``   valid base64 of bytes that are not an ``.npy`` file
+``object``    an ``.npy`` header declaring an object array (loading it needs pickle)
+``float``     a well-formed ``.npy`` of float32 values
+``truncated`` an ``.npy`` whose data is cut short of what its header declares
+``shape``     a well-formed 2-D ``[rows, L*K]`` array
+============  ======================================================================
 """
 
 from __future__ import annotations
@@ -13,6 +38,12 @@ import dataclasses
 import threading
 from collections import Counter, deque
 from typing import Literal
+
+import numpy as np
+import pybase64
+
+from r3arrow._checks import check_choice, check_int, check_optional_int, check_positive_int
+from r3arrow.engine._protocol import COMPLETIONS_PATH, GENERATE_PATH, encode_npy_b64
 
 FaultKind = Literal[
     "delay",
@@ -26,8 +57,15 @@ FaultKind = Literal[
 MalformedMode = Literal["base64", "not_npy", "object", "float", "truncated", "shape"]
 
 #: Paths whose requests consume faults (vLLM's generation endpoints).
-GENERATION_PATHS = ("/inference/v1/generate", "/v1/completions")
-_MALFORMED_MODES = ("base64", "not_npy", "object", "float", "truncated", "shape")
+GENERATION_PATHS = (GENERATE_PATH, COMPLETIONS_PATH)
+MALFORMED_MODES: tuple[MalformedMode, ...] = (
+    "base64",
+    "not_npy",
+    "object",
+    "float",
+    "truncated",
+    "shape",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +82,8 @@ class Fault:
     @staticmethod
     def delay(seconds: float) -> Fault:
         """Wait ``seconds`` before answering normally."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise TypeError(f"Fault.delay: expected seconds as a number, found {seconds!r}")
         if not seconds >= 0:
             raise ValueError(f"Fault.delay: expected seconds >= 0, found {seconds!r}")
         return Fault("delay", seconds=float(seconds))
@@ -54,15 +94,12 @@ class Fault:
 
         ``retry_after`` (seconds) adds a ``Retry-After`` header.
         """
-        if not 400 <= code <= 599:
-            raise ValueError(
-                f"Fault.status: expected an HTTP error code in [400, 599], found {code}"
-            )
+        code = check_int(code, "Fault.status: HTTP error code", minimum=400, maximum=599)
         if retry_after is not None and not retry_after >= 0:
             raise ValueError(
                 f"Fault.status: expected retry_after >= 0 or None, found {retry_after!r}"
             )
-        return Fault("status", status_code=int(code), retry_after=retry_after)
+        return Fault("status", status_code=code, retry_after=retry_after)
 
     @staticmethod
     def drop_connection() -> Fault:
@@ -73,30 +110,20 @@ class Fault:
     def malformed_routes(mode: MalformedMode = "base64") -> Fault:
         """Generate normally, then replace every ``routed_experts`` with a corrupt payload.
 
-        Modes: ``base64`` (not base64), ``not_npy`` (base64 of bytes that are no .npy),
-        ``object`` (.npy header declaring an object array, which needs pickle),
-        ``float`` (float32 values), ``truncated`` (.npy data cut short), ``shape``
-        (2-D ``[rows, L*K]``).
+        ``mode`` is one of `MALFORMED_MODES` (the module docstring says what each sends).
         """
-        if mode not in _MALFORMED_MODES:
-            raise ValueError(
-                f"Fault.malformed_routes: expected a mode in {_MALFORMED_MODES}, found {mode!r}"
-            )
+        check_choice(mode, "Fault.malformed_routes: mode", MALFORMED_MODES)
         return Fault("malformed_routes", mode=mode)
 
     @staticmethod
     def short_routes(n: int = 1) -> Fault:
         """Generate normally, then drop the last ``n`` rows of ``routed_experts``."""
-        if n < 1:
-            raise ValueError(f"Fault.short_routes: expected n >= 1, found {n}")
-        return Fault("short_routes", rows=int(n))
+        return Fault("short_routes", rows=check_positive_int(n, "Fault.short_routes: n"))
 
     @staticmethod
     def extra_routes(n: int = 1) -> Fault:
         """Generate normally, then append ``n`` well-formed rows to ``routed_experts``."""
-        if n < 1:
-            raise ValueError(f"Fault.extra_routes: expected n >= 1, found {n}")
-        return Fault("extra_routes", rows=int(n))
+        return Fault("extra_routes", rows=check_positive_int(n, "Fault.extra_routes: n"))
 
     @staticmethod
     def no_routes() -> Fault:
@@ -129,15 +156,12 @@ class FaultPlan:
     def then(
         self, fault: Fault, *, times: int | None = 1, endpoint: str | None = None
     ) -> FaultPlan:
-        """Queue ``fault`` for the next ``times`` matching requests (``None``: all); returns self."""
+        """Queue ``fault`` for the next ``times`` matching requests (``None``: all); return self."""
         if not isinstance(fault, Fault):
             raise TypeError(f"FaultPlan.then: expected a Fault, found {type(fault).__name__}")
-        if times is not None and times < 1:
-            raise ValueError(f"FaultPlan.then: expected times >= 1 or None, found {times}")
-        if endpoint is not None and endpoint not in GENERATION_PATHS:
-            raise ValueError(
-                f"FaultPlan.then: expected endpoint None or one of {GENERATION_PATHS}, found {endpoint!r}"
-            )
+        times = check_optional_int(times, "FaultPlan.then: times", minimum=1)
+        if endpoint is not None:
+            check_choice(endpoint, "FaultPlan.then: endpoint (or None)", GENERATION_PATHS)
         with self._lock:
             self._queue.append(_Entry(fault, times, endpoint))
         return self
@@ -174,3 +198,52 @@ class FaultPlan:
         """Faults still queued (an entry with ``times=None`` counts as one)."""
         with self._lock:
             return sum(1 if e.remaining is None else e.remaining for e in self._queue)
+
+
+def corrupt_routes(arr: np.ndarray, fault: Fault) -> str | None:
+    """The ``routed_experts`` value a response carries under ``fault`` instead of ``arr``.
+
+    ``arr`` is the engine's ``[rows, L, K]`` rows; returns the payload string (base64), or
+    None for ``no_routes``. Only the route faults (``malformed_routes``, ``short_routes``,
+    ``extra_routes``, ``no_routes``) belong here.
+    """
+    if fault.kind == "no_routes":
+        return None
+    if fault.kind == "short_routes":
+        return encode_npy_b64(arr[: max(0, arr.shape[0] - fault.rows)])
+    if fault.kind == "extra_routes":
+        extra = np.broadcast_to(
+            np.arange(arr.shape[2], dtype=arr.dtype), (fault.rows, *arr.shape[1:])
+        )
+        return encode_npy_b64(np.concatenate([arr, extra]))
+    if fault.kind != "malformed_routes":
+        raise ValueError(f"corrupt_routes: expected a route fault, found {fault.kind!r}")
+    mode = fault.mode
+    if mode == "base64":
+        return "!!not base64: routed experts lost in transit!!"
+    if mode == "not_npy":
+        return pybase64.b64encode(b"this is not an .npy file" + arr.tobytes()).decode("ascii")
+    if mode == "object":
+        # An .npy header declaring an object array: loading it would need pickle.
+        header = b"{'descr': '|O', 'fortran_order': False, 'shape': (%d,), }" % arr.shape[0]
+        header = header.ljust(118) + b"\n"
+        return pybase64.b64encode(
+            b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 16
+        ).decode("ascii")
+    if mode == "float":
+        return encode_npy_b64(arr.astype(np.float32))
+    if mode == "truncated":
+        full = pybase64.b64decode(encode_npy_b64(arr))
+        return pybase64.b64encode(full[: len(full) - max(1, arr.nbytes // 2)]).decode("ascii")
+    return encode_npy_b64(arr.reshape(arr.shape[0], -1))  # "shape"
+
+
+__all__ = [
+    "GENERATION_PATHS",
+    "MALFORMED_MODES",
+    "Fault",
+    "FaultKind",
+    "FaultPlan",
+    "MalformedMode",
+    "corrupt_routes",
+]

@@ -19,32 +19,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from r3arrow.errors import R3ArrowError
+from r3arrow._checks import check_positive_int
+from r3arrow.errors import EngineRequestError
 from r3arrow.spec import RouteSpec
 
 FinishReason = Literal["length", "stop"]
 
 
-class EngineRequestError(R3ArrowError, ValueError):
-    """A generation request is invalid; the server answers HTTP 400 with vLLM's error JSON.
-
-    ``param`` names the offending request parameter (vLLM's ``error.param``).
-    """
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def _bad(param: str, message: str, value: object) -> EngineRequestError:
     # vLLM's VLLMValidationError wording: "<message> (parameter=<name>, value=<value>)"
     return EngineRequestError(f"{message} (parameter={param}, value={value!r})", param=param)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"TinyMoEConfig.{name}: expected a positive int, found {value!r}")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +67,8 @@ class TinyMoEConfig:
             "intermediate_size",
             "moe_intermediate_size",
         ):
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            value = check_positive_int(getattr(self, name), f"TinyMoEConfig.{name}")
+            object.__setattr__(self, name, value)
         dense = tuple(sorted({int(i) for i in self.dense_layers}))
         if len(dense) != len(tuple(self.dense_layers)) or any(
             not 0 <= i < self.num_layers for i in dense
@@ -198,7 +183,7 @@ class TinyMoE(nn.Module):
         self.wo = rand(nl, h, h, fan_in=h)
         self.dense_up = rand(max(n_dense, 1), h, c.intermediate_size, fan_in=h)
         self.dense_down = rand(max(n_dense, 1), c.intermediate_size, h, fan_in=c.intermediate_size)
-        # Router logits are scaled up so that routing is confident and varied, like a trained router.
+        # Router logits are scaled up: routing is confident and varied, like a trained router's.
         self.router = rand(max(n_moe, 1), h, e, fan_in=1)
         self.expert_up = rand(max(n_moe, 1), e, h, c.moe_intermediate_size, fan_in=h)
         self.expert_down = rand(
@@ -265,7 +250,8 @@ class TinyMoE(nn.Module):
         c = self.config
         if not 0 < capacity <= c.max_model_len:
             raise ValueError(
-                f"expected a cache capacity in [1, max_model_len={c.max_model_len}], found {capacity}"
+                f"expected a cache capacity in [1, max_model_len={c.max_model_len}], "
+                f"found {capacity}"
             )
         shape = (c.num_layers, c.num_heads, capacity, c.hidden_size // c.num_heads)
         return _KVCache(
@@ -284,7 +270,8 @@ class TinyMoE(nn.Module):
         c = self.config
         if token_ids.ndim != 1 or token_ids.dtype != torch.int64:
             raise ValueError(
-                f"expected token_ids as a 1-D int64 tensor, found {token_ids.ndim}-D {token_ids.dtype}"
+                f"expected token_ids as a 1-D int64 tensor, found {token_ids.ndim}-D "
+                f"{token_ids.dtype}"
             )
         t = token_ids.shape[0]
         start = cache.length
@@ -311,7 +298,7 @@ class TinyMoE(nn.Module):
     def run(
         self, token_ids: torch.Tensor, *, logits_from: int | None = 0
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Like `forward` on a fresh cache, but logits only for rows ``logits_from:`` (``None``: none)."""
+        """Like `forward` on a fresh cache; logits only for rows ``logits_from:`` (None: none)."""
         if token_ids.ndim != 1 or token_ids.shape[0] == 0:
             raise ValueError(
                 f"expected a non-empty 1-D token_ids tensor, found shape {list(token_ids.shape)}"
@@ -362,7 +349,7 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------- validation
     def check_token_ids(self, token_ids: object, param: str = "token_ids") -> np.ndarray:
-        """``token_ids`` as int64 ``[N >= 1]``; raises `EngineRequestError` unless all are in the vocab."""
+        """``token_ids`` as int64 ``[N >= 1]``; `EngineRequestError` unless all are in the vocab."""
         if isinstance(token_ids, np.ndarray):
             arr = token_ids
         elif isinstance(token_ids, list | tuple) and all(_is_int(t) for t in token_ids):
@@ -374,8 +361,8 @@ class ReferenceEngine:
             )
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise EngineRequestError(
-                f"{param}: expected a flat list of integer token ids, found shape {list(arr.shape)} "
-                f"dtype {arr.dtype}",
+                f"{param}: expected a flat list of integer token ids, found shape "
+                f"{list(arr.shape)} dtype {arr.dtype}",
                 param=param,
             )
         if arr.size == 0:

@@ -1,269 +1,36 @@
 """`EngineServer`: the reference engine over real HTTP on loopback, with vLLM's schema.
 
-Endpoints (request and response JSON as observed on vLLM 0.32.0 with
-``--enable-return-routed-experts --enable-scale-out --skip-tokenizer-init``):
-
-* ``POST /inference/v1/generate``: ``{"token_ids", "sampling_params", "model"?, "request_id"?,
-  "return_token_ids"?, ...}`` -> ``{"request_id": "generate-tokens-...", "choices": [{"index",
-  "finish_reason", "stop_reason", "token_ids", "routed_experts", "sampling_mask",
-  "weight_versions", "logprobs"}], "usage", ...}``
-* ``POST /v1/completions``: OpenAI completions with ``"prompt": [ids]`` (or a list of them) and
-  the sampling parameters at top level; ``choices[i].token_ids`` only with ``"return_token_ids": true``.
-* ``GET /health`` (200, empty body), ``GET /v1/models``.
-
-``routed_experts`` is base64 of an ``.npy`` file (``np.save``), ``[P - start + G - 1, L, K]``.
-Errors are ``{"error": {"message", "type", "param", "code"}}``. Differences from vLLM
-(all stricter): token ids outside the vocabulary are a 400 (vLLM's engine dies on them),
-``P + max_tokens > max_model_len`` is a 400 (vLLM silently lowers ``max_tokens``), and
-streaming, text prompts and sampling features the tiny model lacks (``top_p`` ...) are a 400
-instead of being ignored.
+This module is the HTTP side only: a threaded HTTP/1.1 server (keep-alive, ``TCP_NODELAY``,
+bounded bodies), dispatch by path, fault injection at the HTTP level, and the request log.
+What the endpoints accept and answer (vLLM's request validation, error JSON and response
+shapes) lives in `r3arrow.engine._protocol`; the corrupt payloads of route faults in
+`r3arrow.engine.faults`; the model in `r3arrow.engine.model`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import io
-import secrets
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import numpy as np
 import orjson
-import pybase64
 
-from r3arrow.engine.faults import Fault, FaultPlan
-from r3arrow.engine.model import EngineRequestError, GenerateResult, ReferenceEngine
+from r3arrow._checks import check_int, check_positive_int
+from r3arrow.engine import _protocol as proto
+from r3arrow.engine._protocol import ErrorResponse, error_body
+from r3arrow.engine.faults import Fault, FaultPlan, corrupt_routes
+from r3arrow.engine.model import GenerateResult, ReferenceEngine
+from r3arrow.errors import EngineRequestError
 
 _T = TypeVar("_T")
-
-GENERATE_PATH = "/inference/v1/generate"
-COMPLETIONS_PATH = "/v1/completions"
-_GET_PATHS = ("/health", "/v1/models")
-_POST_PATHS = (GENERATE_PATH, COMPLETIONS_PATH)
-
-#: Sampling parameters the tiny model does not implement, with the value that means "off".
-_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "top_p": (1, 1.0, None),
-    "top_k": (0, -1, None),
-    "min_p": (0, 0.0, None),
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None),
-    "prompt_logprobs": (None,),
-    "stop": (None, [], ""),
-    "logit_bias": (None, {}),
-    "allowed_token_ids": (None, []),
-    "bad_words": (None, []),
-    "echo": (False, None),
-    "best_of": (None, 1),
-}
-
-
-class _HTTPError(Exception):
-    """An error answer: vLLM's ``{"error": {...}}`` body with ``status``."""
-
-    def __init__(
-        self, status: int, message: str, *, err_type: str, param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, err_type=self.err_type, param=self.param)
-
-
-def error_body(
-    status: int, message: str, *, err_type: str, param: str | None = None
-) -> dict[str, Any]:
-    """vLLM's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-
-
-def _status_type(code: int) -> str:
-    """vLLM's ``error.type`` for an HTTP status."""
-    named = {
-        500: "InternalServerError",
-        503: "ServiceUnavailableError",
-        404: "NotFoundError",
-        400: "BadRequestError",
-    }
-    if code in named:
-        return named[code]
-    try:
-        return HTTPStatus(code).phrase
-    except ValueError:
-        return "Error"
-
-
-def _schema_error(loc: str, kind: str, msg: str, value: object) -> _HTTPError:
-    # vLLM renders pydantic validation errors this way (type "Bad Request", param = loc).
-    shown: object = value
-    if isinstance(value, list | tuple | dict):
-        shown = f"<{type(value).__name__} of {len(value)} items>"
-    detail = {"type": kind, "loc": loc, "msg": msg, "input": shown}
-    return _HTTPError(400, f"1 validation error:\n  {detail}", err_type="Bad Request", param=loc)
-
-
-def _bad_request(message: str, param: str | None = None) -> _HTTPError:
-    return _HTTPError(400, message, err_type="BadRequestError", param=param)
-
-
-def encode_npy_b64(arr: np.ndarray) -> str:
-    """vLLM's ``numpy2base64``: base64 (ASCII) of the ``.npy`` bytes of ``arr``."""
-    with io.BytesIO() as buf:
-        np.save(buf, arr, allow_pickle=False)
-        return pybase64.b64encode(buf.getbuffer()).decode("ascii")
-
-
-def _corrupt_routes(arr: np.ndarray, fault: Fault) -> str | None:
-    if fault.kind == "no_routes":
-        return None
-    if fault.kind == "short_routes":
-        return encode_npy_b64(arr[: max(0, arr.shape[0] - fault.rows)])
-    if fault.kind == "extra_routes":
-        extra = np.broadcast_to(
-            np.arange(arr.shape[2], dtype=arr.dtype), (fault.rows, *arr.shape[1:])
-        )
-        return encode_npy_b64(np.concatenate([arr, extra]))
-    mode = fault.mode
-    if mode == "base64":
-        return "!!not base64: routed experts lost in transit!!"
-    if mode == "not_npy":
-        return pybase64.b64encode(b"this is not an .npy file" + arr.tobytes()).decode("ascii")
-    if mode == "object":
-        # An .npy header declaring an object array: loading it would need pickle.
-        header = b"{'descr': '|O', 'fortran_order': False, 'shape': (%d,), }" % arr.shape[0]
-        header = header.ljust(118) + b"\n"
-        return pybase64.b64encode(
-            b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + b"\0" * 16
-        ).decode("ascii")
-    if mode == "float":
-        return encode_npy_b64(arr.astype(np.float32))
-    if mode == "truncated":
-        full = pybase64.b64decode(encode_npy_b64(arr))
-        return pybase64.b64encode(full[: len(full) - max(1, arr.nbytes // 2)]).decode("ascii")
-    # "shape"
-    return encode_npy_b64(arr.reshape(arr.shape[0], -1))
-
-
-# ------------------------------------------------------------------ parsing
-def _get_int(obj: dict[str, Any], key: str, loc: str, default: int | None) -> int | None:
-    value = obj.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _schema_error(f"{loc}.{key}", "int_parsing", "Input should be a valid integer", value)
-    return value
-
-
-def _get_float(obj: dict[str, Any], key: str, loc: str, default: float) -> float:
-    value = obj.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _schema_error(
-            f"{loc}.{key}", "float_parsing", "Input should be a valid number", value
-        )
-    return float(value)
-
-
-def _get_bool(obj: dict[str, Any], key: str, loc: str, default: bool) -> bool:
-    value = obj.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _schema_error(
-            f"{loc}.{key}", "bool_parsing", "Input should be a valid boolean", value
-        )
-    return value
-
-
-def _get_int_list(obj: dict[str, Any], key: str, loc: str) -> list[int] | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        raise _schema_error(
-            f"{loc}.{key}", "list_type", "Input should be a valid list of integers", value
-        )
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sampling:
-    n: int
-    max_tokens: int | None
-    temperature: float
-    seed: int | None
-    start: int
-    stop_token_ids: list[int] | None
-    ignore_eos: bool
-    min_tokens: int
-    logprobs: int | None
-
-
-def _parse_sampling(obj: dict[str, Any], loc: str, *, default_max_tokens: int | None) -> _Sampling:
-    for key, allowed in _UNSUPPORTED_DEFAULTS.items():
-        if key in obj and obj[key] not in allowed:
-            raise _bad_request(
-                f"{key}={obj[key]!r} is not supported by the r3arrow reference engine "
-                f"(supported: the default, {allowed[0]!r})",
-                key,
-            )
-    start = _get_int(obj, "routed_experts_prompt_start", loc, 0)
-    assert start is not None
-    if start < 0:
-        raise _schema_error(
-            f"{loc}.routed_experts_prompt_start",
-            "greater_than_equal",
-            "Input should be greater than or equal to 0",
-            str(start),
-        )
-    n = _get_int(obj, "n", loc, 1)
-    assert n is not None
-    if n < 1:
-        raise _bad_request(f"n must be at least 1, got {n}. (parameter=n, value={n})", "n")
-    min_tokens = _get_int(obj, "min_tokens", loc, 0)
-    assert min_tokens is not None
-    logprobs = _get_int(obj, "logprobs", loc, None)
-    if logprobs is not None and logprobs < -1:
-        raise _bad_request(
-            f"logprobs must be non-negative or -1, got {logprobs}. (parameter=logprobs, value={logprobs})",
-            "logprobs",
-        )
-    return _Sampling(
-        n=n,
-        max_tokens=_get_int(obj, "max_tokens", loc, default_max_tokens),
-        temperature=_get_float(obj, "temperature", loc, 1.0),
-        seed=_get_int(obj, "seed", loc, None),
-        start=start,
-        stop_token_ids=_get_int_list(obj, "stop_token_ids", loc),
-        ignore_eos=_get_bool(obj, "ignore_eos", loc, False),
-        min_tokens=min_tokens,
-        logprobs=logprobs,
-    )
-
-
-def _reject_unsupported_mode(obj: dict[str, Any]) -> None:
-    if obj.get("stream"):
-        raise _bad_request("stream=true is not supported by the r3arrow reference engine", "stream")
 
 
 class RequestLog:
@@ -416,7 +183,7 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(fault.seconds)
             elif fault.kind == "status":
                 code = fault.status_code
-                err_type = _status_type(code)
+                err_type = proto.status_type(code)
                 extra = (
                     {"retry-after": f"{fault.retry_after:g}"}
                     if fault.retry_after is not None
@@ -433,8 +200,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         route_fault = fault if fault is not None and fault.kind != "delay" else None
 
-        if path in _GET_PATHS or path in _POST_PATHS:
-            allowed = "GET" if path in _GET_PATHS else "POST"
+        if path in proto.GET_PATHS or path in proto.POST_PATHS:
+            allowed = "GET" if path in proto.GET_PATHS else "POST"
             if method != allowed:
                 self._send_json(405, {"detail": "Method Not Allowed"}, {"allow": allowed})
                 return
@@ -449,25 +216,26 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             if not (self.headers.get("content-type") or "").lower().startswith("application/json"):
-                raise _HTTPError(
+                raise ErrorResponse(
                     400,
-                    "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                    "1 validation error:\n  Unsupported Media Type: "
+                    "Only 'application/json' is allowed",
                     err_type="Bad Request",
                 )
             if json_error is not None:
-                raise _schema_error("body", "json_invalid", "JSON decode error", json_error)
+                raise proto.schema_error("body", "json_invalid", "JSON decode error", json_error)
             if not isinstance(body, dict):
-                raise _schema_error(
+                raise proto.schema_error(
                     "body",
                     "model_attributes_type",
                     "Input should be a valid dictionary or object to extract fields from",
                     body,
                 )
             handler: Callable[[dict[str, Any], Fault | None], dict[str, Any]] = (
-                app.handle_generate if path == GENERATE_PATH else app.handle_completions
+                app.handle_generate if path == proto.GENERATE_PATH else app.handle_completions
             )
             payload = handler(body, route_fault)
-        except _HTTPError as exc:
+        except ErrorResponse as exc:
             self._send_json(exc.status, exc.body())
             return
         except Exception as exc:  # a bug in the engine: answer like vLLM, keep serving
@@ -483,8 +251,11 @@ class EngineServer:
 
     Use as a context manager or call `start`/`stop`. ``url`` is ``http://host:port``.
     ``faults`` injects failures into generation requests; ``log`` records every request.
-    Model calls run one at a time on one worker thread; parsing and encoding run concurrently
-    on the connection threads.
+    ``return_routed_experts=False`` answers ``routed_experts: null`` (vLLM without capture);
+    request bodies over ``max_body_bytes`` get a 413; an idle keep-alive connection is closed
+    after ``idle_timeout`` seconds. Model calls run one at a time on one worker thread;
+    parsing and encoding run concurrently on the connection threads. Argument misuse raises
+    `TypeError`/`ValueError`.
     """
 
     def __init__(
@@ -499,13 +270,25 @@ class EngineServer:
         max_body_bytes: int = 64 << 20,
         idle_timeout: float = 60.0,
     ) -> None:
+        if engine is not None and not isinstance(engine, ReferenceEngine):
+            raise TypeError(
+                f"engine: expected a ReferenceEngine or None, found {type(engine).__name__}"
+            )
+        if faults is not None and not isinstance(faults, FaultPlan):
+            raise TypeError(f"faults: expected a FaultPlan or None, found {type(faults).__name__}")
+        if isinstance(idle_timeout, bool) or not isinstance(idle_timeout, int | float):
+            raise TypeError(f"idle_timeout: expected seconds as a number, found {idle_timeout!r}")
+        if not idle_timeout > 0:
+            raise ValueError(f"idle_timeout: expected seconds > 0, found {idle_timeout!r}")
+        max_body_bytes = check_positive_int(max_body_bytes, "max_body_bytes")
+        port = check_int(port, "port", minimum=0, maximum=65535)
         self.engine = engine if engine is not None else ReferenceEngine()
         self.host = host
         self.faults = faults
         self.model_name = model_name
         self.return_routed_experts = return_routed_experts
         self.max_body_bytes = max_body_bytes
-        self.idle_timeout = idle_timeout
+        self.idle_timeout = float(idle_timeout)
         self.log = RequestLog()
         self._requested_port = port
         self._httpd: _Server | None = None
@@ -519,7 +302,7 @@ class EngineServer:
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> EngineServer:
-        """Bind and serve in a daemon thread; returns self. Raises RuntimeError if already started."""
+        """Bind and serve in a daemon thread; return self. RuntimeError if already started."""
         if self._httpd is not None:
             raise RuntimeError(f"EngineServer already serving on {self.url}")
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="r3arrow-engine-model")
@@ -592,67 +375,20 @@ class EngineServer:
 
     # -------------------------------------------------------------- endpoints
     def models_payload(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.model_name,
-                    "object": "model",
-                    "created": self._created,
-                    "owned_by": "r3arrow",
-                    "root": self.model_name,
-                    "parent": None,
-                    "max_model_len": self.engine.config.max_model_len,
-                    "permission": [
-                        {
-                            "id": f"modelperm-{secrets.token_hex(8)}",
-                            "object": "model_permission",
-                            "created": self._created,
-                            "allow_create_engine": False,
-                            "allow_sampling": True,
-                            "allow_logprobs": True,
-                            "allow_search_indices": False,
-                            "allow_view": True,
-                            "allow_fine_tuning": False,
-                            "organization": "*",
-                            "group": None,
-                            "is_blocking": False,
-                        }
-                    ],
-                }
-            ],
-        }
-
-    def _check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise _HTTPError(
-                404,
-                f"The model `{model}` does not exist. Valid aliases: {self.model_name}",
-                err_type="NotFoundError",
-                param="model",
-            )
+        """The ``GET /v1/models`` answer."""
+        return proto.models_response(
+            self.model_name, self._created, self.engine.config.max_model_len
+        )
 
     def _prompt(self, value: object, loc: str) -> list[int]:
-        if not isinstance(value, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value
-        ):
-            raise _schema_error(loc, "list_type", "Input should be a valid list of integers", value)
-        if not value:
-            raise _schema_error(
-                loc, "too_short", "List should have at least 1 item after validation, not 0", value
-            )
-        if any(t < 0 for t in value):
-            raise _schema_error(
-                loc, "value_error", "Value error, token_ids must not contain negative values", value
-            )
+        prompt = proto.prompt_ids(value, loc)
         try:
-            self.engine.check_token_ids(value, "token_ids")
+            self.engine.check_token_ids(prompt, "token_ids")
         except EngineRequestError as exc:
-            raise _bad_request(str(exc), "token_ids") from exc
-        return value
+            raise proto.bad_request(str(exc), "token_ids") from exc
+        return prompt
 
-    def _run(self, prompt: list[int], sp: _Sampling) -> list[GenerateResult]:
+    def _run(self, prompt: list[int], sp: proto.Sampling) -> list[GenerateResult]:
         """``sp.n`` generations of ``prompt``; sample i uses seed ``seed + i`` (as vLLM does)."""
         max_tokens = (
             sp.max_tokens
@@ -679,7 +415,7 @@ class EngineServer:
             try:
                 results.append(self._model_call(self.engine.generate, prompt, **kwargs))
             except EngineRequestError as exc:
-                raise _bad_request(str(exc), exc.param) from exc
+                raise proto.bad_request(str(exc), exc.param) from exc
         return results
 
     def _model_call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -695,43 +431,16 @@ class EngineServer:
         if res.routed_experts is None:
             return None
         if fault is None:
-            return encode_npy_b64(res.routed_experts)
-        return _corrupt_routes(res.routed_experts, fault)
-
-    @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None,
-            "completion_tokens_details": None,
-        }
-
-    @staticmethod
-    def _generate_logprobs(res: GenerateResult, num: int) -> dict[str, Any]:
-        # vLLM's GenerateLogProbs: per token the sampled entry, then top_logprobs = the first
-        # max(num, 1) of {sampled, top-1, top-2, ...} (a dict: the sampled token appears once).
-        assert (
-            res.logprobs is not None
-            and res.logprob_ranks is not None
-            and res.top_logprobs is not None
-        )
-        content = []
-        for tok, lp, rank, top in zip(
-            res.token_ids, res.logprobs, res.logprob_ranks, res.top_logprobs, strict=True
-        ):
-            entries = [{"token_id": tok, "logprob": lp, "rank": rank}]
-            for j, (tid, tlp) in enumerate(top):
-                if tid != tok:
-                    entries.append({"token_id": tid, "logprob": tlp, "rank": j + 1})
-            content.append({**entries[0], "top_logprobs": entries[: max(num, 1)]})
-        return {"content": content}
+            return proto.encode_npy_b64(res.routed_experts)
+        return corrupt_routes(res.routed_experts, fault)
 
     def handle_generate(self, body: dict[str, Any], fault: Fault | None) -> dict[str, Any]:
-        """``POST /inference/v1/generate``: vLLM's token-in/token-out response (raises `_HTTPError`)."""
+        """``POST /inference/v1/generate``: vLLM's token-in/token-out response.
+
+        Raises `r3arrow.engine._protocol.ErrorResponse` for a request vLLM would refuse.
+        """
         if "token_ids" not in body:
-            raise _schema_error("body.token_ids", "missing", "Field required", body)
+            raise proto.schema_error("body.token_ids", "missing", "Field required", body)
         prompt = self._prompt(body["token_ids"], "body.token_ids")
         sp_obj = body.get("sampling_params")
         if not isinstance(sp_obj, dict):
@@ -740,127 +449,97 @@ class EngineServer:
                 if sp_obj is None
                 else ("is_instance_of", "Input should be an instance of SamplingParams")
             )
-            raise _schema_error(
+            raise proto.schema_error(
                 "body.sampling_params", kind, msg, body if sp_obj is None else sp_obj
             )
-        _reject_unsupported_mode(body)
+        proto.reject_streaming(body)
         if body.get("output_mode", "tokens") != "tokens":
-            raise _bad_request(
-                f"output_mode={body['output_mode']!r} needs a tokenizer; the r3arrow reference engine "
-                "answers output_mode='tokens' only",
+            raise proto.bad_request(
+                f"output_mode={body['output_mode']!r} needs a tokenizer; the r3arrow reference "
+                "engine answers output_mode='tokens' only",
                 "output_mode",
             )
         request_id = body.get("request_id")
         if request_id is not None and not isinstance(request_id, str):
-            raise _schema_error(
+            raise proto.schema_error(
                 "body.request_id", "string_type", "Input should be a valid string", request_id
             )
-        self._check_model(body)
-        sp = _parse_sampling(sp_obj, "body.sampling_params", default_max_tokens=None)
-        return_token_ids = _get_bool(body, "return_token_ids", "body", False)
+        proto.check_model(body, self.model_name)
+        sp = proto.parse_sampling(sp_obj, "body.sampling_params", default_max_tokens=None)
+        return_token_ids = proto.get_bool(body, "return_token_ids", "body", False)
         results = self._run(prompt, sp)
-        choices: list[dict[str, Any]] = []
-        for i, res in enumerate(results):
-            choices.append(
-                {
-                    "index": i,
-                    "finish_reason": res.finish_reason,
-                    "stop_reason": res.stop_reason,
-                    "token_ids": res.token_ids,
-                    "routed_experts": self._routes(res, fault),
-                    "sampling_mask": None,
-                    "weight_versions": [
-                        {"version": "default", "start": 0, "end": len(res.token_ids)}
-                    ],
-                    "logprobs": None
-                    if sp.logprobs is None
-                    else self._generate_logprobs(res, sp.logprobs),
-                }
-            )
-        return {
-            "request_id": f"generate-tokens-{request_id if request_id is not None else secrets.token_hex(8)}",
-            "model": self.model_name,
-            "created": int(time.time()),
-            "usage": self._usage(len(prompt), sum(len(r.token_ids) for r in results)),
-            "prompt_logprobs": None,
-            "prompt_token_id_logprobs": None,
-            "prompt_token_ids": prompt if return_token_ids else None,
-            "mm_placeholders": None,
-            "metrics": None,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "output_mode": "tokens",
-            "choices": choices,
-        }
+        choices = [
+            proto.generate_choice(i, res, self._routes(res, fault), sp.logprobs)
+            for i, res in enumerate(results)
+        ]
+        return proto.generate_response(
+            request_id=request_id,
+            model_name=self.model_name,
+            prompt=prompt,
+            return_token_ids=return_token_ids,
+            choices=choices,
+            completion_tokens=sum(len(r.token_ids) for r in results),
+        )
 
     def handle_completions(self, body: dict[str, Any], fault: Fault | None) -> dict[str, Any]:
-        """``POST /v1/completions`` with token-id prompts (raises `_HTTPError`)."""
-        self._check_model(body)
+        """``POST /v1/completions`` with token-id prompts.
+
+        Raises `r3arrow.engine._protocol.ErrorResponse` for a request vLLM would refuse.
+        """
+        proto.check_model(body, self.model_name)
         prompt_obj = body.get("prompt")
         if prompt_obj is None:
-            raise _bad_request(
+            raise proto.bad_request(
                 "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
                 "prompt",
             )
         if isinstance(prompt_obj, str) or (
             isinstance(prompt_obj, list) and any(isinstance(p, str) for p in prompt_obj)
         ):
-            raise _bad_request(
+            raise proto.bad_request(
                 "Tokenizer not available when `skip_tokenizer_init=True`: the r3arrow reference "
                 "engine takes prompts as token ids",
                 "prompt",
             )
         if isinstance(prompt_obj, list) and not prompt_obj:
-            raise _bad_request("You must pass at least one prompt", None)
+            raise proto.bad_request("You must pass at least one prompt", None)
         batch = isinstance(prompt_obj, list) and all(isinstance(p, list) for p in prompt_obj)
         prompts = [self._prompt(p, "body.prompt") for p in (prompt_obj if batch else [prompt_obj])]
-        _reject_unsupported_mode(body)
+        proto.reject_streaming(body)
         if body.get("logprobs") is not None:
-            raise _bad_request(
+            raise proto.bad_request(
                 "Unable to get tokenizer because `skip_tokenizer_init=True`: completions logprobs "
                 "need token strings; use /inference/v1/generate for token-id logprobs",
                 "logprobs",
             )
-        sp = _parse_sampling(body, "body", default_max_tokens=16)
-        return_token_ids = _get_bool(body, "return_token_ids", "body", False)
-        choices: list[dict[str, Any]] = []
-        n_prompt = n_completion = 0
+        sp = proto.parse_sampling(body, "body", default_max_tokens=16)
+        return_token_ids = proto.get_bool(body, "return_token_ids", "body", False)
         # all prompts are validated before any is generated
         for prompt in prompts:
             if sp.start > len(prompt):
-                raise _bad_request(
+                raise proto.bad_request(
                     "routed_experts_prompt_start must be between 0 and the prompt length "
-                    f"({len(prompt)}), inclusive. (parameter=routed_experts_prompt_start, value={sp.start})",
+                    f"({len(prompt)}), inclusive. "
+                    f"(parameter=routed_experts_prompt_start, value={sp.start})",
                     "routed_experts_prompt_start",
                 )
+        choices: list[dict[str, Any]] = []
+        n_prompt = n_completion = 0
         for prompt in prompts:
             results = self._run(prompt, sp)
             n_prompt += len(prompt)
             for res in results:
                 n_completion += len(res.token_ids)
+                routes = self._routes(res, fault)
                 choices.append(
-                    {
-                        "index": len(choices),
-                        "text": "",
-                        "logprobs": None,
-                        "finish_reason": res.finish_reason,
-                        "stop_reason": res.stop_reason,
-                        "token_ids": res.token_ids if return_token_ids else None,
-                        "prompt_logprobs": None,
-                        "prompt_token_ids": prompt if return_token_ids else None,
-                        "routed_experts": self._routes(res, fault),
-                    }
+                    proto.completion_choice(len(choices), res, prompt, routes, return_token_ids)
                 )
-        return {
-            "id": f"cmpl-{secrets.token_hex(8)}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "service_tier": None,
-            "system_fingerprint": "r3arrow-reference-engine",
-            "usage": self._usage(n_prompt, n_completion),
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "metrics": None,
-        }
+        return proto.completions_response(
+            model_name=self.model_name,
+            choices=choices,
+            prompt_tokens=n_prompt,
+            completion_tokens=n_completion,
+        )
+
+
+__all__ = ["EngineServer", "RequestLog"]

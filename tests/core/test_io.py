@@ -32,14 +32,19 @@ import r3arrow
 from r3arrow.errors import SchemaError, TerminalGapError
 from r3arrow.io import (
     from_storage,
+    iter_rollout_files,
+    iter_rollout_tables,
     iter_rollouts,
     list_steps,
     read_ipc,
     read_rollouts,
+    read_row_group,
+    scan_rollout_files,
     to_storage,
     write_ipc,
     write_rollouts,
 )
+from r3arrow.io import route_rows as io_route_rows
 from r3arrow.spec import RouteSpec, routes_to_numpy
 from r3arrow.table import rollout_schema, route_spec
 
@@ -48,7 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------- builders
 def make_routes(rng: np.random.Generator, rows: int, spec: RouteSpec) -> np.ndarray:
-    """Valid routes ``[rows, L, K]``: K distinct ids in ``[0, E)`` on router layers, zeros on dense ones."""
+    """Valid routes ``[rows, L, K]``: K distinct ids in ``[0, E)`` on router layers, 0 on dense."""
     e = spec.num_experts or 256
     out = np.zeros((rows, spec.num_layers, spec.topk), dtype=spec.dtype)
     layers = list(spec.router_layers)
@@ -69,7 +74,7 @@ def make_table(
     extras: tuple[str, ...] = (),
     tag: str = "t",
 ) -> pa.Table:
-    """A valid rollout table; ``shapes`` holds (prompt length, response length, captured rows) per row.
+    """A valid rollout table; ``shapes``: (prompt length, response length, captured rows) per row.
 
     Response tokens whose route row is missing (terminal gap) get loss mask 0, the others random.
     """
@@ -147,7 +152,7 @@ EXTRA_KINDS: dict[str, Any] = {
 
 
 def assert_same_table(got: pa.Table, want: pa.Table) -> None:
-    """Same columns, types (up to list child field names), nullability, values and schema metadata."""
+    """Same columns, types (up to list child names), nullability, values and schema metadata."""
     assert got.schema.names == want.schema.names
     assert got.schema.metadata == want.schema.metadata
     for name in want.schema.names:
@@ -158,8 +163,13 @@ def assert_same_table(got: pa.Table, want: pa.Table) -> None:
 
 
 def route_rows(table: pa.Table) -> np.ndarray:
-    col = table.column("routes").combine_chunks()
+    col: Any = table.column("routes").combine_chunks()
     return routes_to_numpy(col.flatten()).copy()
+
+
+def _chunk(col: pa.ChunkedArray[Any]) -> Any:
+    """The first chunk of a list column (typed loosely: the list accessors vary by type)."""
+    return col.chunk(0)
 
 
 def temp_leftovers(directory: Path) -> list[Path]:
@@ -176,7 +186,10 @@ def specs(draw: st.DrawFn) -> RouteSpec:
     num_layers = draw(st.integers(1, 6))
     moe = draw(st.none() | st.sets(st.integers(0, num_layers - 1), min_size=1))
     spec = RouteSpec(
-        num_layers=num_layers, topk=topk, num_experts=num_experts, moe_layers=moe and tuple(moe)
+        num_layers=num_layers,
+        topk=topk,
+        num_experts=num_experts,
+        moe_layers=tuple(moe) if moe else None,
     )
     assert spec.dtype == np.dtype(width)
     return spec
@@ -251,7 +264,8 @@ def test_ipc_round_trip_is_exact(table: pa.Table) -> None:
 
 @pytest.mark.parametrize("num_experts", [8, 300, 70_000])
 def test_parquet_schema_exact_including_list_field_names(tmp_path: Path, num_experts: int) -> None:
-    """The Arrow schema read back equals the one written (Table.equals with metadata), not just the values."""
+    """The Arrow schema read back equals the one written (Table.equals with metadata), not just
+    the values."""
     spec = RouteSpec(num_layers=3, topk=2, num_experts=num_experts)
     table = make_table(
         np.random.default_rng(5), spec, [(3, 4, 6), (2, 2, 0)], extras=("x_logprobs",)
@@ -306,7 +320,7 @@ def test_routes_stored_as_one_fixed_size_binary_per_token(
     raw = 599 * spec.row_nbytes
     assert stored <= 1.05 * raw + 1024, (stored, raw)
     # the file describes itself: the spec is in the Parquet key-value metadata
-    assert RouteSpec.from_json(pf.metadata.metadata[b"r3arrow.spec"]) == route_spec(table)
+    assert RouteSpec.from_json((pf.metadata.metadata or {})[b"r3arrow.spec"]) == route_spec(table)
 
 
 def test_from_storage_restores_routes_zero_copy(tmp_path: Path) -> None:
@@ -314,11 +328,11 @@ def test_from_storage_restores_routes_zero_copy(tmp_path: Path) -> None:
     table = make_table(np.random.default_rng(2), spec, [(30, 20, 49), (5, 5, 0), (10, 40, 50)])
     path = write_rollouts(table, tmp_path / "r.parquet")
     raw = pq.read_table(path)  # the storage form: large_list<fixed_size_binary>
-    binary = raw.column("routes").chunk(0).values
+    binary = _chunk(raw.column("routes")).values
     assert binary.type == pa.binary(spec.row_nbytes)
     restored = from_storage(raw)
     assert restored.column("routes").type == spec.routes_type
-    view = routes_to_numpy(restored.column("routes").chunk(0).flatten())
+    view = routes_to_numpy(_chunk(restored.column("routes")).flatten())
     data = binary.buffers()[1]
     assert view.ctypes.data == data.address + binary.offset * spec.row_nbytes
     assert view.nbytes <= data.size
@@ -329,9 +343,9 @@ def test_to_storage_is_zero_copy_and_inverse_of_from_storage() -> None:
     spec = RouteSpec(num_layers=3, topk=4, num_experts=64)
     table = make_table(np.random.default_rng(3), spec, [(4, 4, 7), (6, 2, 8), (3, 3, 1)]).slice(1)
     storage = to_storage(table)
-    binary = storage.column("routes").chunk(0).values
+    binary = _chunk(storage.column("routes")).values
     assert binary.type == pa.binary(spec.row_nbytes)
-    src = routes_to_numpy(table.column("routes").chunk(0).flatten())
+    src = routes_to_numpy(_chunk(table.column("routes")).flatten())
     assert binary.buffers()[1].address + binary.offset * spec.row_nbytes == src.ctypes.data
     assert_same_table(from_storage(storage), table)
 
@@ -364,7 +378,7 @@ def _read_peak(path: Path, mode: str) -> int:
 
 
 def test_read_rollouts_does_not_copy_routes(tmp_path: Path) -> None:
-    """Peak Arrow memory of read_rollouts ≈ that of reading the stored columns: no second routes copy."""
+    """Peak Arrow memory of read_rollouts ≈ that of reading the stored columns: no routes copy."""
     spec = RouteSpec(num_layers=48, topk=8, num_experts=128)
     table = make_table(
         np.random.default_rng(4), spec, [(6000, 10, 6009), (1, 8000, 8000), (2, 2, 0)]
@@ -402,7 +416,7 @@ def test_read_ipc_is_memory_mapped(tmp_path: Path) -> None:
 # ------------------------------------------------------------ step directories
 @pytest.fixture
 def steps_root(tmp_path: Path) -> tuple[Path, dict[int, pa.Table]]:
-    """Steps 0..3 under ``tmp_path/run``; step 1 has two parts. Returns the root and each step's rows."""
+    """Steps 0..3 under ``tmp_path/run``, step 1 in two parts. Returns root and rows per step."""
     spec = RouteSpec(num_layers=3, topk=2, num_experts=40)
     rng = np.random.default_rng(7)
     root = tmp_path / "run"
@@ -474,7 +488,7 @@ def test_single_file_column_projection(tmp_path: Path) -> None:
 
 
 def test_step_directory_read_in_numeric_step_order(tmp_path: Path) -> None:
-    """Steps 2 and 10: the one-table read follows step order (like list_steps), not path string order."""
+    """Steps 2 and 10: the one-table read follows step order (like list_steps), not path order."""
     spec = RouteSpec(num_layers=2, topk=1, num_experts=4)
     rng = np.random.default_rng(9)
     tables = {s: make_table(rng, spec, [(2, 2, 3)], tag=f"s{s}") for s in (2, 10, 9)}
@@ -499,6 +513,7 @@ def test_iter_rollouts_yields_one_step_at_a_time(
     rest = list(it)
     assert [s for s, _ in rest] == [1, 2, 3]
     for s, t in rest:
+        assert s is not None
         assert_same_table(t, with_step(per_step[s], s))
     picked = list(iter_rollouts(root, steps=[3, 1], columns=["trajectory_id", "step"]))
     assert [s for s, _ in picked] == [1, 3]
@@ -855,7 +870,10 @@ import r3arrow
 spec = r3arrow.RouteSpec(num_layers=48, topk=8, num_experts=128)
 rng = np.random.default_rng(0)
 n, tokens = 4, 4000
-routes = [rng.integers(0, 16, (tokens, 48, 1)).astype(np.uint8) * 8 + np.arange(8, dtype=np.uint8) for _ in range(n)]
+routes = [
+    rng.integers(0, 16, (tokens, 48, 1)).astype(np.uint8) * 8 + np.arange(8, dtype=np.uint8)
+    for _ in range(n)
+]
 table = r3arrow.rollout_table(
     trajectory_id=[f"big-{i}" for i in range(n)], group_id=["g"] * n,
     prompt_ids=[np.arange(tokens, dtype=np.int32)] * n, response_ids=[np.ones(1, np.int32)] * n,
@@ -876,7 +894,7 @@ def _child_env() -> dict[str, str]:
 
 
 def _kill_mid_write(target: str, step: int | None, watch: Path) -> list[Path]:
-    """Run the writer, SIGKILL it once its temp file holds data; return the temp files left behind."""
+    """Run the writer, SIGKILL it once its temp file holds data; return the temp files left."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED_WRITER, target, "-" if step is None else str(step)],
         stdout=subprocess.PIPE,
@@ -900,6 +918,9 @@ def _kill_mid_write(target: str, step: int | None, watch: Path) -> list[Path]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
     assert proc.returncode == -signal.SIGKILL, (
         f"writer was not killed mid-write (rc {proc.returncode})"
     )
@@ -981,7 +1002,7 @@ def test_concurrent_writers_to_one_step_keep_both_parts(
     monkeypatch.undo()
     assert errors == []
     got = read_rollouts(tmp_path)
-    assert sorted(got.column("trajectory_id").to_pylist()) == ["a-0", "b-0"]
+    assert sorted(map(str, got.column("trajectory_id").to_pylist())) == ["a-0", "b-0"]
     assert len(list((tmp_path / "step=0").glob("part-*.parquet"))) == 2
 
 
@@ -1002,3 +1023,82 @@ def test_every_routes_typed_column_is_stored_compactly(tmp_path: Path) -> None:
     assert back.equals(table) and back.schema.metadata == table.schema.metadata
     only = read_rollouts(path, columns=["trainer_routes"])
     assert only.column("trainer_routes").type == spec.routes_type
+
+
+# ------------------------------------------------------ discovery for integrations
+def test_iter_rollout_files_file_root_and_partition(
+    steps_root: tuple[Path, dict[int, pa.Table]], tmp_path: Path
+) -> None:
+    """One discovery for stats and ray: (step, file) of a file, a root or one partition."""
+    root, _ = steps_root
+    got = list(iter_rollout_files(root))
+    assert [(s, f.relative_to(root).as_posix()) for s, f in got] == [
+        (0, "step=0/part-00000.parquet"),
+        (1, "step=1/part-00000.parquet"),
+        (1, "step=1/part-00001.parquet"),
+        (2, "step=2/part-00000.parquet"),
+        (3, "step=3/part-00000.parquet"),
+    ]
+    assert [s for s, _ in iter_rollout_files(root, steps=[3, 1])] == [1, 1, 3]
+    assert list(iter_rollout_files(root / "step=1")) == got[1:3]
+    one = got[0][1]
+    assert list(iter_rollout_files(one)) == [(None, one)]
+    with pytest.raises(SchemaError, match=r"steps \[7\] to exist") as info:
+        list(iter_rollout_files(root, steps=[1, 7]))
+    assert info.value.path == str(root)
+    with pytest.raises(SchemaError, match="single file"):
+        list(iter_rollout_files(one, steps=[0]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SchemaError, match="partitions"):
+        list(iter_rollout_files(tmp_path / "empty"))
+    with pytest.raises(TypeError, match="steps"):
+        list(iter_rollout_files(root, steps=["1"]))  # type: ignore[list-item]
+    with pytest.raises(FileNotFoundError):
+        list(iter_rollout_files(tmp_path / "nope"))
+
+
+def test_iter_rollout_tables_and_row_groups(steps_root: tuple[Path, dict[int, pa.Table]]) -> None:
+    root, per_step = steps_root
+    got = list(iter_rollout_tables(root, columns=["trajectory_id", "routes", "step"], steps=[1, 2]))
+    assert [s for s, _ in got] == [1, 2]
+    for s, t in got:
+        assert s is not None
+        want = with_step(per_step[s], s).select(["trajectory_id", "routes", "step"])
+        assert t.column("routes").type == route_spec(want).routes_type
+        assert t.equals(want)
+    spec, files = scan_rollout_files(root, steps=[1])
+    assert spec == route_spec(per_step[1])
+    assert [(f.step, f.path.name, f.num_row_groups) for f in files] == [
+        (1, "part-00000.parquet", 1),
+        (1, "part-00001.parquet", 1),
+    ]
+    part = read_row_group(files[1].path, 0, columns=["routes"], step=1)
+    assert part.schema.names == ["routes", "step"]
+    assert part.column("routes").type == spec.routes_type
+    assert part.column("step").to_pylist() == [1] * part.num_rows
+    assert route_spec(part) == spec
+
+
+def test_route_rows_reads_nested_and_stored_columns(tmp_path: Path) -> None:
+    spec = RouteSpec(num_layers=3, topk=2, num_experts=300)
+    table = make_table(np.random.default_rng(18), spec, [(3, 4, 6), (2, 2, 0), (1, 3, 4)]).slice(1)
+    stored = pq.read_table(write_rollouts(table, tmp_path / "r.parquet"))  # storage form
+    want = route_rows(table)
+    for col in (table.column("routes"), stored.column("routes")):
+        rows, lengths = io_route_rows(col, spec, "routes")
+        np.testing.assert_array_equal(rows, want)
+        assert lengths.tolist() == [0, 4]
+    with pytest.raises(SchemaError, match="'reward'"):
+        io_route_rows(table.column("reward"), spec, "reward")
+
+
+def test_errors_carry_the_path_and_step_is_checked(tmp_path: Path) -> None:
+    path, table = _valid_parquet(tmp_path / "r.parquet")
+    _truncate_half(path)
+    with pytest.raises(SchemaError) as info:
+        read_rollouts(path)
+    assert info.value.path == str(path)
+    with pytest.raises(TypeError, match="step"):
+        write_rollouts(table, tmp_path / "run", step=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="steps"):
+        read_rollouts(tmp_path, steps=[0.5])  # type: ignore[list-item]

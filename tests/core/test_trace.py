@@ -1,9 +1,9 @@
-"""TokenTrace / RouteTrace: incremental multi-turn capture, terminal gap, widening, invalid input."""
+"""TokenTrace / RouteTrace: incremental multi-turn capture, terminal gap, widening, bad input."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +31,7 @@ def rows_of(n: int, spec: RouteSpec = SPEC, *, seed: int = 0, dtype: Any = None)
     return random_routes(np.random.default_rng(seed), n, spec, dtype=dtype)
 
 
-def to_np(arr: pa.Array, spec: RouteSpec) -> np.ndarray:
+def to_np(arr: pa.Array[Any], spec: RouteSpec) -> np.ndarray:
     return routes_to_numpy(arr, spec)
 
 
@@ -90,7 +90,8 @@ def test_terminal_gap_loss_active_target_raises_naming_the_token() -> None:
 
 
 def test_terminal_gap_only_where_loss_masked() -> None:
-    # The gap starts at row `captured`, predicting token captured + 1; token `captured` itself is covered.
+    # The gap starts at row `captured`, predicting token captured + 1; token `captured` itself
+    # is covered.
     assert check_terminal_gap(3, [0, 0, 1, 1, 0, 0], num_tokens=6).dtype == np.bool_
     with pytest.raises(TerminalGapError, match="token 4"):
         check_terminal_gap(3, [0, 0, 1, 1, 1, 0], num_tokens=6)
@@ -179,19 +180,23 @@ def test_strided_numpy_input_is_accepted_exactly() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"prompt_tokens": 0, "generated_tokens": 1}, "prompt_tokens >= 1"),
-        ({"prompt_tokens": 3, "generated_tokens": 0}, "generated_tokens >= 1"),
-        ({"prompt_tokens": True, "generated_tokens": 1}, "prompt_tokens"),
-        ({"prompt_tokens": 3.0, "generated_tokens": 1}, "prompt_tokens"),
-        ({"prompt_tokens": 3, "generated_tokens": -1}, "generated_tokens"),
+        ({"prompt_tokens": 0, "generated_tokens": 1}, ValueError, r"prompt_tokens.*\[1, inf\]"),
+        ({"prompt_tokens": 3, "generated_tokens": 0}, ValueError, r"generated_tokens.*\[1, inf\]"),
+        ({"prompt_tokens": True, "generated_tokens": 1}, TypeError, "prompt_tokens"),
+        ({"prompt_tokens": 3.0, "generated_tokens": 1}, TypeError, "prompt_tokens"),
+        ({"prompt_tokens": 3, "generated_tokens": -1}, ValueError, "generated_tokens"),
     ],
 )
-def test_bad_token_counts_rejected(kwargs: dict[str, Any], match: str) -> None:
+def test_bad_token_counts_rejected(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    # Token counts are arguments: misuse raises the builtin, not an R3ArrowError.
     trace = RouteTrace(SPEC)
-    with pytest.raises(RouteShapeError, match=match):
+    with pytest.raises(error, match=match) as info:
         trace.record(rows_of(2), **kwargs)
+    assert not isinstance(info.value, R3ArrowError)
     assert trace.captured == 0
 
 
@@ -408,7 +413,8 @@ def test_token_trace_vector_rows_for_topk_logprobs() -> None:
     trace.record(a, prompt_tokens=2, generated_tokens=2)
     out = trace.finalize(num_tokens=4, loss_mask=np.zeros(4))
     assert out.type == pa.list_(pa.float32(), 4)
-    np.testing.assert_array_equal(out.flatten().to_numpy().reshape(3, 4), a)
+    flat = cast("pa.FixedSizeListArray[Any, Any]", out).flatten()
+    np.testing.assert_array_equal(flat.to_numpy().reshape(3, 4), a)
     with pytest.raises(RouteShapeError, match=r"\[rows, 4\]"):
         TokenTrace((4,), np.float32).record(np.zeros((3, 5)), prompt_tokens=2, generated_tokens=2)
     with pytest.raises(RouteShapeError, match=r"\[rows\]"):
@@ -467,7 +473,7 @@ def _specs(draw: st.DrawFn, num_experts: int | None) -> RouteSpec:
     layers = draw(st.integers(1, 5))
     topk = draw(st.integers(1, 4))
     moe = draw(st.lists(st.integers(0, layers - 1), min_size=1, max_size=layers, unique=True))
-    return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts, moe_layers=moe)
+    return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts, moe_layers=tuple(moe))
 
 
 @given(
@@ -494,7 +500,7 @@ def test_any_valid_turn_sequence_finalizes_to_the_concatenation(
     spec = data.draw(_specs(num_experts))
     trace = RouteTrace(spec)
     max_id = min(int(np.iinfo(in_dtype).max) + 1, num_experts or 600)
-    chunks = []
+    chunks: list[np.ndarray] = []
     for i, (p, g, rows) in enumerate(_plan(turns)):
         assert trace.captured == sum(len(c) for c in chunks)
         chunk = random_routes(rng, rows, spec, num_experts=max_id, dtype=in_dtype)
@@ -583,7 +589,9 @@ def test_any_invalid_turn_raises_typed_error_and_leaves_trace_unchanged(
             if mutation == "prompt_short" and bp >= trace.seen_tokens:
                 pass
             else:
-                with pytest.raises(R3ArrowError):
+                # token counts < 1 are argument misuse (a builtin); the rest is bad data
+                error = ValueError if bp < 1 or bg < 1 else R3ArrowError
+                with pytest.raises(error):
                     trace.record(bad, prompt_tokens=bp, generated_tokens=bg)
                 assert (trace.captured, trace.seen_tokens, trace.num_turns, trace.spec) == before
         trace.record(chunk, prompt_tokens=p, generated_tokens=g)
@@ -625,7 +633,8 @@ def test_invalid_mutation_catalogue_is_exercised() -> None:
             p = 3
         elif mutation == "gen_zero":
             g = 0
-        with pytest.raises(R3ArrowError):
+        error = ValueError if p < 1 or g < 1 else R3ArrowError
+        with pytest.raises(error):
             trace.record(bad, prompt_tokens=p, generated_tokens=g)
         assert trace.captured == 4
 
@@ -682,6 +691,11 @@ def test_arbitrary_arrays_are_accepted_only_when_valid(
         trace.record(arr, prompt_tokens=prompt, generated_tokens=gen)
     except R3ArrowError:
         assert not valid, "a valid payload was rejected"
+        assert prompt >= 1 and gen >= 1, "bad token counts must raise a builtin"
+        assert trace.captured == 0
+        return
+    except ValueError:  # argument misuse: token counts below 1
+        assert prompt < 1 or gen < 1, "a builtin error for bad data"
         assert trace.captured == 0
         return
     assert valid, "an invalid payload was accepted"

@@ -32,6 +32,7 @@ from r3arrow.engine import (
 GEN = "/inference/v1/generate"
 CMPL = "/v1/completions"
 PROMPT = [(7 * i + 3) % 512 for i in range(20)]
+START = "routed_experts_prompt_start"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,8 @@ def client(server: EngineServer) -> Iterator[httpx.Client]:
 
 
 def decode(b64: str) -> np.ndarray:
-    return np.load(io.BytesIO(base64.b64decode(b64, validate=True)), allow_pickle=False)
+    arr: np.ndarray = np.load(io.BytesIO(base64.b64decode(b64, validate=True)), allow_pickle=False)
+    return arr
 
 
 def gen_body(prompt: list[int], **sp: Any) -> dict[str, Any]:
@@ -366,7 +368,7 @@ def _error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        (GEN, gen_body(PROMPT, max_tokens=2, routed_experts_prompt_start=21), "routed_experts_prompt_start"),
+        (GEN, gen_body(PROMPT, max_tokens=2, routed_experts_prompt_start=21), START),
         (GEN, {"token_ids": PROMPT}, "body.sampling_params"),
         (GEN, {"sampling_params": {}}, "body.token_ids"),
         (GEN, gen_body([], max_tokens=1), "body.token_ids"),
@@ -377,8 +379,8 @@ def _error(r: httpx.Response, status: int = 400) -> dict[str, Any]:
         (GEN, gen_body(PROMPT, max_tokens=1, top_p=0.5), "top_p"),
         (GEN, {**gen_body(PROMPT, max_tokens=1), "stream": True}, "stream"),
         (GEN, [1, 2], "body"),
-        (CMPL, {"prompt": PROMPT, "max_tokens": 2, "routed_experts_prompt_start": 25}, "routed_experts_prompt_start"),
-        (CMPL, {"prompt": PROMPT, "max_tokens": 2, "routed_experts_prompt_start": -2}, "body.routed_experts_prompt_start"),
+        (CMPL, {"prompt": PROMPT, "max_tokens": 2, START: 25}, START),
+        (CMPL, {"prompt": PROMPT, "max_tokens": 2, START: -2}, f"body.{START}"),
         (CMPL, {"prompt": "hello", "max_tokens": 2}, "prompt"),
         (CMPL, {"max_tokens": 2}, "prompt"),
         (CMPL, {"prompt": PROMPT, "max_tokens": 2, "logprobs": 1}, "logprobs"),
@@ -540,6 +542,10 @@ def test_raw_http_edge_cases(server: EngineServer) -> None:
 
 
 def test_server_lifecycle() -> None:
+    with pytest.raises(ValueError, match=r"port: expected an int in \[0, 65535\]"):
+        EngineServer(port=70000)
+    with pytest.raises(TypeError, match="faults: expected a FaultPlan"):
+        EngineServer(faults=[Fault.no_routes()])  # type: ignore[arg-type]
     srv = EngineServer(ReferenceEngine(TinyMoEConfig(num_layers=2, dense_layers=())))
     with pytest.raises(RuntimeError, match="not running"):
         _ = srv.url

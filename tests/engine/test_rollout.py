@@ -29,6 +29,12 @@ GEN = "/inference/v1/generate"
 SP = {"max_tokens": 4, "temperature": 0.0}
 
 
+def pylist(arr: Any) -> list[Any]:
+    """``arr.to_pylist()``, loosely typed (pyarrow-stubs refuse it on list arrays)."""
+    out: list[Any] = arr.to_pylist()
+    return out
+
+
 @pytest.fixture(scope="module")
 def engine() -> ReferenceEngine:
     return ReferenceEngine(TinyMoEConfig(seed=3))
@@ -174,9 +180,9 @@ def test_rollouts_64_concurrent_trajectories_build_a_valid_table(
         f"g{i}-{j}" for i in range(16) for j in range(4)
     ]
     assert table.column("num_turns").to_pylist() == [3] * 64
-    ids = input_ids(table).to_pylist()
+    ids = pylist(input_ids(table))
     values, offsets = flat_routes(table)
-    mask = sequence_loss_mask(table).to_pylist()
+    mask = pylist(sequence_loss_mask(table))
     for row, tokens in enumerate(ids):
         assert tokens[: len(prompts[row // 4])] == prompts[row // 4]
         # no mixing: each row's routes are the engine's routing of that row's own tokens
@@ -187,9 +193,7 @@ def test_rollouts_64_concurrent_trajectories_build_a_valid_table(
     # sampled members of a group differ, so dynamic sampling keeps some groups and drops others
     kept = r3arrow.filter_groups(table)
     assert 0 < kept.num_rows < 64 and kept.num_rows % 4 == 0
-    assert (
-        r3arrow.router_padding_mask(table).to_pylist()[0][-1] is True
-    )  # last sampled token: no row
+    assert pylist(r3arrow.router_padding_mask(table))[0][-1] is True  # last sampled token: no row
 
 
 def test_failed_turn_propagates_and_completed_turns_stay_in_the_store(

@@ -1,8 +1,8 @@
 """Integration test against a real vLLM server (marked ``vllm``; skipped unless configured).
 
-Start a server with routed-expert capture, e.g. ``bash ../shared/vllm-cpu/serve.sh 8021``
-(``--enable-return-routed-experts --enable-scale-out``), then run
-``R3ARROW_VLLM_URL=http://127.0.0.1:8021 pytest -m vllm tests/test_vllm_real.py -s``.
+Start a vLLM server with routed-expert capture (``--enable-return-routed-experts
+--enable-scale-out``; see README, "Testing against a real vLLM"), then run
+``R3ARROW_VLLM_URL=http://127.0.0.1:8021 pytest -m vllm tests/engine/test_vllm_real.py -s``.
 Optional: ``R3ARROW_VLLM_VOCAB`` (default 512) bounds the token ids sent,
 ``R3ARROW_VLLM_NUM_EXPERTS`` (default: unknown, the trace widens as needed).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -35,8 +36,9 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(
         not URL,
-        reason="no real vLLM server configured: set R3ARROW_VLLM_URL (a server started with "
-        "--enable-return-routed-experts --enable-scale-out, e.g. ../shared/vllm-cpu/serve.sh)",
+        reason="no real vLLM server configured: set R3ARROW_VLLM_URL to a vLLM server started "
+        "with --enable-return-routed-experts --enable-scale-out (see README, 'Testing against a "
+        "real vLLM')",
     ),
 ]
 
@@ -97,8 +99,8 @@ def test_multiturn_routes_match_full_prefix_request() -> None:
     rate = topk_set_agreement(routes, full[: n - 1])
     exact = float(np.mean(np.all(routes == full[: n - 1], axis=-1)))
     print(
-        f"\nvLLM multi-turn vs full-prefix: top-k set agreement {rate:.4%}, exact order {exact:.4%} "
-        f"over {routes.shape[0]} tokens x {spec.num_layers} layers"
+        f"\nvLLM multi-turn vs full-prefix: top-k set agreement {rate:.4%}, "
+        f"exact order {exact:.4%} over {routes.shape[0]} tokens x {spec.num_layers} layers"
     )
     assert rate >= 0.99
 
@@ -168,10 +170,11 @@ def test_sampled_rollouts_agree_with_full_prefix_requests() -> None:
                 seed=5,
                 sampling_params={"max_tokens": 5, "temperature": 1.0, "ignore_eos": True},
             )
+            convs = cast("list[list[int]]", input_ids(table).to_pylist())  # type: ignore[misc]
             fulls = await asyncio.gather(
                 *(
                     client.generate(ids, sampling_params={**GREEDY, "max_tokens": 1})
-                    for ids in input_ids(table).to_pylist()
+                    for ids in convs
                 )
             )
         return table, [np.asarray(f.routed_experts) for f in fulls]
@@ -183,7 +186,7 @@ def test_sampled_rollouts_agree_with_full_prefix_requests() -> None:
     reference = np.concatenate([f[: offsets[i + 1] - offsets[i]] for i, f in enumerate(fulls)])
     rate = topk_set_agreement(captured, reference)
     print(
-        f"\nvLLM sampled rollouts ({table.num_rows} trajectories) vs full-prefix: top-k set agreement {rate:.4%} "
-        f"over {captured.shape[0]} tokens"
+        f"\nvLLM sampled rollouts ({table.num_rows} trajectories) vs full-prefix: "
+        f"top-k set agreement {rate:.4%} over {captured.shape[0]} tokens"
     )
     assert rate >= 0.99

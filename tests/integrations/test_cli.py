@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -18,6 +19,12 @@ from r3arrow.spec import RouteSpec
 from r3arrow.testing import random_routes
 
 SPEC = RouteSpec(num_layers=4, topk=2, num_experts=8, moe_layers=(1, 2, 3))
+
+
+def pylist(arr: Any) -> list[Any]:
+    """``arr.to_pylist()``, loosely typed (pyarrow-stubs refuse it on list arrays)."""
+    out: list[Any] = arr.to_pylist()
+    return out
 
 
 def _table(rng: np.random.Generator, rows: int = 5) -> pa.Table:
@@ -81,12 +88,12 @@ def test_inspect_reports_rows_tokens_captured_and_size(
     tokens = sum(
         len(p) + len(r)
         for p, r in zip(
-            table.column("prompt_ids").to_pylist(),
-            table.column("response_ids").to_pylist(),
+            pylist(table.column("prompt_ids")),
+            pylist(table.column("response_ids")),
             strict=True,
         )
     )
-    captured = sum(len(r) for r in table.column("routes").to_pylist())
+    captured = sum(len(r) for r in pylist(table.column("routes")))
     assert info["rows"] == 5 and info["tokens"] == tokens and info["captured_rows"] == captured
     assert info["captured_fraction"] == pytest.approx(captured / tokens)
     assert info["size_on_disk"] == rollout_file.stat().st_size

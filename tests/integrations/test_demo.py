@@ -1,7 +1,11 @@
-"""`r3arrow demo` end to end at a small size: engine → rollouts → Parquet → stats → collation → replay."""
+"""`r3arrow demo` end to end at a small size.
+
+engine → rollouts → Parquet → stats → collation → replay.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -12,6 +16,10 @@ from r3arrow.cli import EXIT_OK, main
 from r3arrow.demo import DemoConfig, run_demo
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
+if HAVE_MEGATRON:
+    # Import it once, quietly, as test_megatron.py does: megatron-core 0.16.1 and torch emit
+    # DeprecationWarnings at import time (third-party noise), and every warning is an error here.
+    pytest.importorskip("megatron.core")
 
 
 def test_demo_small_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,3 +117,21 @@ def test_demo_shape_flags_shape_the_embedded_engine(tmp_path: Path) -> None:
     spec = r3arrow.route_spec(r3arrow.read_rollouts(tmp_path / "rollouts.parquet"))
     assert (spec.num_layers, spec.topk, spec.num_experts) == (3, 3, 300)
     assert spec.router_layers == (0, 2) and spec.dtype == "uint16"
+
+
+def test_demo_against_an_engine_url_probes_the_route_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --num-layers/--topk the demo asks the engine for the shape (`probe_spec`)."""
+    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
+
+    engine = ReferenceEngine(TinyMoEConfig(num_layers=3, topk=3))
+    cfg = DemoConfig(
+        groups=1, samples=2, turns=1, max_tokens=3, out_dir=tmp_path, num_experts=8,
+        progress=False, replay=False,
+    )  # fmt: skip
+    with EngineServer(engine) as server:
+        result = run_demo(dataclasses.replace(cfg, engine_url=server.url))
+    assert result.ok and "external engine" in capsys.readouterr().out
+    spec = r3arrow.route_spec(result.table)
+    assert (spec.num_layers, spec.topk, spec.num_experts) == (3, 3, 8)

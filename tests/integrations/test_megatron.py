@@ -24,7 +24,13 @@ pytestmark = [
 import r3arrow  # noqa: E402
 from r3arrow import RouteSpec  # noqa: E402
 from r3arrow.collate import MegatronCollator, Microbatch  # noqa: E402
-from r3arrow.errors import DuplicateExpertError, ExpertRangeError, ReplayError  # noqa: E402
+from r3arrow.errors import (  # noqa: E402
+    DuplicateExpertError,
+    ExpertRangeError,
+    ReplayDuplicateError,
+    ReplayError,
+    ReplayRangeError,
+)
 from r3arrow.megatron import (  # noqa: E402
     apply_padding_mask_shim,
     install_replay,
@@ -51,7 +57,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def megatron() -> Iterator[types.SimpleNamespace]:
-    """gloo world of one, Megatron model parallel (1, 1), CPU detours for the router (test setup only)."""
+    """gloo world of one, Megatron model parallel (1, 1), CPU router detours (setup only)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import moe_utils
@@ -309,6 +315,11 @@ def _assert_untouched(meg: types.SimpleNamespace) -> None:
         assert inst.target_topk_idx is None and inst.replay_backward_list == []
 
 
+DUPLICATE_ON_LAYER_2 = (
+    r"replay target: expected 2 distinct experts per token and layer, found .* layer 2\)"
+)
+
+
 def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace) -> None:
     routers = _routers(megatron, MOE)
     table = _recorded_table(megatron, routers, [5, 4], [4, 3], torch.randn(5, 2, HIDDEN))
@@ -324,22 +335,26 @@ def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace)
             install_replay(good[:2], num_tokens=n)
         dup = [t.clone() for t in good]
         dup[1][0, 1] = dup[1][0, 0]
-        with pytest.raises(DuplicateExpertError, match=r"expected 2 distinct experts per token and layer, found .* layer 2\)"):
+        with pytest.raises(DuplicateExpertError, match=DUPLICATE_ON_LAYER_2):
             install_replay(dup, num_tokens=n, layers=MOE, num_experts=EXPERTS)
         high = [t.clone() for t in good]
         high[0][3, 0] = EXPERTS
-        with pytest.raises(ExpertRangeError, match="at token 3"):
+        with pytest.raises(ExpertRangeError, match=r"found 8 \(token 3, layer 0\)") as info:
             install_replay(high, num_tokens=n, num_experts=EXPERTS)
+        assert isinstance(info.value, ReplayRangeError)
+        assert (info.value.token, info.value.layer) == (3, 0)
         with pytest.raises(ReplayError, match="int32 or int64"):
             install_replay([t.to(torch.uint8) for t in good], num_tokens=n)
         mb = collate(table)
         mb.routes[1, 2, 1, 1] = mb.routes[1, 2, 1, 0]
-        with pytest.raises(DuplicateExpertError, match=r"expected 2 distinct experts per token and layer, found .* layer 2\)"):
+        with pytest.raises(DuplicateExpertError, match=DUPLICATE_ON_LAYER_2) as dup_info:
             install_replay(mb, routers)
+        assert isinstance(dup_info.value, ReplayDuplicateError) and dup_info.value.layer == 2
         mb = collate(table)
         mb.routes[0, 3, 2, 0] = EXPERTS
         with pytest.raises(
-            ExpertRangeError, match=rf"expected expert ids < num_experts={EXPERTS}, found .* layer 3\)"
+            ExpertRangeError,
+            match=rf"expected expert ids < num_experts={EXPERTS}, found .* layer 3\)",
         ):
             install_replay(mb)
         with pytest.raises(ReplayError, match=r"routers for global layers \[1, 2\]"):
@@ -463,7 +478,7 @@ def test_router_layers_from_layer_number_and_collator_for(megatron: types.Simple
     routers = _routers(megatron, [1, 3])
     model = torch.nn.ModuleList(routers)
     assert router_layers(model) == [1, 3]
-    collate = r3arrow.MegatronCollator.from_megatron(SPEC, model=model)
+    collate = r3arrow.megatron.collator_for(SPEC, model=model)
     assert collate.layers == (1, 3) and collate.tp_size == 1
     cfg = _config(moe_layer_freq=[0, 1, 1, 1])
     assert r3arrow.megatron.collator_for(SPEC, cfg).layers == (1, 2, 3)

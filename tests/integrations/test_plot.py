@@ -79,7 +79,7 @@ def test_imbalance_over_steps(
     assert c.read_bytes() != a.read_bytes()
     with pytest.raises(SchemaError, match="step column"):
         plot.plot_imbalance(load.drop("step"), tmp_path / "x.png")
-    with pytest.raises(SchemaError, match="metric"):
+    with pytest.raises(ValueError, match="metric"):  # argument misuse: a builtin
         plot.plot_imbalance(load, tmp_path / "x.png", metric="nope")
 
 

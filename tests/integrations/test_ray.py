@@ -22,7 +22,11 @@ from r3arrow.table import take_rows
 ray = pytest.importorskip("ray", reason="ray is not installed (the ray extra)")
 r3ray = pytest.importorskip("r3arrow.ray")
 
-pytestmark = pytest.mark.ray
+pytestmark = [
+    pytest.mark.ray,
+    # Ray's own deprecation noise (raised inside ray.*), not r3arrow's.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray"),
+]
 STEPS = (0, 2, 5)
 
 
@@ -63,31 +67,36 @@ def test_read_restores_routes(cluster: None, step_dir: Path) -> None:
     assert got.select(want.column_names).to_pylist() == want.to_pylist()
     assert r3ray.rollout_spec(step_dir) == SPEC
     one_file = sorted((step_dir / "step=5").glob("*.parquet"))[0]  # no step column
-    assert r3ray.expert_load(one_file, tokens="response").equals(
+    assert stats.expert_load(one_file, tokens="response", engine="ray").equals(
         stats.expert_load(one_file, tokens="response")
     )
     with pytest.raises(SchemaError, match="step"):
-        r3ray.expert_load(one_file, by_step=True)
+        stats.expert_load(one_file, by_step=True, engine="ray")
+    with pytest.warns(DeprecationWarning, match="engine='ray'"):  # the old name still works
+        old = r3ray.expert_load(one_file, tokens="response")
+    assert old.equals(stats.expert_load(one_file, tokens="response"))
 
 
 def test_stats_equal_local_path(cluster: None, step_dir: Path) -> None:
-    assert r3ray.expert_load(step_dir, tokens="loss", by_step=True).equals(
+    assert stats.expert_load(step_dir, tokens="loss", by_step=True, engine="ray").equals(
         stats.expert_load(step_dir, tokens="loss", by_step=True)
     )
     # A Dataset source (needs the spec), with and without a step filter.
     ds = r3ray.read_rollouts(step_dir).materialize()
-    agreement = r3ray.route_agreement(ds, "trainer_routes", spec=SPEC)
+    agreement = stats.route_agreement(ds, "trainer_routes", SPEC, engine="ray")
     assert agreement == stats.route_agreement(step_dir, "trainer_routes")
     assert agreement.differing_fraction > 0
-    got = r3ray.expert_counts(ds, spec=SPEC, steps=[0, 5], tokens="prompt")
+    got = stats.expert_counts(ds, spec=SPEC, steps=[0, 5], tokens="prompt", engine="ray")
     assert got == stats.expert_counts(step_dir, steps=[0, 5], tokens="prompt")
-    with pytest.raises(SchemaError, match="spec="):
-        r3ray.expert_counts(ds)
+    with pytest.raises(TypeError, match="spec="):  # argument misuse: a builtin
+        stats.expert_counts(ds, engine="ray")
 
 
 def test_ray_hash_aggregate_equals_local_path(cluster: None, step_dir: Path) -> None:
     """reduce="ray": Ray's AggregateFnV2 + groupby("step") over the partials."""
-    got = r3ray.route_agreement_by_step(step_dir, "trainer_routes", tokens="loss", reduce="ray")
+    got = stats.route_agreement_by_step(
+        step_dir, "trainer_routes", tokens="loss", engine="ray", reduce="ray"
+    )
     assert got == stats.route_agreement_by_step(step_dir, "trainer_routes", tokens="loss")
     assert {s: a.differing_fraction > 0 for s, a in got.items()} == dict.fromkeys(STEPS, True)
 

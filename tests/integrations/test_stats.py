@@ -64,7 +64,7 @@ def make_table(
 
 def _trainer_column(
     rng: np.random.Generator, spec: RouteSpec, routes: list[np.ndarray], flip: float
-) -> pa.LargeListArray:
+) -> pa.LargeListArray[Any]:
     e = spec.num_experts or 256
     out = []
     for r in routes:
@@ -79,7 +79,9 @@ def _trainer_column(
         out.append(t)
     flat = np.concatenate(out) if out else np.zeros((0, *spec.row_shape), spec.dtype)
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in routes])]).astype(np.int64)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), r3arrow.numpy_to_routes(flat, spec))
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), r3arrow.numpy_to_routes(flat, spec)
+    )
 
 
 def reference_load(rows: np.ndarray, spec: RouteSpec, num_experts: int) -> np.ndarray:
@@ -165,7 +167,7 @@ def test_large_random_load_and_multichunk_table(rng: np.random.Generator) -> Non
 
 @pytest.mark.parametrize("num_experts", [12, 256, 1000, 70_000])
 def test_kernels_over_many_chunks(num_experts: int) -> None:
-    """Large inputs: several chunks on the thread pool, every storage dtype, with and without a selection."""
+    """Large inputs: several chunks on the thread pool, every storage dtype, any selection."""
     spec = RouteSpec(num_layers=5, topk=3, num_experts=num_experts, moe_layers=(1, 2, 4))
     rng = np.random.default_rng(num_experts)
     rows = random_routes(rng, 60_000, spec)
@@ -194,9 +196,9 @@ def test_out_of_range_id_in_a_late_chunk(dtype: Any) -> None:
     spec = RouteSpec(num_layers=4, topk=2, num_experts=10, moe_layers=(0, 1, 3))
     rows = random_routes(np.random.default_rng(1), 50_000, spec, dtype=dtype)
     rows[45_000, 1] = [3, 10]  # spills into layer 3's codes
-    with pytest.raises(ExpertRangeError, match=r"found 10 \(layer 1\)"):
+    with pytest.raises(ExpertRangeError, match=r"found 10 \(token 45000, layer 1\)"):
         stats.count_routes(rows, spec)
-    with pytest.raises(ExpertRangeError, match=r"found 10 \(layer 1\)"):
+    with pytest.raises(ExpertRangeError, match=r"found 10 \(token 45000, layer 1\)"):
         stats.count_routes(rows, spec, select=np.arange(50_000) > 40_000)
     assert stats.count_routes(rows, spec, select=np.arange(50_000) < 40_000).tokens == 40_000
 
@@ -217,7 +219,7 @@ def test_ids_out_of_range_raise_before_counting() -> None:
     rows = np.zeros((3, 2, 2), np.uint8)
     rows[:, 1] = [0, 1]
     rows[2, 1] = [4, 5]
-    with pytest.raises(ExpertRangeError, match=r"\[0, 5\).*found 5 \(layer 1\)"):
+    with pytest.raises(ExpertRangeError, match=r"< num_experts=5, found 5 \(token 2, layer 1\)"):
         stats.count_routes(rows, spec)
     neg = rows.astype(np.int32)
     neg[2, 1] = [-1, 2]
@@ -241,6 +243,42 @@ def test_bad_arguments() -> None:
         stats.expert_load([1, 2, 3])
 
 
+def test_engine_and_argument_misuse_raise_builtins(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    table = make_table(rng, SPEC, [(2, 2, 3)])
+    with pytest.raises(ValueError, match="engine: expected one of 'local', 'ray'"):
+        stats.expert_load(table, engine="spark")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce: expected one of"):
+        stats.expert_counts(table, reduce="tree")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce: applies to engine='ray'"):
+        stats.route_agreement(table, "routes", reduce="ray")
+    with pytest.raises(TypeError, match="spec: applies to engine='ray'"):
+        stats.expert_counts(table, spec=SPEC)
+    with pytest.raises(TypeError, match="steps"):
+        stepped = table.append_column("step", pa.array([0], pa.int64()))
+        stats.expert_load(stepped, steps=["0"])  # type: ignore[list-item]
+    write_rollouts(table, tmp_path, step=0)
+    with pytest.raises(TypeError, match="steps"):
+        stats.expert_load(tmp_path, steps=[0.0])  # type: ignore[list-item]
+
+
+def test_agreement_errors_name_the_global_row() -> None:
+    """Id errors in a selection chunk report the row of the whole array, with fields set."""
+    spec = RouteSpec(num_layers=2, topk=2, num_experts=6)
+    a = random_routes(np.random.default_rng(4), 40, spec)
+    b = a.copy()
+    b[33, 1] = [5, 5]
+    sel = np.arange(40) % 3 == 0  # row 33 is selected
+    with pytest.raises(DuplicateExpertError, match=r"\(token 33, layer 1\)") as dup:
+        stats.route_agreement(a, b, spec, tokens=sel)
+    assert (dup.value.token, dup.value.layer) == (33, 1)
+    b[33, 1] = [2, 6]
+    with pytest.raises(ExpertRangeError, match=r"found 6 \(token 33, layer 1\)") as rng_err:
+        stats.route_agreement(a, b, spec)
+    assert (rng_err.value.token, rng_err.value.layer) == (33, 1)
+    assert stats.route_agreement(a, b, spec, tokens=np.arange(40) < 33).tokens == 33
+
+
 # ----------------------------------------------------------- token subsets
 def test_token_subsets_literal() -> None:
     spec = RouteSpec(num_layers=1, topk=1, num_experts=8)
@@ -257,7 +295,7 @@ def test_token_subsets_literal() -> None:
         routes=[routes, np.array([[[6]], [[7]]], np.uint8)],
         spec=spec,
     )
-    # Second trajectory: P=1, R=2, captured 2: row 0 predicts token 1 (trained), row 1 predicts 2 (not).
+    # Second trajectory: P=1, R=2, captured 2: row 0 predicts token 1 (trained), row 1 not.
     sel = {t: stats.token_selection(table, t) for t in ("prompt", "response", "loss")}
     assert stats.token_selection(table, "all") is None
     # rows of trajectory a (6), then of trajectory b (2)
@@ -511,7 +549,8 @@ def test_directory_memory_is_one_step_at_a_time(tmp_path: Path) -> None:
         import json, pyarrow as pa
         from r3arrow import stats
         load = stats.expert_load({str(tmp_path)!r}, tokens="loss")
-        print(json.dumps({{"peak": pa.default_memory_pool().max_memory(), "sum": int(load["tokens"].sum())}}))
+        peak = pa.default_memory_pool().max_memory()
+        print(json.dumps({{"peak": peak, "sum": int(load["tokens"].sum())}}))
         """
     )
     out = subprocess.run(
@@ -524,14 +563,19 @@ def test_directory_memory_is_one_step_at_a_time(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ interop
+def _leaf(routes: Any) -> Any:
+    """The id leaf array of a ``large_list<fixed_size_list<fixed_size_list>>`` routes array."""
+    return routes.values.values.values
+
+
 def test_polars_is_zero_copy(rng: np.random.Generator) -> None:
     table = make_table(rng, SPEC, [(3, 5, 7), (2, 2, 4)])
     df = stats.to_polars(table)
     assert df.schema["routes"] == pl.List(pl.Array(pl.UInt8, (5, 3)))
-    leaf = table.column("routes").chunk(0).values.values.values
+    leaf = _leaf(table.column("routes").chunk(0))
     back = df["routes"].to_arrow()
     back = back.chunk(0) if isinstance(back, pa.ChunkedArray) else back
-    assert back.values.values.values.buffers()[1].address == leaf.buffers()[1].address
+    assert _leaf(back).buffers()[1].address == leaf.buffers()[1].address
     assert df["routes"].to_list() == table.column("routes").to_pylist()
 
 
@@ -552,7 +596,7 @@ def test_hugging_face_datasets_recipe(rng: np.random.Generator) -> None:
     )
     table = make_table(rng, SPEC, [(3, 5, 7), (2, 2, 4)])
     hf = datasets.Dataset(table)
-    leaf = table.column("routes").chunk(0).values.values.values
+    leaf = _leaf(table.column("routes").chunk(0))
     assert (
         hf.data.table.column("routes").chunk(0).values.values.values.buffers()[1].address
         == leaf.buffers()[1].address

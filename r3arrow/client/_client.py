@@ -1,0 +1,506 @@
+"""`EngineClient`: pooled async HTTP to one set of engine servers, with incremental capture."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+
+from r3arrow._checks import (
+    check_choice,
+    check_int,
+    check_nonnegative_int,
+    check_optional_int,
+    check_positive_int,
+)
+from r3arrow.client._models import GenerateOutput
+from r3arrow.client._protocol import (
+    ENDPOINT_PATHS,
+    PROMPT_START_KEY,
+    Endpoint,
+    build_request,
+    check_row_count,
+    error_message,
+    parse_response,
+)
+from r3arrow.client._retry import RetryPolicy
+from r3arrow.codec import DEFAULT_MAX_BYTES
+from r3arrow.errors import (
+    EngineError,
+    EngineHTTPError,
+    PayloadTooLargeError,
+    RouteShapeError,
+    TraceStateError,
+)
+from r3arrow.spec import RouteSpec
+from r3arrow.trace import RouteTrace
+
+_OFFLOAD_BYTES = 1 << 20  # decode larger responses in a worker thread
+_BODY_SLACK_BYTES = 64 << 20  # JSON beside the route payload (token ids, logprobs)
+_NO_ROUTES_HINT = "(start vLLM with --enable-return-routed-experts)"
+
+
+def _score(session_id: str, url: str) -> int:
+    digest = hashlib.blake2b(f"{url}\x00{session_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _check_seconds(**values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name}: expected a number of seconds, found {value!r}")
+        if not value >= 0:
+            raise ValueError(f"{name}: expected seconds >= 0, found {value!r}")
+
+
+class EngineClient:
+    """Async client for one set of engine servers (vLLM or the embedded reference engine).
+
+    ``EngineClient(url_or_urls, spec)``; use as ``async with``.
+
+    Parameters
+    ----------
+    base_url:
+        One ``http(s)://`` base URL or a sequence of distinct ones.
+    spec:
+        The route shape responses must have (None: learn it, see `probe_spec`).
+    endpoint:
+        ``"generate"`` (``POST /inference/v1/generate``) or ``"completions"``
+        (``POST /v1/completions`` with token-id prompts).
+    model, cache_salt, headers:
+        Sent with every request (``cache_salt`` can be overridden per request).
+    max_concurrency:
+        Requests in flight at once (an int >= 1).
+    timeout:
+        Seconds, or an `httpx.Timeout`.
+    max_retries, backoff_base, backoff_max, retry_after_max, retry_timeouts:
+        The retry policy (see `r3arrow.client._retry`): retries after connection errors, 429
+        and 5xx, exponential jittered backoff, ``Retry-After`` honoured up to
+        ``retry_after_max``; read/write timeouts retried only with ``retry_timeouts``.
+    max_payload_bytes:
+        Bound on a decoded route payload; the response body is bounded accordingly.
+    vocab_size:
+        Reject prompt ids outside ``[0, vocab_size)`` before sending (vLLM started with
+        ``--skip-tokenizer-init`` does not check them, and its engine core dies on one).
+    seed:
+        Seed of the retry jitter.
+    transport:
+        An `httpx.AsyncBaseTransport` to use instead of the network (tests pass an
+        `httpx.MockTransport`); the connection limits then do not apply.
+
+    Argument misuse raises `ValueError`/`TypeError`.
+    """
+
+    def __init__(
+        self,
+        base_url: str | Sequence[str],
+        spec: RouteSpec | None = None,
+        *,
+        endpoint: Endpoint = "generate",
+        model: str | None = None,
+        max_concurrency: int = 64,
+        timeout: float | httpx.Timeout = 300.0,
+        max_retries: int = 3,
+        backoff_base: float = 0.1,
+        backoff_max: float = 5.0,
+        retry_after_max: float = 30.0,
+        retry_timeouts: bool = False,
+        cache_salt: str | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_BYTES,
+        headers: Mapping[str, str] | None = None,
+        vocab_size: int | None = None,
+        seed: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
+        ):
+            raise ValueError(f"base_url: expected one or more http(s) URLs, found {base_url!r}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"base_url: expected distinct URLs, found {urls}")
+        if spec is not None and not isinstance(spec, RouteSpec):
+            raise TypeError(f"spec: expected a RouteSpec or None, found {type(spec).__name__}")
+        check_choice(endpoint, "endpoint", tuple(ENDPOINT_PATHS))
+        max_concurrency = check_positive_int(max_concurrency, "max_concurrency")
+        max_retries = check_nonnegative_int(max_retries, "max_retries")
+        max_payload_bytes = check_nonnegative_int(max_payload_bytes, "max_payload_bytes")
+        vocab_size = check_optional_int(vocab_size, "vocab_size", minimum=1)
+        _check_seconds(
+            backoff_base=backoff_base, backoff_max=backoff_max, retry_after_max=retry_after_max
+        )
+        if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+            raise TypeError(
+                f"transport: expected an httpx.AsyncBaseTransport or None, found "
+                f"{type(transport).__name__}"
+            )
+        self.base_urls: tuple[str, ...] = tuple(u.rstrip("/") for u in urls)
+        self.spec = spec
+        self.endpoint: Endpoint = endpoint
+        self.model = model
+        self.max_concurrency = max_concurrency
+        self.retry = RetryPolicy(
+            max_retries=max_retries,
+            backoff_base=float(backoff_base),
+            backoff_max=float(backoff_max),
+            retry_after_max=float(retry_after_max),
+            retry_timeouts=bool(retry_timeouts),
+            rng=random.Random(seed),
+        )
+        self.cache_salt = cache_salt
+        self.max_payload_bytes = max_payload_bytes
+        # A response body may hold the base64 payload (4/3 of it) plus JSON around it; past
+        # this bound the body is not read on (a misbehaving engine cannot exhaust memory).
+        self.max_body_bytes = self.max_payload_bytes * 4 // 3 + _BODY_SLACK_BYTES
+        self.vocab_size = vocab_size
+        self.timeout = (
+            timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(float(timeout))
+        )
+        pool = max_concurrency * len(self.base_urls)
+        self._http = httpx.AsyncClient(
+            timeout=self.timeout,
+            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+            headers={"content-type": "application/json", **dict(headers or {})},
+            transport=transport,
+        )
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._round_robin = itertools.count()
+        self._busy_traces: set[int] = set()
+        #: Counters: requests sent, retries, route payload bytes and rows received, responses
+        #: recorded.
+        self.stats: dict[str, int] = {
+            "requests": 0,
+            "retries": 0,
+            "payload_bytes": 0,
+            "route_rows": 0,
+            "recorded": 0,
+        }
+
+    # The retry options, readable as before the policy had its own object.
+    @property
+    def max_retries(self) -> int:
+        return self.retry.max_retries
+
+    @property
+    def backoff_base(self) -> float:
+        return self.retry.backoff_base
+
+    @property
+    def backoff_max(self) -> float:
+        return self.retry.backoff_max
+
+    @property
+    def retry_after_max(self) -> float:
+        return self.retry.retry_after_max
+
+    @property
+    def retry_timeouts(self) -> bool:
+        return self.retry.retry_timeouts
+
+    # ------------------------------------------------------------- lifecycle
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    # --------------------------------------------------------------- routing
+    def urls_for(self, session_id: str | None) -> list[str]:
+        """Base URLs in the order a request of ``session_id`` tries them.
+
+        A session maps to the same URL every time (rendezvous hashing: adding or removing a
+        server moves only the sessions of that server); without a session, round robin.
+        """
+        if len(self.base_urls) == 1:
+            return list(self.base_urls)
+        if session_id is None:
+            k = next(self._round_robin) % len(self.base_urls)
+            return list(self.base_urls[k:] + self.base_urls[:k])
+        return sorted(self.base_urls, key=lambda u: _score(session_id, u), reverse=True)
+
+    async def probe_spec(
+        self, *, num_experts: int | None = None, token_ids: Sequence[int] = (1, 2, 3)
+    ) -> RouteSpec:
+        """Ask the engine for the route shape: one 1-token request with prompt start 0.
+
+        Returns ``RouteSpec(L, K, num_experts)`` from the returned ``[P, L, K]`` rows (the
+        engine does not report ``num_experts``; None lets traces widen the dtype as needed).
+        Raises `EngineError` if the engine returns no routes.
+        """
+        out = await self.generate(token_ids, sampling_params={"max_tokens": 1, "ignore_eos": True})
+        if out.routed_experts is None:
+            raise EngineError(
+                f"engine {out.base_url} returned no routed_experts; expected [rows, L, K] "
+                + _NO_ROUTES_HINT
+            )
+        _, layers, topk = out.routed_experts.shape
+        return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts)
+
+    # -------------------------------------------------------------- requests
+    def build_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        prompt_start: int,
+        return_routes: bool = True,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """The JSON body for ``prompt_token_ids`` on this client's endpoint."""
+        return build_request(
+            self.endpoint,
+            prompt_token_ids,
+            sampling_params,
+            prompt_start=prompt_start,
+            return_routes=return_routes,
+            model=self.model,
+            cache_salt=cache_salt if cache_salt is not None else self.cache_salt,
+        )
+
+    async def _read_capped(self, resp: httpx.Response, url: str) -> bytes:
+        """The body of a streamed response; `PayloadTooLargeError` past ``max_body_bytes``."""
+        cap = self.max_body_bytes
+        declared = resp.headers.get("content-length")
+        expected = (
+            f"engine {url}: expected a response body <= {cap} bytes "
+            f"(max_payload_bytes={self.max_payload_bytes})"
+        )
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise PayloadTooLargeError(f"{expected}, found Content-Length {declared}")
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in resp.aiter_bytes():
+            size += len(chunk)
+            if size > cap:
+                raise PayloadTooLargeError(f"{expected}, found more")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def _post(self, body: bytes, urls: list[str]) -> tuple[bytes, str, int]:
+        """POST with retries; returns (2xx body, base URL, attempts).
+
+        Raises `EngineHTTPError` (see `r3arrow.client._retry` for what is retried), or
+        `PayloadTooLargeError` for a body past ``max_body_bytes`` (never retried).
+        """
+        path = ENDPOINT_PATHS[self.endpoint]
+        policy = self.retry
+        failover = 0
+        last = ""
+        url = urls[0]
+        for attempt in range(policy.max_retries + 1):
+            url = urls[failover % len(urls)]
+            retry_after: float | None = None
+            try:
+                async with self._sem:
+                    self.stats["requests"] += 1
+                    request = self._http.build_request("POST", url + path, content=body)
+                    resp = await self._http.send(request, stream=True)
+                    try:
+                        content = await self._read_capped(resp, url)
+                    finally:
+                        await resp.aclose()
+            except httpx.TransportError as exc:
+                kind = type(exc).__name__
+                if not policy.retries_exception(exc):
+                    raise EngineHTTPError(
+                        f"engine request to {url}{path} timed out ({kind}; timeout={self.timeout})",
+                        url=url,
+                    ) from exc
+                last = f"{kind} from {url}" + (
+                    "" if isinstance(exc, httpx.TimeoutException) else f": {exc}"
+                )
+                failover += policy.fails_over(exc)
+            else:
+                status = resp.status_code
+                if status < 400:
+                    return content, url, attempt + 1
+                msg = error_message(content)
+                if not policy.retries_status(status):
+                    raise EngineHTTPError(
+                        f"engine {url}{path} rejected the request: HTTP {status}: {msg}",
+                        status=status,
+                        body=msg,
+                        url=url,
+                    )
+                last = f"HTTP {status} from {url}: {msg}"
+                if attempt == policy.max_retries:
+                    raise EngineHTTPError(
+                        f"engine {url}{path} failed after {attempt + 1} attempts: {last}",
+                        status=status,
+                        body=msg,
+                        url=url,
+                    )
+                retry_after = policy.retry_after(resp)
+            if attempt == policy.max_retries:
+                break
+            self.stats["retries"] += 1
+            await asyncio.sleep(policy.delay(attempt, retry_after))
+        raise EngineHTTPError(
+            f"engine {url}{path} failed after {policy.max_retries + 1} attempts: {last}", url=url
+        )
+
+    def _prompt_list(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt as plain ints (numpy scalars are not JSON-serialisable), checked."""
+        ids = np.asarray(prompt_token_ids)
+        if ids.size == 0:
+            raise ValueError("prompt_token_ids: expected at least one token, found none")
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(
+                f"prompt_token_ids: expected a flat sequence of int token ids, found shape "
+                f"{list(ids.shape)} of dtype {ids.dtype}"
+            )
+        vocab = self.vocab_size
+        bad = np.flatnonzero((ids < 0) if vocab is None else (ids < 0) | (ids >= vocab))
+        if bad.size:
+            bound = vocab if vocab is not None else "vocab"
+            raise ValueError(
+                f"prompt_token_ids: expected ids in [0, {bound}), "
+                f"found {int(ids[bad[0]])} at position {int(bad[0])}"
+            )
+        prompt: list[int] = ids.tolist()
+        return prompt
+
+    def _check_trace(self, trace: RouteTrace, prompt_tokens: int) -> RouteSpec:
+        """The spec responses for ``trace`` must have; raises if the trace cannot take one."""
+        if self.spec is not None and not self.spec.same_shape(trace.spec):
+            raise RouteShapeError(
+                f"trace: expected routes shaped like {self.spec}, found {trace.spec}"
+            )
+        if trace.finalized:
+            raise TraceStateError("trace: already finalized; expected an open trace")
+        captured = trace.captured
+        if prompt_tokens <= captured or prompt_tokens < trace.seen_tokens:
+            raise RouteShapeError(
+                f"prompt_token_ids: expected the conversation to extend the trace's "
+                f"{trace.seen_tokens} tokens (and exceed captured={captured}), "
+                f"found {prompt_tokens} tokens"
+            )
+        if id(trace) in self._busy_traces:
+            raise TraceStateError(
+                "trace: a request for this trace is already in flight; expected one at a time"
+            )
+        return trace.spec
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        sampling_params: Mapping[str, Any] | None = None,
+        trace: RouteTrace | None = None,
+        prompt_start: int = 0,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+        return_routes: bool = True,
+    ) -> GenerateOutput:
+        """Generate after ``prompt_token_ids`` (the whole conversation so far, P tokens).
+
+        With ``trace``: sends ``routed_experts_prompt_start = trace.captured`` and records the
+        ``P - captured + G - 1`` returned rows into it, once, after the response decoded and
+        checked; any error leaves the trace unchanged. Without: sends ``prompt_start`` (an int
+        in ``[0, P)``). ``session_id`` pins the request to one base URL (default: the trace's
+        identity).
+
+        Raises `ValueError`/`TypeError` (argument misuse, before sending), `EngineHTTPError`
+        (HTTP 4xx at once; 5xx/429/connection errors after ``max_retries`` retries;
+        timeouts), `EngineError` (unusable response), `PayloadError`/`RouteShapeError`/
+        `ExpertRangeError` (bad routes; never retried), `TraceStateError` (the trace is
+        finalized or already has a request in flight).
+        """
+        prompt = self._prompt_list(prompt_token_ids)
+        p = len(prompt)
+        sp = dict(sampling_params or {})
+        if sp.get("n", 1) != 1 or sp.get("stream"):
+            raise ValueError(
+                f"sampling_params: expected one non-streamed sample per request (n=1, no stream), "
+                f"found n={sp.get('n', 1)!r}, stream={sp.get('stream')!r}"
+            )
+        if PROMPT_START_KEY in sp:
+            raise ValueError(
+                f"sampling_params: {PROMPT_START_KEY} is set by the client "
+                "(from the trace, or the prompt_start argument); found it in sampling_params"
+            )
+        spec = self.spec
+        if trace is not None:
+            if not return_routes:
+                raise ValueError("return_routes=False with a trace: expected routes to record")
+            spec = self._check_trace(trace, p)
+            prompt_start = trace.captured
+        else:
+            prompt_start = check_int(prompt_start, "prompt_start", minimum=0, maximum=p - 1)
+        if session_id is None and trace is not None:
+            session_id = f"trace-{id(trace):x}"
+        body = orjson.dumps(
+            self.build_request(
+                prompt,
+                sp,
+                prompt_start=prompt_start,
+                return_routes=return_routes,
+                cache_salt=cache_salt,
+            )
+        )
+        if trace is not None:
+            self._busy_traces.add(id(trace))
+        try:
+            content, url, attempts = await self._post(body, self.urls_for(session_id))
+            parse_args: dict[str, Any] = {
+                "endpoint": self.endpoint,
+                "spec": spec,
+                "max_payload_bytes": self.max_payload_bytes,
+                "want_routes": return_routes,
+                # One id check per response: here without a trace, in trace.record with one.
+                "check_ids": trace is None,
+            }
+            if len(content) > _OFFLOAD_BYTES:  # keep the event loop responsive while decoding
+                parsed = await asyncio.to_thread(parse_response, content, **parse_args)
+            else:
+                parsed = parse_response(content, **parse_args)
+            g = len(parsed.token_ids)
+            routes = parsed.routes
+            rows = 0
+            token_start: int | None = None
+            if routes is not None:
+                rows = check_row_count(
+                    routes, prompt_tokens=p, generated_tokens=g, prompt_start=prompt_start, url=url
+                )
+                if trace is not None:
+                    token_start = trace.record(routes, prompt_tokens=p, generated_tokens=g)
+                    self.stats["recorded"] += 1
+            elif trace is not None:
+                raise EngineError(
+                    f"engine {url} returned no routed_experts; expected "
+                    f"{p - prompt_start + g - 1} rows " + _NO_ROUTES_HINT
+                )
+        finally:
+            if trace is not None:
+                self._busy_traces.discard(id(trace))
+        self.stats["payload_bytes"] += parsed.payload_bytes
+        self.stats["route_rows"] += rows
+        return GenerateOutput(
+            token_ids=parsed.token_ids,
+            finish_reason=parsed.finish_reason,
+            logprobs=parsed.logprobs,
+            routed_experts=routes,
+            prompt_tokens=p,
+            prompt_start=prompt_start,
+            num_route_rows=rows,
+            payload_bytes=parsed.payload_bytes,
+            response_bytes=len(content),
+            token_start=token_start,
+            base_url=url,
+            attempts=attempts,
+            stop_reason=parsed.stop_reason,
+        )
+
+
+__all__ = ["EngineClient"]

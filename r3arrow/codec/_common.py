@@ -1,0 +1,92 @@
+"""Shared by every wire codec: size caps, wire dtypes, shape checks and the spec check.
+
+See ``docs/design.md``, "Wire formats". Range checks go through :mod:`r3arrow.ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numpy as np
+
+from r3arrow._checks import check_nonnegative_int
+from r3arrow.errors import PayloadError, PayloadTooLargeError, RouteDTypeError, RouteShapeError
+from r3arrow.ids import check_route_ids
+from r3arrow.spec import RouteSpec
+
+#: Default bound on a decoded payload (and on the array a header declares), in bytes.
+DEFAULT_MAX_BYTES: Final[int] = 8 << 30
+
+#: Payload dtypes the base64 codecs accept, by name (values are little-endian on the wire).
+WIRE_DTYPES: Final[tuple[str, ...]] = ("uint8", "uint16", "int16", "int32")
+WIRE_LE: Final[dict[str, np.dtype[Any]]] = {n: np.dtype(n).newbyteorder("<") for n in WIRE_DTYPES}
+
+
+def check_max_bytes(max_bytes: Any) -> int:
+    """``max_bytes`` as an int ``>= 0`` (argument misuse raises ``TypeError``/``ValueError``)."""
+    return check_nonnegative_int(max_bytes, "max_bytes")
+
+
+def too_large(what: str, declared: int, max_bytes: int, detail: str) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"{what}: {detail} declares {declared:,} bytes, more than max_bytes={max_bytes:,}"
+    )
+
+
+def check_shape(shape: object, what: str) -> tuple[int, int, int]:
+    if not isinstance(shape, list | tuple):
+        raise PayloadError(f"{what}: expected shape as a list of 3 ints, found {shape!r:.100}")
+    if not all(
+        isinstance(d, int | np.integer) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise PayloadError(
+            f"{what}: expected non-negative int shape entries, found {list(shape)!r:.200}"
+        )
+    if len(shape) != 3:
+        raise RouteShapeError(f"{what}: expected a 3-D shape [rows, L, K], found {list(shape)}")
+    rows, layers, topk = (int(d) for d in shape)
+    if layers < 1 or topk < 1:
+        raise RouteShapeError(
+            f"{what}: expected L >= 1 and K >= 1 in [rows, L, K], found {list(shape)}"
+        )
+    return rows, layers, topk
+
+
+def check_against_spec(arr: np.ndarray, spec: RouteSpec | None, what: str) -> np.ndarray:
+    if spec is None:
+        return arr
+    if arr.shape[1:] != spec.row_shape:
+        raise RouteShapeError(
+            f"{what}: expected [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
+        )
+    check_route_ids(arr, spec, what=what)
+    return arr
+
+
+def check_rows_for_encode(arr: Any, what: str) -> np.ndarray:
+    a = np.asarray(arr)
+    if a.dtype.kind not in "iu":
+        raise RouteDTypeError(f"{what}: expected an integer array, found dtype {a.dtype}")
+    if a.ndim != 3 or a.shape[1] < 1 or a.shape[2] < 1:
+        raise RouteShapeError(
+            f"{what}: expected shape [rows, L, K] with L, K >= 1, found {list(a.shape)}"
+        )
+    return a
+
+
+def wire_name(dt: np.dtype[Any], what: str) -> str:
+    name = dt.newbyteorder("=").name if dt.byteorder in "<>" else dt.name
+    if dt.fields is not None or dt.subdtype is not None or name not in WIRE_DTYPES:
+        raise RouteDTypeError(f"{what}: expected dtype one of {list(WIRE_DTYPES)}, found {dt}")
+    return name
+
+
+def view_rows(
+    buf: bytearray, offset: int, dt: np.dtype[Any], shape: tuple[int, int, int]
+) -> np.ndarray:
+    """``[rows, L, K]`` view on ``buf[offset:]``, native byte order (byteswapped copy if not)."""
+    count = shape[0] * shape[1] * shape[2]
+    arr = np.frombuffer(buf, dtype=dt, count=count, offset=offset).reshape(shape)
+    if not dt.isnative:
+        arr = arr.astype(dt.newbyteorder("="))
+    return arr

@@ -1,0 +1,333 @@
+"""Arrow IPC streams of routes: zero-copy decoding, sizes bounded from the message metadata.
+
+`_declared_ipc_bytes` reads the buffer sizes each record batch declares from its
+flatbuffer metadata (a small bounds-checked reader, `_FlatTable`) before any body
+is decoded, so a stream cannot make the reader allocate more than ``max_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import numpy as np
+import pyarrow as pa
+
+from r3arrow.codec._common import DEFAULT_MAX_BYTES, check_max_bytes, check_rows_for_encode
+from r3arrow.errors import (
+    PayloadError,
+    PayloadTooLargeError,
+    R3ArrowError,
+    RouteShapeError,
+    SchemaError,
+)
+from r3arrow.ids import check_route_ids
+from r3arrow.spec import (
+    SPEC_METADATA_KEY,
+    RouteSpec,
+    numpy_to_routes,
+    routes_to_numpy,
+    storage_dtype_for,
+)
+
+#: Schema metadata key holding the row count `encode_ipc` wrote; a stream cut at a
+#: message boundary reads as a valid shorter stream, this makes it detectable.
+IPC_ROWS_METADATA_KEY: Final[bytes] = b"r3arrow.num_rows"
+
+
+def _as_arrow_buffer(buf: object) -> Any:
+    if isinstance(buf, pa.Buffer):
+        return buf
+    if isinstance(buf, bytes | bytearray | memoryview):
+        return pa.py_buffer(buf)
+    raise PayloadError(f"Arrow IPC: expected bytes or a pyarrow.Buffer, found {type(buf).__name__}")
+
+
+def _prepare_routes(routes: Any, spec: RouteSpec | None) -> tuple[np.ndarray, RouteSpec]:
+    if isinstance(routes, pa.Array | pa.ChunkedArray):
+        arr = routes_to_numpy(routes, spec)
+    else:
+        arr = check_rows_for_encode(routes, "encode_ipc")
+    if spec is None:
+        # ids >= 0 that fit int32 (no expert count known); the dtype is kept or inferred
+        _, hi = check_route_ids(arr, RouteSpec(arr.shape[1], arr.shape[2], None), what="encode_ipc")
+        keep = arr.dtype.name in ("uint8", "uint16", "int32")
+        dt = arr.dtype if keep else storage_dtype_for(hi + 1 if arr.size else 1)
+        spec = RouteSpec(arr.shape[1], arr.shape[2], None, id_dtype=dt.name)
+    else:
+        if arr.shape[1:] != spec.row_shape:
+            raise RouteShapeError(
+                f"encode_ipc: expected [rows, {spec.num_layers}, {spec.topk}], found "
+                f"{list(arr.shape)}"
+            )
+        _, hi = check_route_ids(arr, spec, what="encode_ipc")
+        spec = spec.widened_for(hi)
+    target = spec.dtype.newbyteorder("=")  # check_route_ids ensured every layer fits it
+    return np.ascontiguousarray(arr, dtype=target), spec
+
+
+def encode_ipc(routes: Any, spec: RouteSpec | None = None) -> Any:
+    """Serialise routes as an Arrow IPC stream; return a ``pyarrow.Buffer`` (``bytes()`` copies).
+
+    ``routes`` is ``[rows, L, K]`` numpy or a per-token Arrow routes array: the stream then has one
+    column ``"routes"`` of ``spec.arrow_type`` (ids checked against ``spec``; without a spec it is
+    inferred). A ``pa.Table``/``RecordBatch`` is written as is. The spec (when known) and the row
+    count travel in the schema metadata.
+    """
+    if isinstance(routes, pa.RecordBatch):
+        routes = pa.Table.from_batches([routes])
+    if isinstance(routes, pa.Table):
+        table = routes
+        meta = dict(table.schema.metadata or {})
+        if spec is not None:
+            sent = _schema_spec(table.schema)
+            if sent is not None and not sent.same_shape(spec):
+                raise RouteShapeError(
+                    f"encode_ipc: table metadata spec {sent.to_json().decode()} does not match "
+                    f"{spec}"
+                )
+            meta.update(spec.to_metadata())
+    else:
+        arr, spec = _prepare_routes(routes, spec)
+        table = pa.table({"routes": numpy_to_routes(arr, spec)})
+        meta = spec.to_metadata()
+    meta[IPC_ROWS_METADATA_KEY] = str(table.num_rows).encode()
+    table = table.replace_schema_metadata(meta)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+class _FlatTable:
+    """Bounds-checked reader of one flatbuffer table (just what `_declared_ipc_bytes` needs)."""
+
+    def __init__(self, buf: bytes, pos: int) -> None:
+        self.buf, self.pos = buf, pos
+        vt = pos - self._int(pos, 4, signed=True)
+        self.vt, self.vt_size = vt, self._int(vt, 2)
+
+    def _int(self, at: int, size: int, *, signed: bool = False) -> int:
+        if at < 0 or at + size > len(self.buf):
+            raise PayloadError("Arrow IPC: corrupted message metadata (offset out of bounds)")
+        return int.from_bytes(self.buf[at : at + size], "little", signed=signed)
+
+    def field(self, i: int) -> int:
+        """Absolute position of field ``i`` (0 when absent)."""
+        slot = 4 + 2 * i
+        off = self._int(self.vt + slot, 2) if slot + 2 <= self.vt_size else 0
+        return self.pos + off if off else 0
+
+    def scalar(self, i: int, size: int, default: int = 0) -> int:
+        at = self.field(i)
+        return self._int(at, size, signed=True) if at else default
+
+    def ref(self, i: int) -> int:
+        """Target position of offset-typed field ``i`` (table, vector, union); 0 when absent."""
+        at = self.field(i)
+        return at + self._int(at, 4) if at else 0
+
+    def table(self, i: int) -> _FlatTable | None:
+        at = self.ref(i)
+        return _FlatTable(self.buf, at) if at else None
+
+
+_MSG_DICTIONARY_BATCH, _MSG_RECORD_BATCH = 2, 3
+
+
+def _declared_ipc_bytes(b: Any) -> int:
+    """Sum of the buffer sizes the stream's record batches declare once decompressed, read from
+    the message metadata before any body is decoded (a compressed body states its own size)."""
+    total = 0
+    reader = pa.ipc.MessageReader.open_stream(b)
+    while True:
+        try:
+            msg = reader.read_next_message()
+        except StopIteration:
+            return total
+        meta = msg.metadata.to_pybytes()
+        if len(meta) < 8:
+            raise PayloadError("Arrow IPC: corrupted message metadata (too short)")
+        root = _FlatTable(meta, int.from_bytes(meta[:4], "little"))
+        kind = root.scalar(1, 1)
+        batch = root.table(2) if kind in (_MSG_RECORD_BATCH, _MSG_DICTIONARY_BATCH) else None
+        if batch is not None and kind == _MSG_DICTIONARY_BATCH:
+            batch = batch.table(1)
+        if batch is None:
+            continue
+        vec = batch.ref(2)  # Buffer structs {offset: int64, length: int64}
+        count = batch._int(vec, 4) if vec else 0
+        compressed = batch.field(3) != 0
+        body = msg.body
+        for k in range(count):  # one entry per Arrow buffer, not per row
+            offset = batch._int(vec + 4 + 16 * k, 8, signed=True)
+            length = batch._int(vec + 12 + 16 * k, 8, signed=True)
+            if offset < 0 or length < 0 or (body is not None and offset + length > body.size):
+                raise PayloadError(
+                    f"Arrow IPC: buffer [{offset}, {offset + length}) outside a "
+                    f"{0 if body is None else body.size}-byte body"
+                )
+            if compressed and length >= 8 and body is not None:
+                declared = int.from_bytes(
+                    body[offset : offset + 8].to_pybytes(), "little", signed=True
+                )
+                total += length if declared == -1 else max(declared, 0)
+            else:
+                total += length
+
+
+_ARROW_READ_ERRORS: Final = (
+    pa.ArrowException,
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    EOFError,
+)
+
+
+def _route_chunks(col: Any) -> list[Any]:
+    """Per-token routes arrays of a ``routes`` column (per-token type or ``large_list`` of it)."""
+    out = []
+    for chunk in col.chunks:
+        out.append(
+            chunk.flatten()
+            if pa.types.is_large_list(chunk.type) or pa.types.is_list(chunk.type)
+            else chunk
+        )
+    return out
+
+
+def _schema_spec(schema: Any) -> RouteSpec | None:
+    """The spec in ``schema``'s metadata, or None; malformed metadata raises `SchemaError`."""
+    if not schema.metadata or SPEC_METADATA_KEY not in schema.metadata:
+        return None
+    try:
+        return RouteSpec.from_schema(schema)
+    except R3ArrowError:
+        raise
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise SchemaError(
+            f"Arrow IPC: expected a RouteSpec in metadata {SPEC_METADATA_KEY.decode()!r}, found "
+            f"{schema.metadata[SPEC_METADATA_KEY]!r:.200} ({exc})"
+        ) from None
+
+
+def _routes_column(table: Any) -> Any:
+    names = table.column_names
+    if names.count("routes") != 1:
+        raise PayloadError(f"Arrow IPC: expected one 'routes' column, found columns {names}")
+    return table.column("routes")
+
+
+def _read_ipc(buf: Any, max_bytes: int) -> tuple[Any, RouteSpec | None]:
+    """Read and structurally validate a complete stream; return (table, spec from its metadata)."""
+    max_bytes = check_max_bytes(max_bytes)
+    b = _as_arrow_buffer(buf)
+    if b.size > max_bytes:
+        raise PayloadTooLargeError(
+            f"Arrow IPC: payload of {b.size:,} bytes exceeds max_bytes={max_bytes:,}"
+        )
+    try:
+        declared = _declared_ipc_bytes(b)
+        if declared > max_bytes:
+            raise PayloadTooLargeError(
+                f"Arrow IPC: record batches declare {declared:,} decoded bytes, more than "
+                f"max_bytes={max_bytes:,}"
+            )
+        table = pa.ipc.open_stream(b).read_all()
+        table.validate(full=True)
+    except PayloadError:
+        raise
+    except MemoryError as exc:
+        raise PayloadTooLargeError(
+            f"Arrow IPC: stream declares more memory than available: {exc}"
+        ) from None
+    except _ARROW_READ_ERRORS as exc:
+        raise PayloadError(
+            f"Arrow IPC: expected a valid Arrow IPC stream, found {b.size:,} bytes that fail: {exc}"
+        ) from None
+    total = table.get_total_buffer_size()
+    if total > max_bytes:  # backstop; `_declared_ipc_bytes` already bounds compressed bodies
+        raise PayloadTooLargeError(
+            f"Arrow IPC: decoded buffers of {total:,} bytes exceed max_bytes={max_bytes:,}"
+        )
+    meta = table.schema.metadata
+    if meta and IPC_ROWS_METADATA_KEY in meta:
+        rows = meta[IPC_ROWS_METADATA_KEY]
+        if rows != str(table.num_rows).encode():
+            raise PayloadError(
+                f"Arrow IPC: stream declares {rows.decode(errors='replace')!r} rows, found "
+                f"{table.num_rows} (truncated stream?)"
+            )
+        rest = {k: v for k, v in meta.items() if k != IPC_ROWS_METADATA_KEY}
+        table = table.replace_schema_metadata(rest or None)
+    return table, _schema_spec(table.schema)
+
+
+def _check_sent_spec(sent: RouteSpec | None, spec: RouteSpec) -> None:
+    if sent is not None and not sent.same_shape(spec):
+        raise RouteShapeError(
+            f"Arrow IPC: expected routes [rows, {spec.num_layers}, {spec.topk}] on router layers "
+            f"{list(spec.router_layers)}, found metadata spec {sent.to_json().decode()}"
+        )
+
+
+def decode_ipc(
+    buf: Any, spec: RouteSpec | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> Any:
+    """Read an Arrow IPC stream into a ``pyarrow.Table`` on ``buf``'s memory (zero-copy).
+
+    With ``spec``: a spec in the schema metadata must have the same shape, and a ``"routes"``
+    column (per-token type, or a ``large_list`` of it) must match ``L``/``K`` with ids in range.
+    Raises `PayloadError` for anything that is not a complete, valid stream.
+    """
+    table, sent = _read_ipc(buf, max_bytes)
+    if spec is not None:
+        _check_sent_spec(sent, spec)
+        if "routes" in table.column_names:
+            for chunk in _route_chunks(_routes_column(table)):
+                check_route_ids(routes_to_numpy(chunk, spec), spec, what="Arrow IPC routes")
+    return table
+
+
+def decode_ipc_routes(
+    buf: Any, spec: RouteSpec | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> np.ndarray:
+    """Decode an `encode_ipc` stream to ``[rows, L, K]`` numpy, a read-only view on ``buf``.
+
+    Zero-copy when the stream holds one record batch (as `encode_ipc` writes); several batches are
+    concatenated (one copy). Requires one ``"routes"`` column of the per-token routes type; its
+    shape is checked against ``spec`` (else the metadata spec), ids only against ``spec``.
+    """
+    table, sent = _read_ipc(buf, max_bytes)
+    if spec is not None:
+        _check_sent_spec(sent, spec)
+    col = _routes_column(table)
+    t = col.type
+    if not (pa.types.is_fixed_size_list(t) and pa.types.is_fixed_size_list(t.value_type)):
+        raise RouteShapeError(
+            "Arrow IPC: expected 'routes' of type fixed_size_list<fixed_size_list<int, K>, L>, "
+            f"found {t}"
+        )
+    if col.num_chunks == 0:
+        if not pa.types.is_integer(t.value_type.value_type):
+            raise RouteShapeError(f"Arrow IPC: expected integer expert ids, found {t}")
+        arr = np.empty(
+            (0, t.list_size, t.value_type.list_size), t.value_type.value_type.to_pandas_dtype()
+        )
+    else:
+        arr = routes_to_numpy(col, spec if spec is not None else sent)
+    if spec is not None:
+        if arr.shape[1:] != spec.row_shape:
+            raise RouteShapeError(
+                f"Arrow IPC: expected [rows, {spec.num_layers}, {spec.topk}], found "
+                f"{list(arr.shape)}"
+            )
+        check_route_ids(arr, spec, what="Arrow IPC routes")
+    elif sent is not None and arr.shape[1:] != sent.row_shape:
+        raise RouteShapeError(
+            f"Arrow IPC: metadata spec says [rows, {sent.num_layers}, {sent.topk}], found "
+            f"{list(arr.shape)}"
+        )
+    return arr

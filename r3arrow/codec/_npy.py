@@ -1,0 +1,147 @@
+"""vLLM's ``routed_experts``: base64 of an ``.npy`` file.
+
+No pickle; the header is parsed, and the declared size checked, before the payload is decoded.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import math
+from typing import Any, Final
+
+import numpy as np
+
+from r3arrow.codec._base64 import (
+    B64Payload,
+    as_b64_input,
+    b64_decoded_len,
+    b64_prefix,
+    b64decode,
+    b64encode,
+)
+from r3arrow.codec._common import (
+    DEFAULT_MAX_BYTES,
+    WIRE_DTYPES,
+    check_against_spec,
+    check_max_bytes,
+    check_rows_for_encode,
+    check_shape,
+    too_large,
+    view_rows,
+    wire_name,
+)
+from r3arrow.errors import PayloadError, PayloadTooLargeError, RouteDTypeError
+from r3arrow.spec import RouteSpec
+
+_NPY_MAGIC: Final[bytes] = b"\x93NUMPY"
+_NPY_MAX_HEADER: Final[int] = 10_000  # numpy's own default bound (np.load max_header_size)
+
+
+def _parse_npy_header(
+    s: str | memoryview, what: str
+) -> tuple[int, np.dtype[Any], tuple[int, int, int]]:
+    """Read the ``.npy`` header from the head of base64 ``s``: (data offset, dtype, shape)."""
+    head = b64_prefix(s, 12, what)
+    if len(head) < 10 or bytes(head[:6]) != _NPY_MAGIC:
+        raise PayloadError(
+            f"{what}: expected an .npy payload starting with {_NPY_MAGIC!r}, found "
+            f"{bytes(head[:8])!r}"
+        )
+    major, minor = head[6], head[7]
+    if (major, minor) == (1, 0):
+        hlen, start, enc = int.from_bytes(head[8:10], "little"), 10, "latin1"
+    elif (major, minor) in ((2, 0), (3, 0)):
+        if len(head) < 12:
+            raise PayloadError(f"{what}: truncated .npy header")
+        hlen, start = int.from_bytes(head[8:12], "little"), 12
+        enc = "utf8" if major == 3 else "latin1"
+    else:
+        raise PayloadError(
+            f"{what}: expected .npy format version 1.0, 2.0 or 3.0, found {major}.{minor}"
+        )
+    if hlen > _NPY_MAX_HEADER:
+        raise PayloadError(
+            f"{what}: expected an .npy header of at most {_NPY_MAX_HEADER} bytes, found {hlen}"
+        )
+    offset = start + hlen
+    raw = b64_prefix(s, offset, what)
+    if len(raw) < offset:
+        raise PayloadError(
+            f"{what}: truncated .npy header: expected {offset} bytes, found {len(raw)}"
+        )
+    try:
+        # literal_eval parses literals only (no code execution); the size bound keeps it cheap.
+        header = ast.literal_eval(bytes(raw[start:offset]).decode(enc))
+    except (
+        ValueError,
+        SyntaxError,
+        TypeError,
+        MemoryError,
+        RecursionError,
+        UnicodeDecodeError,
+    ) as exc:
+        raise PayloadError(f"{what}: unreadable .npy header: {exc}") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        keys = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
+        raise PayloadError(
+            f"{what}: expected .npy header keys ['descr', 'fortran_order', 'shape'], found {keys}"
+        )
+    if header["fortran_order"] is not False:
+        raise PayloadError(
+            f"{what}: expected fortran_order False (C order), found {header['fortran_order']!r}"
+        )
+    descr = header["descr"]
+    if not isinstance(descr, str):
+        raise RouteDTypeError(
+            f"{what}: expected a plain integer dtype one of {list(WIRE_DTYPES)}, found "
+            f"{descr!r:.100}"
+        )
+    try:
+        dt = np.dtype(descr)
+    except (TypeError, ValueError) as exc:
+        raise RouteDTypeError(
+            f"{what}: expected dtype one of {list(WIRE_DTYPES)}, found {descr!r:.100} ({exc})"
+        ) from None
+    wire_name(dt, what)
+    return offset, dt, check_shape(header["shape"], what)
+
+
+def decode_vllm(
+    b64_npy: B64Payload, spec: RouteSpec | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> np.ndarray:
+    """Decode vLLM's ``routed_experts`` (base64 of an ``.npy`` file) to ``[rows, L, K]``.
+
+    Accepts uint8/uint16/int16/int32 in either byte order (big-endian is byteswapped into a
+    new array); the result keeps the payload's dtype and is a writable view on the decoded
+    buffer. No pickle, no object/structured dtypes, no Fortran order.
+    """
+    what = "vLLM routed_experts"
+    max_bytes = check_max_bytes(max_bytes)
+    s = as_b64_input(b64_npy, what)
+    found = b64_decoded_len(s, what)
+    if found > max_bytes + _NPY_MAX_HEADER + 12:
+        raise PayloadTooLargeError(
+            f"{what}: payload of {found:,} bytes exceeds max_bytes={max_bytes:,}"
+        )
+    offset, dt, shape = _parse_npy_header(s, what)
+    declared = math.prod(shape) * dt.itemsize
+    if declared > max_bytes:
+        raise too_large(what, declared, max_bytes, f".npy header (shape {list(shape)}, dtype {dt})")
+    if offset + declared != found:
+        raise PayloadError(
+            f"{what}: .npy header (shape {list(shape)}, dtype {dt}) expects {offset + declared:,} "
+            "bytes "
+            f"({offset} header + {declared:,} data), found {found:,}"
+        )
+    buf = b64decode(s, what)
+    return check_against_spec(view_rows(buf, offset, dt, shape), spec, what)
+
+
+def encode_vllm(arr: Any) -> str:
+    """Encode ``[rows, L, K]`` routes as vLLM does: base64 of ``np.save`` output (no pickle)."""
+    a = check_rows_for_encode(arr, "encode_vllm")
+    wire_name(a.dtype, "encode_vllm")
+    bio = io.BytesIO()
+    np.lib.format.write_array(bio, np.ascontiguousarray(a), allow_pickle=False)
+    return b64encode(bio.getbuffer())

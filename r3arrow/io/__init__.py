@@ -1,0 +1,62 @@
+"""Persistence: rollout tables to Parquet (and Arrow IPC), exact and atomic.
+
+This package is the only owner of the on-disk layout (see ``docs/design.md``,
+"Persistence"):
+
+- **Layout** (`r3arrow.io._layout`): one hive-style ``step=N/`` partition per
+  training step under a root, ``part-NNNNN.parquet`` files, writes to a
+  temporary file renamed into place. `list_steps` and `iter_rollout_files`
+  discover what is there.
+- **Routes storage** (`r3arrow.io._storage`): routes columns are stored as
+  ``large_list<fixed_size_binary(L*K*itemsize)>`` (one opaque little-endian
+  value per token; Parquet would store nested lists value by value, slow and
+  ~4x larger) and restored to the nested type on read without copying
+  (`to_storage`, `from_storage`, `route_rows`).
+- **Parquet** (`r3arrow.io._parquet`): `write_rollouts`, `read_rollouts`,
+  `iter_rollouts`, `scan_rollouts`, `read_rollouts_dataset`, and the readers
+  the integrations build on: `iter_rollout_tables` (restored tables with their
+  step), `scan_rollout_files` (spec and files from the footers) and
+  `read_row_group`.
+- **Arrow IPC** (`r3arrow.io._ipc`): `write_ipc`, `read_ipc` (memory-mapped).
+
+The spec travels in the file metadata; every reader checks it and raises
+`SchemaError` with the offending ``path`` for a corrupt or foreign file.
+Argument misuse (a negative or non-int ``step``) raises ``ValueError`` /
+``TypeError``.
+"""
+
+from __future__ import annotations
+
+from r3arrow.io._ipc import read_ipc, write_ipc
+from r3arrow.io._layout import iter_rollout_files, list_steps
+from r3arrow.io._parquet import (
+    RolloutFile,
+    iter_rollout_tables,
+    iter_rollouts,
+    read_rollouts,
+    read_rollouts_dataset,
+    read_row_group,
+    scan_rollout_files,
+    scan_rollouts,
+    write_rollouts,
+)
+from r3arrow.io._storage import from_storage, route_rows, to_storage
+
+__all__ = [
+    "RolloutFile",
+    "from_storage",
+    "iter_rollout_files",
+    "iter_rollout_tables",
+    "iter_rollouts",
+    "list_steps",
+    "read_ipc",
+    "read_rollouts",
+    "read_rollouts_dataset",
+    "read_row_group",
+    "route_rows",
+    "scan_rollout_files",
+    "scan_rollouts",
+    "to_storage",
+    "write_ipc",
+    "write_rollouts",
+]

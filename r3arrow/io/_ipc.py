@@ -1,0 +1,59 @@
+"""Arrow IPC (Feather v2): rollout tables as uncompressed, memory-mappable files.
+
+IPC keeps the Arrow schema verbatim (nested routes type, list child names,
+metadata), so no storage conversion is needed; reads are zero-copy when
+memory-mapped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from r3arrow._typing import PathLike
+from r3arrow._validated import is_validated
+from r3arrow.errors import SchemaError
+from r3arrow.io._layout import atomic_path
+from r3arrow.io._parquet import check_rollout_schema
+from r3arrow.table import validate_rollouts
+
+
+def write_ipc(table: pa.Table, path: PathLike) -> Path:
+    """Write a rollout table as an uncompressed Arrow IPC file, atomically; return the path.
+
+    Validated like `write_rollouts` (skipped for a table r3arrow already validated).
+    """
+    if not is_validated(table):
+        validate_rollouts(table)
+    with (
+        atomic_path(Path(path)) as paths,
+        pa.OSFile(str(paths[0]), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema) as writer,
+    ):
+        writer.write_table(table)
+    return paths[-1]
+
+
+def read_ipc(path: PathLike, *, memory_map: bool = True) -> pa.Table:
+    """Read an IPC rollout file; memory-mapped (zero-copy, lazy paging) by default.
+
+    Raises ``FileNotFoundError`` if ``path`` does not exist, `SchemaError`
+    (``path`` set) for an unreadable file or one without the r3arrow spec.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file")
+    try:
+        source = pa.memory_map(str(p)) if memory_map else pa.OSFile(str(p), "rb")
+        table = pa.ipc.open_file(source).read_all()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SchemaError(
+            f"{p}: expected an r3arrow Arrow IPC rollout file, found an unreadable file ({exc})",
+            path=p,
+        ) from exc
+    check_rollout_schema(table.schema, p)
+    return table
+
+
+__all__ = ["read_ipc", "write_ipc"]

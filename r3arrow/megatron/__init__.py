@@ -1,0 +1,61 @@
+"""Megatron-core side of R3: schedule-scoped replay state and validated replay targets.
+
+* `replay_schedule` clears Megatron's global ``RouterReplay`` state before a pipeline
+  schedule and in ``finally`` (forward-only log-prob passes included), and sets the action.
+* `install_replay` checks every target (one per router instance, row count = tokens this
+  rank's router sees, ids in ``[0, num_experts)``, no expert twice in a row) and only then
+  calls ``RouterReplay.set_replay_data``: Megatron itself accepts wrong targets silently.
+* `replay_backward` switches to ``REPLAY_BACKWARD`` for activation recomputation.
+* `model_inputs` passes the router padding mask (and ``PackedSeqParams``) to ``GPTModel``.
+* `apply_padding_mask_shim` makes a ``[tokens]`` padding mask broadcast as ``[tokens, 1]``
+  in expert-bias accounting on releases without Megatron-LM #6114.
+* `stage_router_layers` / `router_layers` give the global ids of a stage's routers;
+  `collator_for` builds this rank's `r3arrow.collate.MegatronCollator`.
+
+megatron-core is imported inside the functions only (tested with 0.16.1; routers of 0.17+
+carry ``layer_number`` as 0.16 routers built inside a ``TransformerLayer`` already do).
+This package imports `r3arrow.collate`, never the other way round.
+
+Modules: `_routers` (megatron access, routers of a model), `_schedule` (replay state
+scope), `_install` (target checks and installation), `_inputs` (model inputs), `_shim`
+(expert-bias shim), `_stages` (stage router layers, `collator_for`).
+"""
+
+from __future__ import annotations
+
+from r3arrow.errors import ReplayDuplicateError, ReplayRangeError
+from r3arrow.megatron._inputs import model_inputs, packed_seq_params
+from r3arrow.megatron._install import install_replay, validate_targets
+from r3arrow.megatron._routers import router_layers
+from r3arrow.megatron._schedule import (
+    clear_replay_state,
+    replay_backward,
+    replay_schedule,
+    set_replay_action,
+)
+from r3arrow.megatron._shim import (
+    apply_padding_mask_shim,
+    padding_mask_fix_present,
+    remove_padding_mask_shim,
+)
+from r3arrow.megatron._stages import collator_for, moe_layer_pattern, stage_router_layers
+
+__all__ = [
+    "ReplayDuplicateError",
+    "ReplayRangeError",
+    "apply_padding_mask_shim",
+    "clear_replay_state",
+    "collator_for",
+    "install_replay",
+    "model_inputs",
+    "moe_layer_pattern",
+    "packed_seq_params",
+    "padding_mask_fix_present",
+    "remove_padding_mask_shim",
+    "replay_backward",
+    "replay_schedule",
+    "router_layers",
+    "set_replay_action",
+    "stage_router_layers",
+    "validate_targets",
+]

@@ -1,0 +1,212 @@
+"""Replay targets checked, then handed to ``RouterReplay.set_replay_data``.
+
+Megatron itself accepts wrong targets silently; this is the replay trust boundary, where
+every target's shape, dtype and ids are checked once (the id rules are `r3arrow.ids`;
+``docs/design.md``, "Expert ids").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from r3arrow._checks import check_nonnegative_int, check_optional_int
+from r3arrow.collate import Microbatch
+from r3arrow.errors import ReplayDuplicateError, ReplayError, ReplayRangeError
+from r3arrow.ids import check_router_ids
+from r3arrow.megatron._routers import _is_mtp, _replay_of, _router_replay, _routers
+
+
+def _check_target_ids(arr: torch.Tensor, num_experts: int | None, layer_ids: Sequence[int]) -> None:
+    """The id rules on ``[layers, tokens, K]`` replay targets (`r3arrow.ids.check_router_ids`)."""
+    check_router_ids(
+        arr,
+        num_experts,
+        layer_ids,
+        layers_first=True,
+        what="replay target",
+        range_error=ReplayRangeError,
+        duplicate_error=ReplayDuplicateError,
+    )
+
+
+def validate_targets(
+    targets: Sequence[torch.Tensor],
+    *,
+    num_tokens: int,
+    topk: int | None = None,
+    num_experts: int | None = None,
+    layers: Sequence[int] | None = None,
+    check_ids: bool = True,
+) -> None:
+    """Check replay targets: int32/int64 ``[num_tokens, topk]`` tensors with valid ids.
+
+    Parameters
+    ----------
+    targets:
+        One tensor per router, ``[num_tokens, topk]``.
+    num_tokens:
+        Tokens this rank's router sees.
+    topk:
+        Top-k; the first target's when None.
+    num_experts:
+        Exclusive bound of the ids (None: only ``>= 0``).
+    layers:
+        Global layer id of each target (messages and error fields); default ``0 ..``.
+    check_ids:
+        Also check ids in ``[0, num_experts)`` and no expert twice in a row.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``num_tokens``/``topk`` not ints, or ``layers`` not one id per target.
+    ReplayError
+        A target is not an int32/int64 tensor of that shape (``layer`` set);
+        `ReplayRangeError`/`ReplayDuplicateError` for ids (``token`` and ``layer`` set).
+    """
+    num_tokens = check_nonnegative_int(num_tokens, "num_tokens")
+    topk = check_optional_int(topk, "topk", minimum=1)
+    names = list(layers) if layers is not None else list(range(len(targets)))
+    if len(names) != len(targets):
+        raise ValueError(
+            f"layers: expected one layer id per target ({len(targets)}), found {len(names)}"
+        )
+    for name, t in zip(names, targets, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise ReplayError(
+                f"replay target of layer {name}: expected a torch.Tensor, found {type(t).__name__}",
+                layer=name,
+            )
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ReplayError(
+                f"replay target of layer {name}: expected int32 or int64, found {t.dtype}",
+                layer=name,
+            )
+        if topk is None and t.dim() == 2:
+            topk = int(t.shape[1])
+        if t.dim() != 2 or t.shape[0] != num_tokens or t.shape[1] != topk:
+            raise ReplayError(
+                f"replay target of layer {name}: expected [{num_tokens}, {topk}] (tokens this "
+                f"rank's router sees, top-k), found {list(t.shape)}",
+                layer=name,
+            )
+    if check_ids:
+        for name, t in zip(names, targets, strict=True):
+            _check_target_ids(t.unsqueeze(0), num_experts, [name])
+
+
+def install_replay(
+    mb: Microbatch | Sequence[torch.Tensor],
+    routers: Any = None,
+    *,
+    num_tokens: int | None = None,
+    num_experts: int | None = None,
+    layers: Sequence[int] | None = None,
+    check: bool = True,
+) -> list[torch.Tensor]:
+    """Validate replay targets, then hand them to ``RouterReplay.set_replay_data``; return them.
+
+    ``mb``: a `Microbatch` (targets, token count, layers and ``num_experts`` from it) or a list
+    of ``[tokens, K]`` tensors in router-instance order (then ``num_tokens`` is required).
+    ``routers`` (a model, modules or routers): targets go to routers by ``layer_number``
+    (1-based global), which must match the microbatch's layers; ``num_experts`` and top-k are
+    checked against each router. Without ``routers`` targets follow instance order and their
+    number must equal the router instances of this process. ``check=False`` skips the id
+    scan (shapes are always checked).
+
+    Raises `TypeError`/`ValueError` for argument misuse (raw targets without ``num_tokens``,
+    ``layers`` not one per target) and `ReplayError` (subclasses `ReplayRangeError`,
+    `ReplayDuplicateError`) for targets that do not fit, before anything reaches Megatron.
+    """
+    rr = _router_replay().RouterReplay
+    instances = list(rr.global_router_replay_instances)
+    if isinstance(mb, Microbatch):
+        targets = mb.replay_targets()
+        tokens = mb.num_router_tokens
+        ids = list(mb.layers)
+        experts = num_experts if num_experts is not None else mb.spec.num_experts
+        topk: int | None = mb.spec.topk
+    else:
+        targets = list(mb)
+        if num_tokens is None:
+            raise TypeError(
+                "install_replay: expected num_tokens (the router's local token count) with raw "
+                "targets, found None"
+            )
+        tokens, experts, topk = check_nonnegative_int(num_tokens, "num_tokens"), num_experts, None
+        ids = list(layers) if layers is not None else list(range(len(targets)))
+    if len(ids) != len(targets):
+        raise ValueError(f"layers: expected one layer id per target ({len(targets)}), found {ids}")
+    ordered = targets
+    if routers is not None:
+        ordered, experts, topk = _order_by_routers(
+            targets, ids, _routers(routers), instances, experts, topk
+        )
+    elif len(targets) != len(instances):
+        raise ReplayError(
+            f"expected one target per RouterReplay instance of this process ({len(instances)} "
+            f"routers), found {len(targets)} targets for layers {ids}"
+        )
+    # A microbatch's targets share one buffer: scan all its layers in one blockwise pass.
+    fast = isinstance(mb, Microbatch)
+    validate_targets(
+        targets,
+        num_tokens=tokens,
+        topk=topk,
+        num_experts=experts,
+        layers=ids,
+        check_ids=check and not fast,
+    )
+    if check and isinstance(mb, Microbatch):
+        _check_target_ids(mb.replay_tensor(), experts, mb.layers)
+    rr.set_replay_data(ordered)
+    return ordered
+
+
+def _order_by_routers(
+    targets: list[torch.Tensor],
+    ids: list[int],
+    routers: list[Any],
+    instances: list[Any],
+    experts: int | None,
+    topk: int | None,
+) -> tuple[list[torch.Tensor], int | None, int | None]:
+    """Targets in instance order, mapped through each router's ``layer_number``."""
+    decoder = [r for r in routers if not _is_mtp(r)]
+    if any(getattr(r, "layer_number", None) is None for r in decoder):
+        if len(decoder) != len(ids):
+            raise ReplayError(f"expected {len(ids)} routers for layers {ids}, found {len(decoder)}")
+        by_layer = dict(zip(ids, decoder, strict=True))
+    else:
+        by_layer = {int(r.layer_number) - 1: r for r in decoder}
+    if sorted(by_layer) != sorted(ids):
+        raise ReplayError(
+            f"expected routers for global layers {sorted(ids)}, found routers for "
+            f"{sorted(by_layer)}"
+        )
+    target_of = {id(_replay_of(by_layer[g])): t for g, t in zip(ids, targets, strict=True)}
+    missing = [i for i, inst in enumerate(instances) if id(inst) not in target_of]
+    if missing or len(target_of) != len(instances):
+        raise ReplayError(
+            f"expected targets for every RouterReplay instance of this process "
+            f"({len(instances)}), found {len(instances) - len(missing)} covered by layers {ids} "
+            f"(uncovered instances {missing}, e.g. MTP or another model's routers)"
+        )
+    for g in ids:
+        r = by_layer[g]
+        e = getattr(r, "num_experts", None)
+        if e is not None and experts is not None and int(e) != int(experts):
+            raise ReplayError(
+                f"router of layer {g}: expected num_experts={experts} (routes), found {e}",
+                layer=g,
+            )
+        experts = int(e) if e is not None and experts is None else experts
+        k = getattr(r, "topk", None)
+        if k is not None and topk is not None and int(k) != int(topk):
+            raise ReplayError(
+                f"router of layer {g}: expected top-k {topk} (routes), found {k}", layer=g
+            )
+        topk = int(k) if k is not None and topk is None else topk
+    return [target_of[id(inst)] for inst in instances], experts, topk

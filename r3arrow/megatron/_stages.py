@@ -1,0 +1,182 @@
+"""Which routers a pipeline rank builds, and this rank's `MegatronCollator`.
+
+See ``docs/design.md``, "PP-local layers": a stage replays its own routers only, in
+Megatron's build order (dense layers have no router; MTP layers are not counted).
+`collator_for` is the one way to build a collator from a Megatron config or model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from r3arrow._checks import check_int
+from r3arrow.collate import MegatronCollator
+from r3arrow.errors import ReplayError
+from r3arrow.megatron._routers import router_layers
+from r3arrow.spec import RouteSpec
+
+_UNEVEN = (
+    "pipeline_model_parallel_layout",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+)
+
+
+def moe_layer_pattern(config: Any) -> list[bool]:
+    """Per global decoder layer: True where it has a router (``moe_layer_freq``; MTP excluded)."""
+    n = int(config.num_layers)
+    if not getattr(config, "num_moe_experts", None):
+        return [False] * n
+    freq = getattr(config, "moe_layer_freq", 1)
+    if isinstance(freq, int | np.integer) and not isinstance(freq, bool):
+        if freq < 1:
+            raise ReplayError(
+                f"moe_layer_freq: expected a positive int or a 0/1 list, found {freq}"
+            )
+        return [i % int(freq) == 0 for i in range(n)]
+    pattern = [int(x) for x in freq]
+    if len(pattern) != n or any(x not in (0, 1) for x in pattern):
+        raise ReplayError(
+            f"moe_layer_freq: expected {n} entries of 0/1 (one per layer), found {pattern}"
+        )
+    return [x == 1 for x in pattern]
+
+
+def _megatron_available() -> bool:
+    try:
+        import megatron.core.transformer.transformer_block  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _stage_range(config: Any, pp_rank: int, vp_stage: int | None, use_megatron: bool) -> range:
+    if use_megatron:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        offset = int(get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank))
+        count = int(get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+        return range(offset, offset + count)
+    uneven = [a for a in _UNEVEN if getattr(config, a, None)]
+    if uneven:
+        raise ReplayError(
+            f"stage layers: uneven pipeline settings {uneven} need megatron-core installed"
+        )
+    n = int(config.num_layers)
+    pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    vp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    if pp == 1:
+        return range(n)
+    if n % pp:
+        raise ReplayError(
+            f"stage layers: expected num_layers divisible by pipeline size {pp}, found {n}"
+        )
+    per_rank = n // pp
+    if vp is None:
+        return range(pp_rank * per_rank, (pp_rank + 1) * per_rank)
+    if per_rank % vp:
+        raise ReplayError(
+            f"stage layers: expected {per_rank} layers per rank divisible by vpp size {vp}"
+        )
+    per_chunk = per_rank // vp
+    start = int(vp_stage or 0) * (n // vp) + pp_rank * per_chunk
+    return range(start, start + per_chunk)
+
+
+def stage_router_layers(
+    config: Any,
+    *,
+    pp_rank: int | None = None,
+    vp_stage: int | None = None,
+    use_megatron: bool | None = None,
+) -> list[int]:
+    """Global ids of the routers a pipeline rank builds, in build order (RouterReplay order).
+
+    ``config``: a Megatron ``TransformerConfig`` (or any object with its fields). Dense
+    layers (``moe_layer_freq``) have no router; MTP layers are not counted. With virtual
+    pipelining and ``vp_stage=None``, every model chunk of the rank, chunk by chunk.
+    ``pp_rank`` defaults to Megatron's current rank (0 without pipelining). Uses
+    ``get_transformer_layer_offset``/``get_num_layers_to_build`` when megatron-core is
+    importable (``use_megatron=None``), else the uniform-split arithmetic.
+
+    Raises `TypeError`/`ValueError` for a ``pp_rank`` that is not an int in ``[0, pp)``
+    (or missing under pipelining without megatron-core) and `ReplayError` for config values
+    that cannot be split (non-divisible sizes, uneven settings without megatron-core).
+    """
+    mega = _megatron_available() if use_megatron is None else bool(use_megatron)
+    pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    if pp_rank is None:
+        if pp == 1:
+            pp_rank = 0
+        elif mega:
+            from megatron.core import parallel_state
+
+            pp_rank = int(parallel_state.get_pipeline_model_parallel_rank())
+        else:
+            raise ValueError(
+                "stage_router_layers: expected pp_rank with pipeline parallelism, found None"
+            )
+    pp_rank = check_int(pp_rank, "pp_rank", minimum=0, maximum=pp - 1)
+    vp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    stages: list[int | None] = (
+        [vp_stage] if vp_stage is not None or vp is None or pp == 1 else list(range(int(vp)))
+    )
+    moe = moe_layer_pattern(config)
+    out: list[int] = []
+    for stage in stages:
+        out.extend(i for i in _stage_range(config, pp_rank, stage, mega) if moe[i])
+    return out
+
+
+def collator_for(
+    spec: RouteSpec,
+    config: Any = None,
+    *,
+    model: Any = None,
+    pp_rank: int | None = None,
+    vp_stage: int | None = None,
+    tp_rank: int | None = None,
+    cp_rank: int | None = None,
+    **kwargs: Any,
+) -> MegatronCollator:
+    """A `MegatronCollator` for this rank: layers from ``model``'s routers (``layer_number``) or
+    from ``config`` and the PP/VPP rank; TP/CP sizes, sequence parallelism and FP8 from
+    ``config``; ranks from Megatron's ``parallel_state`` when initialised (else 0). Extra
+    keywords go to the collator and win over the config."""
+    if model is not None:
+        layers = router_layers(model)
+    elif config is not None:
+        layers = stage_router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
+    else:
+        raise TypeError("collator_for: expected a config or a model, found neither")
+    params: dict[str, Any] = {}
+    if config is not None:
+        params = {
+            "tp_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+            "cp_size": int(getattr(config, "context_parallel_size", 1) or 1),
+            "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
+            "fp8": bool(getattr(config, "fp8", None)),
+        }
+    ranks = _parallel_ranks()
+    params["tp_rank"] = tp_rank if tp_rank is not None else ranks[0]
+    params["cp_rank"] = cp_rank if cp_rank is not None else ranks[1]
+    params.update(kwargs)
+    return MegatronCollator(spec, layers=layers, **params)
+
+
+def _parallel_ranks() -> tuple[int, int]:
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return 0, 0
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 0
+    return (
+        int(parallel_state.get_tensor_model_parallel_rank()),
+        int(parallel_state.get_context_parallel_rank()),
+    )

@@ -1,0 +1,95 @@
+"""Routing analytics: expert load, imbalance, entropy, drift and route agreement.
+
+Every statistic is built from *partial counts that add up exactly*
+(`ExpertCounts`, `RouteAgreement`): a table is processed one record batch at a
+time, a step-partitioned Parquet root one step at a time (only that step's routes are
+resident), and ``engine="ray"`` sums the same partials across Ray workers — so
+every path gives identical integers. Summaries over the counts (`load_summary`,
+`load_drift`, ...) are Polars expressions and accept a ``DataFrame`` or a
+``LazyFrame``.
+
+The package, by concern:
+
+- token selection (`r3arrow.stats._selection`): `token_selection`,
+  `TOKEN_SUBSETS` — ``tokens="all" | "prompt" | "response" | "loss"``; ``"loss"``
+  is the rows whose *next* token is loss-active (see ``docs/design.md``, "Ragged
+  routes and the terminal gap");
+- counts (`._counts`): `ExpertCounts`, `count_routes`;
+- agreement (`._agreement`): `RouteAgreement`, `compare_routes`;
+- sources (`._sources`): tables, files and roots → per-step partials, read
+  through `r3arrow.io.iter_rollout_tables`;
+- the public API (`._api`): `expert_counts`, `expert_counts_by_step`,
+  `expert_load`, `route_agreement`, `route_agreement_by_step`, each with
+  ``engine="local"`` (default) or ``engine="ray"`` (`r3arrow.ray` runs the
+  partials as a Ray Data aggregation; needs the ``ray`` extra);
+- summaries (`._summaries`): `load_summary`, `dead_experts`, `hot_experts`,
+  `load_drift`, `drift_over_steps`, `stack_steps`, `agreement_over_steps`;
+- interop (`._interop`): `to_polars`, `routes_torch` (zero-copy).
+
+Argument misuse (``tokens="bogus"``, ``engine=``, ``reduce=``, non-int steps)
+raises ``ValueError`` / ``TypeError``; bad data raises `SchemaError`,
+`ExpertRangeError`, `DuplicateExpertError` or `RouteShapeError` (with ``row``,
+``token``, ``layer`` or ``path`` set where they apply). Needs the ``stats``
+extra (Polars); torch, when installed, speeds up counting.
+"""
+
+from __future__ import annotations
+
+from r3arrow.stats._agreement import RouteAgreement, compare_routes
+from r3arrow.stats._api import (
+    ENGINES,
+    REDUCES,
+    Engine,
+    Reduce,
+    expert_counts,
+    expert_counts_by_step,
+    expert_load,
+    route_agreement,
+    route_agreement_by_step,
+)
+from r3arrow.stats._counts import ExpertCounts, count_routes
+from r3arrow.stats._interop import routes_torch, to_polars
+from r3arrow.stats._selection import TOKEN_SUBSETS, TokenSubset, token_selection
+from r3arrow.stats._sources import Source, batch_agreement, batch_counts
+from r3arrow.stats._summaries import (
+    Frame,
+    agreement_over_steps,
+    dead_experts,
+    drift_over_steps,
+    hot_experts,
+    load_drift,
+    load_summary,
+    stack_steps,
+)
+
+__all__ = [
+    "ENGINES",
+    "REDUCES",
+    "TOKEN_SUBSETS",
+    "Engine",
+    "ExpertCounts",
+    "Frame",
+    "Reduce",
+    "RouteAgreement",
+    "Source",
+    "TokenSubset",
+    "agreement_over_steps",
+    "batch_agreement",
+    "batch_counts",
+    "compare_routes",
+    "count_routes",
+    "dead_experts",
+    "drift_over_steps",
+    "expert_counts",
+    "expert_counts_by_step",
+    "expert_load",
+    "hot_experts",
+    "load_drift",
+    "load_summary",
+    "route_agreement",
+    "route_agreement_by_step",
+    "routes_torch",
+    "stack_steps",
+    "to_polars",
+    "token_selection",
+]

@@ -1,0 +1,216 @@
+"""Route agreement: exact counts of how two route sets for the same tokens agree.
+
+Order within a top-k row is ignored: two rows agree on a layer when their
+expert *sets* are equal, and overlap by ``|A ∩ B|``. `RouteAgreement` adds up
+exactly across batches, steps and workers; its fractions are the R3 paper's
+quantities (rollout router vs trainer router, see ``docs/design.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from r3arrow.errors import RouteShapeError, SchemaError
+from r3arrow.spec import RouteSpec, as_route_rows
+from r3arrow.stats._kernels import (
+    CHUNK_IDS,
+    Chunk,
+    check_ids,
+    check_selection,
+    chunks,
+    map_chunks,
+    router_block,
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RouteAgreement:
+    """Exact agreement counts of two route sets for the same tokens (order within top-k ignored).
+
+    ``identical[i]``: tokens whose top-k *set* on layer ``layers[i]`` is the same
+    in both; ``overlap[i]``: sum over tokens of ``|A ∩ B|`` on that layer;
+    ``all_identical``: tokens identical on every router layer. Adds (``a + b``).
+    Fractions are NaN when ``tokens == 0``.
+    """
+
+    layers: tuple[int, ...]
+    topk: int
+    tokens: int
+    identical: np.ndarray
+    overlap: np.ndarray
+    all_identical: int
+
+    def __post_init__(self) -> None:
+        for name in ("identical", "overlap"):
+            v = np.asarray(getattr(self, name), dtype=np.int64)
+            if v.shape != (len(self.layers),):
+                raise RouteShapeError(
+                    f"RouteAgreement.{name}: expected [{len(self.layers)}], found {list(v.shape)}"
+                )
+            object.__setattr__(self, name, v)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RouteAgreement):
+            return NotImplemented
+        return (
+            (self.layers, self.topk, self.tokens, self.all_identical)
+            == (other.layers, other.topk, other.tokens, other.all_identical)
+            and np.array_equal(self.identical, other.identical)
+            and np.array_equal(self.overlap, other.overlap)
+        )
+
+    def __add__(self, other: RouteAgreement) -> RouteAgreement:
+        if not isinstance(other, RouteAgreement):
+            return NotImplemented
+        if (other.layers, other.topk) != (self.layers, self.topk):
+            raise RouteShapeError(
+                f"RouteAgreement: expected layers {list(self.layers)} and topk {self.topk}, "
+                f"found {list(other.layers)} and {other.topk}"
+            )
+        return RouteAgreement(
+            self.layers,
+            self.topk,
+            self.tokens + other.tokens,
+            self.identical + other.identical,
+            self.overlap + other.overlap,
+            self.all_identical + other.all_identical,
+        )
+
+    @classmethod
+    def empty(cls, spec: RouteSpec) -> RouteAgreement:
+        n = len(spec.router_layers)
+        return cls(
+            spec.router_layers, spec.topk, 0, np.zeros(n, np.int64), np.zeros(n, np.int64), 0
+        )
+
+    def _frac(self, num: Any, den: float) -> Any:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return (
+                np.asarray(num, dtype=np.float64) / den if den else np.full(np.shape(num), np.nan)
+            )
+
+    @property
+    def identical_fraction(self) -> np.ndarray:
+        """float64 ``[n_layers]``: fraction of tokens whose top-k set is identical on each layer."""
+        return np.asarray(self._frac(self.identical, self.tokens))
+
+    @property
+    def mean_overlap(self) -> np.ndarray:
+        """float64 ``[n_layers]``: mean ``|A ∩ B| / K`` on each layer."""
+        return np.asarray(self._frac(self.overlap, self.tokens * self.topk))
+
+    @property
+    def differing_fraction(self) -> float:
+        """Fraction of tokens whose top-k set differs on at least one router layer."""
+        return float(self._frac(self.tokens - self.all_identical, self.tokens))
+
+    def per_layer(self) -> pl.DataFrame:
+        """``layer`` (Int32), ``tokens`` (Int64), ``identical``, ``overlap`` (Float64 fractions)."""
+        return pl.DataFrame(
+            {
+                "layer": pl.Series(np.asarray(self.layers, np.int32), dtype=pl.Int32),
+                "tokens": pl.Series(
+                    np.full(len(self.layers), self.tokens, np.int64), dtype=pl.Int64
+                ),
+                "identical": pl.Series(self.identical_fraction, dtype=pl.Float64),
+                "overlap": pl.Series(self.mean_overlap, dtype=pl.Float64),
+            }
+        )
+
+    def summary(self) -> dict[str, float]:
+        """Scalars: tokens, identical (layer mean), identical_min, overlap, differing."""
+        ident = self.identical_fraction
+        return {
+            "tokens": float(self.tokens),
+            "identical": float(self._frac(self.identical.sum(), self.tokens * len(self.layers))),
+            "identical_min": float(ident.min()) if ident.size else math.nan,
+            "overlap": float(
+                self._frac(self.overlap.sum(), self.tokens * self.topk * len(self.layers))
+            ),
+            "differing": self.differing_fraction,
+        }
+
+    def to_vector(self) -> np.ndarray:
+        """Flat int64 encoding (inverse: `from_vector`)."""
+        head = np.array(
+            [len(self.layers), self.topk, self.tokens, self.all_identical], dtype=np.int64
+        )
+        return np.concatenate(
+            [head, np.asarray(self.layers, np.int64), self.identical, self.overlap]
+        )
+
+    @classmethod
+    def from_vector(cls, vec: Any) -> RouteAgreement:
+        v = np.asarray(vec, dtype=np.int64)
+        n = int(v[0])
+        if v.size != 4 + 3 * n:
+            raise SchemaError(f"RouteAgreement vector: expected {4 + 3 * n} values, found {v.size}")
+        return cls(
+            tuple(int(x) for x in v[4 : 4 + n]),
+            int(v[1]),
+            int(v[2]),
+            v[4 + n : 4 + 2 * n].copy(),
+            v[4 + 2 * n :].copy(),
+            int(v[3]),
+        )
+
+
+def compare_routes(
+    a: Any, b: Any, spec: RouteSpec, *, select: np.ndarray | None = None
+) -> RouteAgreement:
+    """Agreement of two aligned route arrays ``[T, L, K]`` (any integer dtypes), router layers.
+
+    Row ``t`` of ``a`` and of ``b`` must route the same token. Raises
+    `RouteShapeError` on a shape mismatch, `DuplicateExpertError` if a top-k
+    set repeats an expert (set overlap would be ill-defined), `ExpertRangeError`
+    for ids outside ``[0, num_experts)`` when ``spec.num_experts`` is known.
+    """
+    x = as_route_rows(a, spec, what="routes a")
+    y = as_route_rows(b, spec, what="routes b")
+    if x.shape != y.shape:
+        raise RouteShapeError(
+            f"expected two route arrays of one shape, found {list(x.shape)} and {list(y.shape)}"
+        )
+    sel = check_selection(select, x.shape[0])
+    layers = list(spec.router_layers)
+    pick = None if spec.moe_layers is None else layers
+    nl, k = len(layers), spec.topk
+    rows = max(1, CHUNK_IDS // (nl * k * 4))  # bool temporaries per id: keep them in cache
+
+    def agree(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int, int]:
+        ba = router_block(x, pick, chunk)
+        bb = router_block(y, pick, chunk)
+        if ba.shape[0] == 0:
+            return np.zeros(nl, np.int64), np.zeros(nl, np.int64), 0, 0
+        for block, what in ((ba, "routes a"), (bb, "routes b")):
+            check_ids(block, spec.num_experts, layers, what, chunk)
+        # Sets of distinct ids: each a_i matches at most one b_j, so |A∩B| = #a_i found in B.
+        found = ba == bb[..., :1]
+        for j in range(1, k):
+            found |= ba == bb[..., j : j + 1]
+        ov = np.count_nonzero(found, axis=-1)  # [c, nl]
+        same = ov == k
+        return (
+            np.count_nonzero(same, axis=0).astype(np.int64),
+            ov.sum(axis=0, dtype=np.int64),
+            int(np.count_nonzero(same.all(axis=1))),
+            int(ba.shape[0]),
+        )
+
+    identical = np.zeros(nl, dtype=np.int64)
+    overlap = np.zeros(nl, dtype=np.int64)
+    all_identical = ntok = 0
+    for ident, ov_sum, all_same, n in map_chunks(agree, list(chunks(x.shape[0], rows, sel))):
+        identical += ident
+        overlap += ov_sum
+        all_identical += all_same
+        ntok += n
+    return RouteAgreement(spec.router_layers, k, ntok, identical, overlap, all_identical)
+
+
+__all__ = ["RouteAgreement", "compare_routes"]

@@ -1,0 +1,266 @@
+"""The public statistics, one API for both engines: ``engine="local"`` (default) or ``"ray"``.
+
+``engine="local"`` streams the source in this process (`r3arrow.stats._sources`).
+``engine="ray"`` hands the same per-block partials to `r3arrow.ray.partials`
+(a Ray Data ``map_batches`` and an exact sum); the results are identical.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from typing import Any, Literal, cast
+
+import numpy as np
+import polars as pl
+
+from r3arrow._checks import check_choice
+from r3arrow.errors import SchemaError
+from r3arrow.spec import RouteSpec
+from r3arrow.stats._agreement import RouteAgreement
+from r3arrow.stats._counts import ExpertCounts
+from r3arrow.stats._selection import TokenSubset, check_subset
+from r3arrow.stats._sources import (
+    _NO_STEPS,
+    BlockPartials,
+    Kind,
+    agreement_parts,
+    batch_counts,
+    batch_parts,
+    combiner,
+    decode,
+    sum_by_step,
+    sum_parts,
+)
+from r3arrow.stats._summaries import stack_steps
+
+Engine = Literal["local", "ray"]
+ENGINES: tuple[str, ...] = ("local", "ray")
+#: Final combine of the Ray engine's partials: "driver" streams them to the driver and sums
+#: there (cheap: a few KB per block); "ray" uses a Ray ``AggregateFnV2`` (hash-shuffle
+#: aggregate; seconds of fixed overhead on a small cluster). Both are exact.
+Reduce = Literal["driver", "ray"]
+REDUCES: tuple[str, ...] = ("driver", "ray")
+
+
+def _check_engine(engine: object, reduce: object, spec: RouteSpec | None) -> str:
+    check_choice(reduce, "reduce", REDUCES)
+    out = check_choice(engine, "engine", ENGINES)
+    if out == "local" and reduce != "driver":
+        raise ValueError(f"reduce: applies to engine='ray' only, found {reduce!r} with 'local'")
+    if out == "local" and spec is not None:
+        raise TypeError("spec: applies to engine='ray' with a Ray Dataset source, found a spec")
+    return out
+
+
+def _ray_partials(
+    source: Any,
+    kind: Kind,
+    tokens: str,
+    other: str | None,
+    *,
+    spec: RouteSpec | None,
+    steps: Sequence[int] | None,
+    grouped: bool,
+    reduce: str,
+) -> tuple[dict[int | None, np.ndarray], RouteSpec]:
+    """Encoded partials from the Ray engine (not ``grouped``: one total under ``None``)."""
+    block = BlockPartials(kind, tokens, other)
+    # Imported by name at call time: r3arrow.ray sits above stats in the layers and
+    # needs the ray extra; stats never imports it at module import time.
+    ray_module = importlib.import_module("r3arrow.ray")
+    parts, spec = ray_module.partials(
+        source,
+        block,
+        combiner(kind),
+        columns=block.columns(),
+        spec=spec,
+        steps=steps,
+        grouped=grouped,
+        reduce=reduce,
+    )
+    return parts, spec
+
+
+def _ray_total(
+    source: Any,
+    kind: Kind,
+    tokens: str,
+    other: str | None,
+    spec: RouteSpec | None,
+    steps: Sequence[int] | None,
+    reduce: str,
+) -> ExpertCounts | RouteAgreement:
+    parts, spec = _ray_partials(
+        source, kind, tokens, other, spec=spec, steps=steps, grouped=False, reduce=reduce
+    )
+    vec = parts.get(None, np.zeros(0, np.int64))
+    if vec.size:
+        return decode(kind, vec)
+    return ExpertCounts.empty(spec) if kind == "counts" else RouteAgreement.empty(spec)
+
+
+def _ray_by_step(
+    source: Any,
+    kind: Kind,
+    tokens: str,
+    other: str | None,
+    spec: RouteSpec | None,
+    steps: Sequence[int] | None,
+    reduce: str,
+) -> dict[int, ExpertCounts | RouteAgreement]:
+    parts, _ = _ray_partials(
+        source, kind, tokens, other, spec=spec, steps=steps, grouped=True, reduce=reduce
+    )
+    out: dict[int, ExpertCounts | RouteAgreement] = {}
+    for step, vec in parts.items():
+        if step is None:
+            raise SchemaError(_NO_STEPS)
+        out[step] = decode(kind, vec)
+    return dict(sorted(out.items()))
+
+
+def expert_counts(
+    source: Any,
+    *,
+    tokens: TokenSubset = "all",
+    steps: Sequence[int] | None = None,
+    engine: Engine = "local",
+    spec: RouteSpec | None = None,
+    reduce: Reduce = "driver",
+) -> ExpertCounts:
+    """Total `ExpertCounts` of a rollout table, a Parquet file or a step-partitioned root.
+
+    ``source``: a table or record batch, a file, a root (streamed by step), or
+    with ``engine="ray"`` also a Ray Dataset from `r3arrow.ray.read_rollouts`
+    (then ``spec`` is required: Ray blocks carry no schema metadata).
+    ``tokens``: the subset (`r3arrow.stats.TOKEN_SUBSETS`); ``steps``: the steps
+    to include. ``reduce``: the Ray engine's final combine (`Reduce`). Raises
+    ``ValueError`` / ``TypeError`` for bad arguments, `SchemaError` for missing
+    columns, steps or files.
+    """
+    if _check_engine(engine, reduce, spec) == "ray":
+        check_subset(tokens)
+        total = _ray_total(source, "counts", tokens, None, spec, steps, reduce)
+        return cast(ExpertCounts, total)
+    parts = batch_parts(source, tokens, steps, lambda batch: batch_counts(batch, tokens))
+    return sum_parts(parts, source, None, ExpertCounts.empty)
+
+
+def expert_counts_by_step(
+    source: Any,
+    *,
+    tokens: TokenSubset = "all",
+    steps: Sequence[int] | None = None,
+    engine: Engine = "local",
+    spec: RouteSpec | None = None,
+    reduce: Reduce = "driver",
+) -> dict[int, ExpertCounts]:
+    """`ExpertCounts` per step, ascending: a step-partitioned root or a table with ``step``.
+
+    Arguments as `expert_counts` (``reduce="ray"``: Ray ``groupby("step")``).
+    Raises `SchemaError` if the source has no steps.
+    """
+    if _check_engine(engine, reduce, spec) == "ray":
+        check_subset(tokens)
+        per = _ray_by_step(source, "counts", tokens, None, spec, steps, reduce)
+        return cast(dict[int, ExpertCounts], per)
+    return sum_by_step(
+        batch_parts(source, tokens, steps, lambda batch: batch_counts(batch, tokens))
+    )
+
+
+def expert_load(
+    source: Any,
+    *,
+    tokens: TokenSubset = "all",
+    steps: Sequence[int] | None = None,
+    by_step: bool = False,
+    engine: Engine = "local",
+    spec: RouteSpec | None = None,
+    reduce: Reduce = "driver",
+) -> pl.DataFrame:
+    """Routed-token count per MoE layer and expert: columns ``layer``, ``expert``, ``tokens``.
+
+    ``layer`` is the global layer id (Int32; dense layers are absent),
+    ``expert`` the expert id (Int32), ``tokens`` how many selected tokens that
+    layer routed to that expert (Int64; zero-count experts included, so each
+    layer has ``num_experts`` rows and sums to ``topk × tokens``). Sorted by
+    (layer, expert); with ``by_step`` true, a leading ``step`` (Int64) column.
+    ``source``, ``tokens``, ``steps``, ``engine``, ``spec``, ``reduce``: as
+    `expert_counts`; both engines return the same frame.
+    """
+    kw: dict[str, Any] = {"tokens": tokens, "steps": steps, "engine": engine, "spec": spec}
+    if not by_step:
+        return expert_counts(source, reduce=reduce, **kw).to_polars()
+    per = expert_counts_by_step(source, reduce=reduce, **kw)
+    return stack_steps({s: c.to_polars() for s, c in per.items()})
+
+
+def route_agreement(
+    a: Any,
+    b: Any,
+    spec: RouteSpec | None = None,
+    *,
+    tokens: TokenSubset | np.ndarray = "all",
+    steps: Sequence[int] | None = None,
+    engine: Engine = "local",
+    reduce: Reduce = "driver",
+) -> RouteAgreement:
+    """Agreement between two route sets for the same tokens, order within top-k ignored.
+
+    ``a`` / ``b``: two numpy ``[T, L, K]`` arrays (``spec`` optional, ``tokens``
+    an optional bool ``[T]``); a rollout table and another table of the same
+    trajectories, an aligned ``[T, L, K]`` array, or the name of a second routes
+    column in it (e.g. the trainer router's RECORD-mode routes); or a Parquet
+    file / step-partitioned root and such a column name (streamed by step). With
+    ``engine="ray"``: a path or Ray Dataset (with ``spec``) and a column name.
+    Returns exact counts; see `RouteAgreement` for the per-layer fractions and
+    `RouteAgreement.summary` for the R3 paper's quantities.
+    """
+    check_choice(reduce, "reduce", REDUCES)
+    if check_choice(engine, "engine", ENGINES) == "ray":
+        if not isinstance(b, str):
+            raise TypeError(
+                f"route_agreement(engine='ray'): expected b to name a routes column, "
+                f"found {type(b).__name__}"
+            )
+        subset = check_subset(tokens)
+        return cast(RouteAgreement, _ray_total(a, "agreement", subset, b, spec, steps, reduce))
+    if reduce != "driver":
+        raise ValueError(f"reduce: applies to engine='ray' only, found {reduce!r} with 'local'")
+    return sum_parts(agreement_parts(a, b, spec, tokens, steps), a, spec, RouteAgreement.empty)
+
+
+def route_agreement_by_step(
+    source: Any,
+    other: str,
+    *,
+    tokens: TokenSubset = "all",
+    steps: Sequence[int] | None = None,
+    engine: Engine = "local",
+    spec: RouteSpec | None = None,
+    reduce: Reduce = "driver",
+) -> dict[int, RouteAgreement]:
+    """`RouteAgreement` of ``routes`` vs column ``other`` per step (root or table with ``step``).
+
+    Arguments as `expert_counts`; raises `SchemaError` if the source has no steps.
+    """
+    if _check_engine(engine, reduce, spec) == "ray":
+        check_subset(tokens)
+        per = _ray_by_step(source, "agreement", tokens, other, spec, steps, reduce)
+        return cast(dict[int, RouteAgreement], per)
+    return sum_by_step(agreement_parts(source, other, None, tokens, steps))
+
+
+__all__ = [
+    "ENGINES",
+    "REDUCES",
+    "Engine",
+    "Reduce",
+    "expert_counts",
+    "expert_counts_by_step",
+    "expert_load",
+    "route_agreement",
+    "route_agreement_by_step",
+]

@@ -1,0 +1,187 @@
+"""Expert counts: exact routed-token counts per router layer and expert.
+
+Counting is vectorised: per cache-sized chunk of tokens, ``layer * E + id``
+codes and one bincount (torch's when installed: GIL-free, so chunks run on a
+thread pool), no loop per token or layer. `ExpertCounts` add up exactly across
+batches, steps and workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from r3arrow.errors import RouteShapeError, SchemaError
+from r3arrow.spec import RouteSpec, as_route_rows
+from r3arrow.stats._kernels import (
+    CHUNK_IDS,
+    Chunk,
+    bincount,
+    check_selection,
+    chunks,
+    map_chunks,
+    raise_range,
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExpertCounts:
+    """Exact routed-token counts per router layer and expert.
+
+    ``counts[i, e]`` = selected tokens that layer ``layers[i]`` sent to expert ``e``.
+
+    ``counts`` is int64 ``[len(layers), num_experts]``; each row sums to
+    ``topk * tokens``. Counts add (``a + b``) across batches, steps and workers;
+    with an unknown ``num_experts`` the expert axis spans the ids seen and
+    addition pads the narrower side with zeros.
+    """
+
+    layers: tuple[int, ...]
+    counts: np.ndarray
+    tokens: int
+
+    def __post_init__(self) -> None:
+        c = np.asarray(self.counts)
+        if c.ndim != 2 or c.shape[0] != len(self.layers):
+            raise RouteShapeError(
+                f"ExpertCounts: expected counts [{len(self.layers)}, E], found {list(c.shape)}"
+            )
+        object.__setattr__(self, "counts", c.astype(np.int64, copy=False))
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.counts.shape[1])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ExpertCounts):
+            return NotImplemented
+        return (self.layers, self.tokens) == (other.layers, other.tokens) and np.array_equal(
+            self.counts, other.counts
+        )
+
+    def __add__(self, other: ExpertCounts) -> ExpertCounts:
+        if not isinstance(other, ExpertCounts):
+            return NotImplemented
+        if other.layers != self.layers:
+            raise RouteShapeError(
+                f"ExpertCounts: expected the same router layers {list(self.layers)}, "
+                f"found {list(other.layers)}"
+            )
+        e = max(self.num_experts, other.num_experts)
+        out = np.zeros((len(self.layers), e), dtype=np.int64)
+        out[:, : self.num_experts] += self.counts
+        out[:, : other.num_experts] += other.counts
+        return ExpertCounts(self.layers, out, self.tokens + other.tokens)
+
+    @classmethod
+    def empty(cls, spec: RouteSpec) -> ExpertCounts:
+        """Zero counts for ``spec`` (``num_experts`` wide, or 0 wide when unknown)."""
+        return cls(
+            spec.router_layers,
+            np.zeros((len(spec.router_layers), spec.num_experts or 0), np.int64),
+            0,
+        )
+
+    def to_polars(self) -> pl.DataFrame:
+        """Long frame ``layer`` (Int32, global id), ``expert`` (Int32), ``tokens`` (Int64).
+
+        Rows in (layer, expert) order.
+        """
+        n, e = self.counts.shape
+        return pl.DataFrame(
+            {
+                "layer": pl.Series(
+                    np.repeat(np.asarray(self.layers, dtype=np.int32), e), dtype=pl.Int32
+                ),
+                "expert": pl.Series(np.tile(np.arange(e, dtype=np.int32), n), dtype=pl.Int32),
+                "tokens": pl.Series(self.counts.reshape(-1), dtype=pl.Int64),
+            }
+        )
+
+    def to_vector(self) -> np.ndarray:
+        """Flat int64 ``[n_layers, E, tokens, *layers, *counts]`` (inverse: `from_vector`)."""
+        head = np.array([len(self.layers), self.num_experts, self.tokens], dtype=np.int64)
+        return np.concatenate([head, np.asarray(self.layers, np.int64), self.counts.reshape(-1)])
+
+    @classmethod
+    def from_vector(cls, vec: Any) -> ExpertCounts:
+        v = np.asarray(vec, dtype=np.int64)
+        n, e = int(v[0]), int(v[1])
+        if v.size != 3 + n + n * e:
+            raise SchemaError(
+                f"ExpertCounts vector: expected {3 + n + n * e} values, found {v.size}"
+            )
+        return cls(tuple(int(x) for x in v[3 : 3 + n]), v[3 + n :].reshape(n, e).copy(), int(v[2]))
+
+
+def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = None) -> ExpertCounts:
+    """Per-layer expert counts of routes ``[T, L, K]`` (numpy or Arrow), router layers only.
+
+    ``select``: optional bool ``[T]`` of rows to count. Vectorised: per
+    cache-sized chunk of tokens, codes ``layer * E + id`` (dense layers go to a
+    discard range) and one bincount, chunks on a thread pool. Raises
+    `ExpertRangeError` (``token`` = the route row, ``layer`` set) for an id
+    outside ``[0, num_experts)`` on a router layer (see ``docs/design.md``,
+    "Expert ids"); `RouteShapeError` for a bad shape or ``select``.
+    """
+    arr = as_route_rows(routes, spec)
+    sel = check_selection(select, arr.shape[0])
+    layers = list(spec.router_layers)
+    nl, k = len(layers), spec.topk
+    ntok = arr.shape[0] if sel is None else int(np.count_nonzero(sel))
+    if ntok == 0:
+        return ExpertCounts.empty(spec)
+    e = spec.num_experts
+    signed = arr.dtype.kind == "i"
+    if e is None or signed:
+        # Unknown E: the expert axis spans the ids seen. Signed storage: negative ids
+        # would move codes backwards, which the per-layer totals below cannot detect.
+        sub = arr if spec.moe_layers is None else arr[:, layers, :]
+        seen = sub if sel is None else sub[sel]
+        lo, hi = int(seen.min()), int(seen.max())
+        e = hi + 1 if e is None else e
+        if lo < 0 or hi >= e:
+            raise_range(sub, e, layers, sel, "routes")
+        if signed:  # ids checked: count the router layers only
+            arr = sub
+    # Code base per layer: rank among the router layers × E; a dense layer's ids land in
+    # the discard range [nl * E, top) that an unsigned id can reach.
+    width = arr.shape[1]
+    if signed or spec.moe_layers is None:  # every layer of ``arr`` is a router layer
+        rank = np.arange(width, dtype=np.int64)
+    else:
+        rank = np.full(width, nl, dtype=np.int64)
+        rank[layers] = np.arange(nl)
+    top = nl * e if signed else nl * e + int(np.iinfo(arr.dtype).max) + 1
+    code_dtype = next(t for t in (np.int16, np.int32, np.int64) if top <= np.iinfo(t).max)
+    base = np.broadcast_to((rank * e).astype(code_dtype)[:, None], (width, k))
+    rows = max(1, CHUNK_IDS // (width * k))
+
+    local = threading.local()  # one codes buffer per worker thread, reused across chunks
+
+    def count(chunk: Chunk) -> np.ndarray:
+        block = arr[chunk]
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = np.empty((rows, width, k), dtype=code_dtype)
+        codes = buf[: block.shape[0]]
+        np.add(block, base, out=codes, casting="unsafe")
+        return bincount(codes)
+
+    total = np.zeros(top, dtype=np.int64)
+    for part in map_chunks(count, list(chunks(arr.shape[0], rows, sel))):
+        total[: part.size] += part
+    counts = total[: nl * e].reshape(nl, e)
+    # Each router layer gets exactly K ids per token; an id >= E spills into a later
+    # layer's (or the discard) range, so the lowest layer with one comes up short.
+    # Unsigned ids only: signed ones were checked above.
+    if np.any(counts.sum(axis=1) != k * ntok):
+        raise_range(arr[:, layers, :], e, layers, sel, "routes")
+    return ExpertCounts(spec.router_layers, counts.copy(), ntok)
+
+
+__all__ = ["ExpertCounts", "count_routes"]

@@ -1,0 +1,137 @@
+"""Chunked, threaded kernels shared by the counting and agreement statistics.
+
+Work is split into cache-sized chunks of tokens (slices, or index arrays of a
+selection) and run on a thread pool: numpy and torch release the GIL in the
+kernels, so chunks run in parallel. Id checks go through `r3arrow.ids`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import numpy as np
+
+from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteShapeError
+from r3arrow.ids import check_router_ids
+
+# Ids per chunk of the kernels: small enough that codes and bool temporaries stay in
+# cache, large enough that the per-chunk Python overhead is noise (measured: 2**18).
+CHUNK_IDS = 1 << 18
+_MAX_THREADS = 8
+_T = TypeVar("_T")
+Chunk = np.ndarray | slice
+
+
+def router_block(arr: np.ndarray, layers: list[int] | None, rows: Chunk) -> np.ndarray:
+    """``arr[rows][:, layers]`` with one gather (a view when both are trivial)."""
+    if layers is None:
+        return arr[rows]
+    if isinstance(rows, slice):
+        return arr[rows, layers, :]
+    return np.asarray(arr[np.ix_(rows, np.asarray(layers, dtype=np.intp))])
+
+
+def chunks(n: int, rows: int, sel: np.ndarray | None) -> Iterator[Chunk]:
+    """Chunks of at most ``rows`` of ``n`` rows: slices, or index arrays of the selected rows."""
+    if sel is None:
+        for s in range(0, n, rows):
+            yield slice(s, min(s + rows, n))
+    else:
+        idx = np.flatnonzero(sel)
+        for s in range(0, idx.size, rows):
+            yield idx[s : s + rows]
+
+
+def check_selection(sel: np.ndarray | None, n: int) -> np.ndarray | None:
+    """``sel`` as a bool ``[n]`` array (``None`` passes); `RouteShapeError` otherwise."""
+    if sel is None:
+        return None
+    s = np.asarray(sel)
+    if s.dtype != np.bool_ or s.shape != (n,):
+        raise RouteShapeError(
+            f"token selection: expected bool [{n}], found {s.dtype} {list(s.shape)}"
+        )
+    return s
+
+
+def check_ids(
+    block: np.ndarray, num_experts: int | None, layers: Sequence[int], what: str, rows: Chunk
+) -> None:
+    """`check_router_ids` on ``block`` (rows ``rows`` of a route array), errors at the global row.
+
+    ``block`` is ``[c, len(layers), K]``; the raised error's ``token`` (and the
+    message) is the row index in the whole array, also for a selection chunk.
+    """
+    if isinstance(rows, slice):
+        check_router_ids(block, num_experts, layers, what=what, token_offset=rows.start or 0)
+        return
+    try:
+        check_router_ids(block, num_experts, layers, what=what)
+    except (ExpertRangeError, DuplicateExpertError) as exc:
+        if exc.token is None:  # pragma: no cover - check_router_ids always sets it
+            raise
+        t = exc.token
+        row = block[t : t + 1]
+        check_router_ids(row, num_experts, layers, what=what, token_offset=int(rows[t]))
+        raise  # pragma: no cover - the row alone fails the same check
+
+
+def raise_range(
+    arr: np.ndarray, num_experts: int, layers: Sequence[int], sel: np.ndarray | None, what: str
+) -> None:
+    """Raise the `ExpertRangeError` of the first row of ``arr`` ``[T, n, K]`` out of range.
+
+    Called when an id outside ``[0, num_experts)`` is known to exist among the
+    selected rows (``sel``, all when ``None``); the error names the global row.
+    """
+    bad = arr >= num_experts
+    if arr.dtype.kind == "i":
+        bad |= arr < 0
+    per_row = bad.any(axis=(1, 2))
+    if sel is not None:
+        per_row &= sel
+    t = int(np.argmax(per_row))
+    check_router_ids(arr[t : t + 1], num_experts, layers, what=what, token_offset=t)
+    raise AssertionError(f"{what}: row {t} expected out of range")  # pragma: no cover
+
+
+def _threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(_MAX_THREADS, cpus))
+
+
+def map_chunks(fn: Callable[[Chunk], _T], parts: list[Chunk]) -> Iterator[_T]:
+    """``fn`` over chunks, on a thread pool when there are several (the kernels release the GIL)."""
+    if len(parts) <= 1 or _threads() == 1:
+        yield from map(fn, parts)
+        return
+    with ThreadPoolExecutor(_threads()) as pool:
+        yield from pool.map(fn, parts)
+
+
+def bincount(codes: np.ndarray) -> np.ndarray:
+    """Counts of non-negative integer ``codes`` (torch's bincount when installed: GIL-free)."""
+    try:
+        import torch
+    except ImportError:  # torch is the optional "torch" extra
+        return np.bincount(codes.reshape(-1))
+    return np.asarray(torch.bincount(torch.from_numpy(codes.reshape(-1))).numpy())
+
+
+__all__ = [
+    "CHUNK_IDS",
+    "Chunk",
+    "bincount",
+    "check_ids",
+    "check_selection",
+    "chunks",
+    "map_chunks",
+    "raise_range",
+    "router_block",
+]
