@@ -7,6 +7,11 @@ baseline does what frameworks do today: ``orjson.loads`` of nested lists then
 same tokens; ``/ memcpy`` is the codec's GB/s over this run's warm-buffer copy speed.
 Arrow IPC decoding is zero-copy, so its time does not grow with the payload.
 
+A second table times `encode_packed` (it now checks ids and narrows to SkyRL's dtype) against
+the previous implementation, kept here as the in-run baseline: it kept the input dtype and
+checked nothing, and refused int64, so for int64 input the baseline is ``astype(int32)``
+first (what callers had to do). The decode rows above include ``SkyRL packed``.
+
     .venv/bin/python benchmarks/bench_codec.py            # 1K, 8K, 32K tokens (~1 min)
     .venv/bin/python benchmarks/bench_codec.py --quick    # 1K, 4K tokens (seconds)
 """
@@ -34,9 +39,62 @@ from _common import (
 )
 
 from r3arrow import codec
+from r3arrow.codec._base64 import b64encode
 from r3arrow.spec import RouteSpec
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
+
+
+def encode_packed_before(arr: np.ndarray) -> dict[str, Any]:
+    """The previous `encode_packed`: dtype kept (uint8/uint16/int16/int32), no id checks."""
+    name = arr.dtype.name
+    a = np.ascontiguousarray(arr, dtype=np.dtype(name).newbyteorder("<"))
+    return {"data": b64encode(a.reshape(-1).view(np.uint8)), "shape": list(a.shape), "dtype": name}
+
+
+def encode_before_int64(arr: np.ndarray) -> dict[str, Any]:
+    """Before, int64 was refused: callers narrowed to int32 themselves, unchecked."""
+    return encode_packed_before(arr.astype(np.int32))
+
+
+def encode_rows(sizes: list[int], repeat: int) -> list[list[Any]]:
+    """`encode_packed` vs the previous implementation, same inputs, same run."""
+    rng = np.random.default_rng(1)
+    out: list[list[Any]] = []
+    for n in sizes:
+        ids = rng.integers(0, EXPERTS, size=(n, LAYERS, TOPK), dtype=np.uint8)
+        copy_gbps = memcpy_gbps(ids.nbytes, repeat=repeat * 2)
+        inputs: list[tuple[str, np.ndarray, Callable[[], Any]]] = [
+            ("uint8", ids, functools.partial(encode_packed_before, ids)),
+        ]
+        wide = ids.astype(np.int64)
+        inputs.append(("int64", wide, functools.partial(encode_before_int64, wide)))
+        for label, arr, before in inputs:
+            new = functools.partial(codec.encode_packed, arr)
+            got = new()
+            assert got["dtype"] == "uint8"
+            assert np.array_equal(codec.decode_packed(got), ids)
+            t_new, t_old = best_of(new, repeat), best_of(before, repeat)
+            for name, t in (("encode_packed", t_new), ("before (in-run baseline)", t_old)):
+                out.append(
+                    [
+                        n,
+                        label,
+                        name,
+                        t * 1e3,
+                        ids.nbytes / t / GB,
+                        ids.nbytes / t / GB / copy_gbps,
+                        f"{t_old / t:.2f}",
+                        f"{len(before()['data']) / 1e6:.1f} -> {len(got['data']) / 1e6:.1f}"
+                        if name == "encode_packed"
+                        else "-",
+                    ]
+                )
+        del ids, wide
+        gc.collect()
+    return out
+
+
 JSON_MAX_ROWS = 8192  # above this the JSON baseline is timed on a slice and scaled linearly
 
 
@@ -165,6 +223,22 @@ def main() -> None:
     print(
         "'x JSON' = JSON time / codec time for the same tokens; "
         "alloc peak = tracemalloc + Arrow pool in one decode."
+    )
+    print("\n# encode_packed (ids checked, narrowest SkyRL dtype) vs the previous implementation\n")
+    print(
+        markdown_table(
+            encode_rows(sizes, repeat),
+            [
+                "tokens",
+                "input",
+                "encoder",
+                "ms",
+                "GB/s (uint8 routes)",
+                "/ memcpy",
+                "x before",
+                "payload MB before -> now",
+            ],
+        )
     )
     print(f"process peak RSS {peak_rss_mb():.0f} MB, Arrow pool peak {arrow_peak_mb():.1f} MB")
 

@@ -8,7 +8,9 @@ PP=4 stage 1 (router layers 12..23), packed. Reports, measured in this run:
 * the dense baseline: left-pad every trajectory into ``[B, S_max, L, K]``, select the stage's
   layers, permute to Megatron's token order, convert to int32 (target ≥ 5× slower);
 * peak memory of each path above its input (each case in its own process; Linux VmHWM reset
-  through ``/proc/self/clear_refs`` after the input is built), target ≥ 4× lower.
+  through ``/proc/self/clear_refs`` after the input is built), target ≥ 4× lower;
+* R3 off (``MegatronCollator(spec=None)``, packed, the same table without routes): the model
+  inputs only, its output being the token tensors (no target; shows what routes add).
 
 Run: ``.venv/bin/python benchmarks/bench_collate.py`` (``--quick`` for a small size).
 """
@@ -96,11 +98,14 @@ def run_case(args: Any) -> dict[str, Any]:
     per_stage = args.layers // args.pp
     layers = list(range(args.stage * per_stage, (args.stage + 1) * per_stage))
     spec = r3arrow.route_spec(table)
+    r3off = args.case == "r3off"
+    if r3off:
+        table = table.drop_columns(["routes"]).replace_schema_metadata(None)
 
     def collator() -> Any:
         return r3arrow.MegatronCollator(
-            spec,
-            layers=layers,
+            None if r3off else spec,
+            layers=None if r3off else layers,
             packed=args.case != "unpacked",
             align=args.align,
             validate=not args.no_validate,
@@ -111,6 +116,9 @@ def run_case(args: Any) -> dict[str, Any]:
         if args.case == "dense":
             return lambda t: dense_baseline(t, layers)
         collate = collator()
+        if r3off:
+            fields = ("input_ids", "position_ids", "labels", "loss_mask", "label_mask")
+            return lambda t: [getattr(mb, f) for mb in [collate(t)] for f in fields]
         return lambda t: collate(t).replay_targets()
 
     collate_for_check = collator()
@@ -141,7 +149,8 @@ def run_case(args: Any) -> dict[str, Any]:
         copy = min(copy, best_of(lambda: np.copyto(dst, src), 1, warmup=0))
         warm = min(warm, best_of(fn, 1, warmup=0))
     check = float("nan")
-    if args.case != "dense":  # install-time check of the targets (ids in range, no duplicates)
+    # Install-time check of the targets (ids in range, no duplicates); R3 off has none.
+    if args.case in ("packed", "unpacked"):
         from r3arrow.errors import ReplayDuplicateError, ReplayRangeError
         from r3arrow.ids import check_router_ids
 
@@ -192,7 +201,9 @@ def main() -> None:
     p.add_argument(
         "--no-validate", action="store_true", help="skip the rollout-table terminal-gap check"
     )
-    p.add_argument("--case", choices=["packed", "unpacked", "dense"], help=argparse_hidden())
+    p.add_argument(
+        "--case", choices=["packed", "unpacked", "dense", "r3off"], help=argparse_hidden()
+    )
     args = p.parse_args()
     if args.quick:
         args.trajectories, args.min_tokens, args.max_tokens, args.repeat = 8, 256, 1024, 3
@@ -204,7 +215,7 @@ def main() -> None:
 
     forward = [a for a in sys.argv[1:]]
     results: dict[str, dict[str, Any]] = {}
-    for case in ("packed", "unpacked", "dense"):
+    for case in ("packed", "unpacked", "dense", "r3off"):
         proc = subprocess.run(
             [sys.executable, __file__, *forward, "--case", case],
             capture_output=True,
@@ -220,7 +231,7 @@ def main() -> None:
     gbps = packed["out_bytes"] / copy_s / 1e9
     dense = results["dense"]
     rows = []
-    for case in ("packed", "unpacked", "dense"):
+    for case in ("packed", "unpacked", "dense", "r3off"):
         r = results[case]
         rows.append(
             [
@@ -228,6 +239,7 @@ def main() -> None:
                     "packed": "r3arrow packed",
                     "unpacked": "r3arrow unpacked",
                     "dense": "dense baseline",
+                    "r3off": "r3arrow packed, R3 off (no routes)",
                 }[case],
                 r["warm_s"] * 1e3,
                 r["cold_s"] * 1e3,

@@ -5,7 +5,9 @@ routes; ``--quick``: 8 trajectories of 256-1K tokens). Ids are 8 distinct expert
 layer, drawn uniformly (about 47 of 64 bits of entropy: uniform routing is the hard case for
 compression; real routing is skewed and compresses better).
 
-Cases: ``write_rollouts``/``read_rollouts`` (uncompressed, zstd); the naive baseline
+Cases: ``write_rollouts``/``read_rollouts`` (uncompressed, zstd; reads validate the rows and
+verify page checksums, ``validate=False`` is the "read alone" case of the validation target:
+footer and page checksums only); the naive baseline
 ``pq.write_table`` of the same table with its nested ``fixed_size_list`` routes as-is and
 ``pq.read_table`` back (uncompressed, zstd, and pyarrow's defaults: snappy + dictionary);
 Arrow IPC ``write_ipc``/``read_ipc`` (memory-mapped; "+ touch" also reads every route byte);
@@ -64,6 +66,7 @@ CASES: dict[str, tuple[str, str, str]] = {
     "ipc_write": ("write", "r3arrow IPC", "none"),
     "r3_read_none": ("read", "r3arrow parquet", "none"),
     "r3_read_zstd": ("read", "r3arrow parquet", "zstd"),
+    "r3_read_trusted": ("read", "r3arrow parquet, validate=False", "none"),
     "naive_read_none": ("read", "naive nested parquet", "none"),
     "naive_read_zstd": ("read", "naive nested parquet", "zstd"),
     "naive_read_default": ("read", "naive nested parquet", "default (snappy)"),
@@ -81,6 +84,7 @@ FILES = {
 READ_FILE = {
     "r3_read_none": "r3_none.parquet",
     "r3_read_zstd": "r3_zstd.parquet",
+    "r3_read_trusted": "r3_none.parquet",
     "naive_read_none": "naive_none.parquet",
     "naive_read_zstd": "naive_zstd.parquet",
     "naive_read_default": "naive_default.parquet",
@@ -93,6 +97,7 @@ BASELINE = {
     "ipc_write": "naive_write_none",
     "r3_read_none": "naive_read_none",
     "r3_read_zstd": "naive_read_zstd",
+    "r3_read_trusted": "naive_read_none",
     "ipc_read_touch": "naive_read_none",
 }
 
@@ -187,7 +192,9 @@ def child(case: str, work: Path, quick: bool) -> dict[str, Any]:
         res["file_bytes"] = dest.stat().st_size
     else:
         src = work / READ_FILE[case]
-        if case.startswith("r3"):
+        if case == "r3_read_trusted":
+            fn = lambda: r3arrow.read_rollouts(src, validate=False)  # noqa: E731
+        elif case.startswith("r3"):
             fn = lambda: r3arrow.read_rollouts(src)  # noqa: E731
         elif case == "ipc_read":
             fn = lambda: r3arrow.read_ipc(src)  # noqa: E731
@@ -349,6 +356,11 @@ def report(
             f"target {op:5s} >= 10x naive (uncompressed): {x:.1f}x {'PASS' if x >= 10 else 'FAIL'}"
             f"   (zstd vs naive zstd: {ratio[f'r3_{op}_zstd']:.1f}x)"
         )
+    checked = results["r3_read_none"]["best_s"] / results["r3_read_trusted"]["best_s"]
+    print(
+        f"target read + validate <= 1.3x read alone (validate=False, uncompressed): "
+        f"{checked:.2f}x {'PASS' if checked <= 1.3 else 'FAIL'}"
+    )
     print(
         f"target file  <= 1.05x raw route bytes (uncompressed, whole file): {size_ratio:.3f} "
         f"{'PASS' if size_ratio <= 1.05 else 'FAIL'}"

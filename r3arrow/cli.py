@@ -1,13 +1,22 @@
-"""The ``r3arrow`` command line: demo, inspect, stats, convert, bench.
+"""The ``r3arrow`` command line: demo, inspect, stats, convert, export, gc, bench.
 
 Exit codes a script can rely on: 0 success, 1 data or runtime error (one line on
-stderr, starting with ``r3arrow: error:``), 2 usage error (argparse's message), 130
-interrupted.
+stderr, starting with ``r3arrow: error:``), 2 usage error (argparse's message,
+listing the choices where there are some), 130 interrupted, 141 stdout closed
+early (``r3arrow inspect f --json | head``; nothing is printed). No traceback
+reaches the user: `main` maps every r3arrow, OS, Arrow and argument error to
+one of these.
+
+Inputs are opened only if they are regular files (a FIFO would block the open,
+a device never ends) or directories; ``convert`` reads ``.npy`` files only
+inside the JSON-lines file's folder unless ``--allow-outside`` is given, and
+checks an ``.npy`` header's declared size before allocating.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -18,9 +27,9 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from r3arrow.errors import PayloadError, R3ArrowError, SchemaError
-from r3arrow.ids import check_route_ids
-from r3arrow.spec import RouteSpec, as_route_rows
+from r3arrow._cli_convert import convert_jsonl
+from r3arrow.errors import R3ArrowError, SchemaError
+from r3arrow.spec import RouteSpec
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -28,19 +37,41 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 _IPC_MAGIC = b"ARROW1"
 
 
+def _check_input(path: Path) -> None:
+    """``path`` exists and is a directory or a regular file (`SchemaError` for a FIFO etc.)."""
+    from r3arrow.io._layout import check_regular
+
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such rollout file or directory")
+    if not path.is_dir():
+        check_regular(path)
+
+
 def _is_ipc(path: Path) -> bool:
     """An Arrow IPC (Feather v2) file, by its magic bytes (any suffix)."""
-    if not path.is_file():
+    _check_input(path)
+    if path.is_dir():
         return False
     with open(path, "rb") as fh:
         return fh.read(len(_IPC_MAGIC)) == _IPC_MAGIC
 
 
 def _read_any(path: Path) -> pa.Table:
-    """Read a rollout Parquet file, a ``step=N`` directory or an Arrow IPC file."""
+    """Read a rollout Parquet file, a ``step=N`` directory or an Arrow IPC file.
+
+    Raises `SchemaError` (``path`` set) for a non-regular file, an unreadable
+    file, or a rollout file without a ``routes`` column.
+    """
     from r3arrow.io import read_ipc, read_rollouts
 
-    return read_ipc(path) if _is_ipc(path) else read_rollouts(path)
+    table = read_ipc(path) if _is_ipc(path) else read_rollouts(path)
+    if "routes" not in table.schema.names:
+        raise SchemaError(
+            f"{path}: expected a 'routes' column in the rollout file, found columns "
+            f"{table.schema.names}",
+            path=path,
+        )
+    return table
 
 
 def _size_on_disk(path: Path) -> int:
@@ -60,6 +91,18 @@ def _human_bytes(n: float) -> str:
 
 
 # --------------------------------------------------------------------- inspect
+def _temp_summary(path: Path) -> dict[str, int]:
+    """Leftover writers' temp files beside or under ``path``: count and bytes (all, dead)."""
+    from r3arrow.io._layout import find_temps
+
+    temps = find_temps(path)
+    return {
+        "temp_files": len(temps),
+        "temp_bytes": sum(t.size for t in temps),
+        "stale_temp_bytes": sum(t.size for t in temps if t.stale),
+    }
+
+
 def inspect_summary(path: Path) -> dict[str, Any]:
     """Schema, spec, rows, tokens, captured fraction and size on disk of a rollout file or dir."""
     from r3arrow.table import captured_lengths, route_spec, sequence_lengths
@@ -79,6 +122,7 @@ def inspect_summary(path: Path) -> dict[str, Any]:
         "captured_fraction": float(captured.sum() / total_tokens) if total_tokens else 0.0,
         "route_bytes": int(captured.sum()) * spec.row_nbytes,
         "size_on_disk": _size_on_disk(path),
+        **_temp_summary(path),
     }
     if "step" in table.schema.names:
         info["steps"] = [int(s) for s in np.unique(table.column("step").to_numpy())]
@@ -103,6 +147,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
     print(f"  route bytes:         {_human_bytes(info['route_bytes'])}")
     print(f"  size on disk:        {_human_bytes(info['size_on_disk'])}")
+    if info["temp_files"]:
+        print(
+            f"  leftover temps:      {info['temp_files']} files, "
+            f"{_human_bytes(info['temp_bytes'])} "
+            f"({_human_bytes(info['stale_temp_bytes'])} of dead writers: r3arrow gc)"
+        )
     if "steps" in info:
         print(f"  steps:               {info['steps']}")
     print("  columns:")
@@ -116,8 +166,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from r3arrow import stats
 
     path = Path(args.path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such rollout file or directory")
+    _check_input(path)
     load = stats.expert_load(_read_any(path) if _is_ipc(path) else path, tokens=args.tokens)
     summary = stats.load_summary(load)
     if args.plot:
@@ -154,138 +203,6 @@ Optional keys: trajectory_id (default FILE-LINE), group_id (default the
 trajectory id), loss_mask (default all 1), reward (default 0)."""
 
 
-def _read_npy(name: object, spec: RouteSpec, base: Path) -> np.ndarray:
-    """The ``.npy`` routes file a record names (relative to ``base`` unless absolute), checked."""
-    if not isinstance(name, str) or not name:
-        raise SchemaError(f"expected routes_npy to be an .npy file path, found {name!r}")
-    path = base / name
-    try:
-        with open(path, "rb") as fh:
-            arr: np.ndarray = np.lib.format.read_array(fh, allow_pickle=False)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"routes_npy {path}: no such file") from None
-    except ValueError as exc:  # bad magic, truncated data, object dtype
-        raise PayloadError(
-            f"routes_npy {path}: expected an .npy file without pickle, found: {exc}"
-        ) from None
-    arr = as_route_rows(arr, spec, what=f"routes_npy {path}")
-    check_route_ids(arr, spec, what=f"routes_npy {path}")
-    return arr
-
-
-def _decode_record(rec: dict[str, Any], fmt: str, spec: RouteSpec, base: Path) -> np.ndarray:
-    from r3arrow import codec
-
-    if "routes_npy" in rec:
-        return _read_npy(rec["routes_npy"], spec, base)
-    if fmt == "npy":
-        raise SchemaError("expected 'routes_npy' in every record (--format npy)")
-    payload = rec.get("routed_experts")
-    if payload is None:
-        raise SchemaError(
-            f"expected 'routed_experts' (a {fmt} payload) or 'routes_npy' in every record"
-        )
-    if fmt == "vllm":
-        return codec.decode_vllm(payload, spec)
-    if fmt == "packed":
-        return codec.decode_packed(payload, spec)
-    return codec.decode_sglang(payload, spec)
-
-
-def _located(exc: R3ArrowError, where: str, path: Path) -> R3ArrowError:
-    """A copy of ``exc`` (same type and fields) whose message starts with ``where``."""
-    new = type(exc).__new__(type(exc))
-    message = f"{where}: {exc}"
-    Exception.__init__(new, message)
-    new.__dict__.update(exc.__dict__)
-    new.message = message
-    if new.path is None:
-        new.path = str(path)
-    return new
-
-
-def _record_columns(rec: Any, default_id: str) -> dict[str, Any]:
-    """The non-route columns of one record, with defaults; raises `SchemaError` on a wrong type."""
-    if not isinstance(rec, dict):
-        raise SchemaError(f"expected a JSON object, found {type(rec).__name__}")
-    for key in ("prompt_ids", "response_ids"):
-        if not isinstance(rec.get(key), list):
-            raise SchemaError(f"expected {key} as a list of token ids, found {rec.get(key)!r:.80}")
-    response = rec["response_ids"]
-    reward = rec.get("reward", 0.0)
-    if isinstance(reward, bool) or not isinstance(reward, int | float):
-        raise SchemaError(f"expected reward as a number, found {reward!r:.80}")
-    tid = str(rec.get("trajectory_id", default_id))
-    return {
-        "trajectory_id": tid,
-        "group_id": str(rec.get("group_id", tid)),
-        "prompt_ids": rec["prompt_ids"],
-        "response_ids": response,
-        "loss_mask": rec.get("loss_mask", [1] * len(response)),
-        "reward": float(reward),
-    }
-
-
-def convert_jsonl(
-    paths: Sequence[Path], spec: RouteSpec, fmt: str, *, progress: bool = False
-) -> pa.Table:
-    """Build a rollout table from JSON-lines payload dumps (one trajectory per line).
-
-    Each record: ``prompt_ids``, ``response_ids``, and ``routed_experts`` (payload
-    in ``fmt``) or ``routes_npy`` (a ``.npy`` path relative to the file);
-    optional ``trajectory_id``, ``group_id``, ``loss_mask`` (default all 1), ``reward``.
-    Errors name the file and line. ``progress``: a byte progress bar on stderr.
-    """
-    from tqdm.auto import tqdm
-
-    from r3arrow.table import rollout_table
-
-    for path in paths:
-        if path.suffix.lower() in (".npy", ".npz", ".parquet"):
-            raise SchemaError(
-                f"{path}: expected a JSON-lines dump "
-                "(.npy routes are named by a record's routes_npy)"
-            )
-    names = ("trajectory_id", "group_id", "prompt_ids", "response_ids", "loss_mask", "reward")
-    cols: dict[str, list[Any]] = {k: [] for k in (*names, "routes")}
-    where: list[tuple[str, Path]] = []  # (file:line, file) of each record
-    total = sum(p.stat().st_size for p in paths)
-    # disable=None: no bar when stderr is not a terminal (logs, pipes)
-    with tqdm(
-        total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress else True
-    ) as bar:
-        for path in paths:
-            with open(path, "rb") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    bar.update(len(line))
-                    if not line.strip():
-                        continue
-                    loc = f"{path}:{lineno}"
-                    try:
-                        try:
-                            rec = orjson.loads(line)
-                        except orjson.JSONDecodeError as exc:
-                            raise SchemaError(
-                                f"expected a JSON object, found invalid JSON ({exc})"
-                            ) from exc
-                        row = _record_columns(rec, f"{path.stem}-{lineno}")
-                        row["routes"] = _decode_record(rec, fmt, spec, path.parent)
-                    except R3ArrowError as exc:
-                        raise _located(exc, loc, path) from exc
-                    except OSError as exc:
-                        raise type(exc)(f"{loc}: {exc}") from exc
-                    for k, v in row.items():
-                        cols[k].append(v)
-                    where.append((loc, path))
-    try:
-        return rollout_table(spec=spec, **cols)
-    except R3ArrowError as exc:  # row N is the N-th record: name its file and line
-        i = exc.row
-        if i is not None and 0 <= i < len(where):
-            raise _located(exc, *where[i]) from exc
-        raise
-
-
 def _cmd_convert(args: argparse.Namespace) -> int:
     from r3arrow.io import write_rollouts
 
@@ -296,9 +213,59 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         moe_layers=tuple(args.moe_layers) if args.moe_layers else None,
     )
     paths = [Path(p) for p in args.inputs]
-    table = convert_jsonl(paths, spec, args.format, progress=not args.no_progress)
+    table = convert_jsonl(
+        paths,
+        spec,
+        args.format,
+        progress=not args.no_progress,
+        allow_outside=args.allow_outside,
+    )
     dest = write_rollouts(table, args.out, compression=args.compression)
     print(f"wrote {table.num_rows} trajectories to {dest}")
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------- export
+def _cmd_export(args: argparse.Namespace) -> int:
+    import pyarrow.parquet as pq
+
+    from r3arrow.io._layout import atomic_path
+    from r3arrow.io._portable import to_portable
+
+    src, dest = Path(args.input), Path(args.out)
+    table = _read_any(src)
+    if not args.portable:
+        raise SchemaError("expected --portable (the only export format so far)")
+    out = to_portable(table)
+    with atomic_path(dest) as paths:
+        pq.write_table(
+            out,
+            paths[0],
+            compression=args.compression,
+            use_compliant_nested_type=False,  # keep list child names: exact round trip
+        )
+    print(f"wrote {table.num_rows} trajectories (portable routes) to {paths[-1]}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------ gc
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from r3arrow.io._layout import find_temps, remove_stale_temps
+
+    path = Path(args.path)
+    _check_input(path)
+    removed = remove_stale_temps(path, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for p, size in removed:
+        print(f"{verb} {p} ({_human_bytes(size)})")
+    kept = [t for t in find_temps(path) if not t.stale]
+    total = sum(size for _, size in removed)
+    print(f"{verb} {len(removed)} temp files of dead writers, {_human_bytes(total)} ({total} B)")
+    if kept:
+        print(
+            f"kept {len(kept)} temp files of live, unknown or other-host writers "
+            f"({_human_bytes(sum(t.size for t in kept))})"
+        )
     return EXIT_OK
 
 
@@ -355,24 +322,56 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+_INT32_MAX = 2**31 - 1
+
+
+def _spec_int(value: str) -> int:
+    """A spec number: a decimal int in ``[0, 2**31 - 1]`` (Arrow list sizes are int32)."""
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, found {value!r}") from None
+    if not 0 <= n <= _INT32_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {_INT32_MAX}], found {n}")
+    return n
+
+
 def _spec_args(p: argparse.ArgumentParser, *, required: bool, moe_default: str = "all") -> None:
     p.add_argument(
         "--num-layers",
-        type=int,
+        type=_spec_int,
         required=required,
         metavar="L",
         help="layers the engine reports, dense ones included",
     )
-    p.add_argument("--topk", type=int, required=required, metavar="K", help="experts per token")
     p.add_argument(
-        "--num-experts", type=int, required=required, metavar="E", help="experts per MoE layer"
+        "--topk", type=_spec_int, required=required, metavar="K", help="experts per token"
+    )
+    p.add_argument(
+        "--num-experts",
+        type=_spec_int,
+        required=required,
+        metavar="E",
+        help="experts per MoE layer",
     )
     p.add_argument(
         "--moe-layers",
-        type=int,
+        type=_spec_int,
         nargs="+",
         metavar="ID",
         help=f"global ids of the router layers (default: {moe_default})",
+    )
+
+
+_COMPRESSIONS = ("none", "snappy", "zstd", "lz4", "gzip", "brotli")
+
+
+def _compression_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compression",
+        default="none",
+        choices=_COMPRESSIONS,
+        help="Parquet codec (default none)",
     )
 
 
@@ -384,13 +383,15 @@ def _png_path(value: str) -> str:
 
 _EPILOG = """\
 exit codes: 0 success, 1 data or runtime error (one line on stderr starting
-'r3arrow: error:'), 2 usage error, 130 interrupted.
+'r3arrow: error:'), 2 usage error, 130 interrupted, 141 stdout closed early.
 
 examples:
   r3arrow demo --out ./demo
   r3arrow inspect rollouts/ --json
   r3arrow stats rollouts/step=3/part-0.parquet --tokens loss --plot load.png
   r3arrow convert dump.jsonl --out r.parquet --num-layers 48 --topk 8 --num-experts 128
+  r3arrow export r.parquet r-portable.parquet --portable
+  r3arrow gc rollouts/ --dry-run
   r3arrow bench --quick --only codec io
 
 'r3arrow COMMAND --help' describes each command."""
@@ -497,12 +498,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="format of routed_experts payloads (default vllm)",
     )
     conv.add_argument("--out", required=True, metavar="PARQUET", help="destination .parquet file")
-    conv.add_argument(
-        "--compression", default="none", help="Parquet codec: none (default), zstd, lz4, snappy"
-    )
+    _compression_arg(conv)
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    conv.add_argument(
+        "--allow-outside",
+        action="store_true",
+        help="read routes_npy files that are absolute or outside the JSON-lines file's folder",
+    )
     _spec_args(conv, required=True)
     conv.set_defaults(func=_cmd_convert)
+
+    exp = sub.add_parser(
+        "export",
+        help="rewrite a rollout file with routes as plain integer lists (pandas, Polars, DuckDB)",
+        description="Read a rollout file, step=N/ root or Arrow IPC file with r3arrow and write "
+        "one Parquet file whose routes are large_list<list<list<int>>> (trajectory, token, "
+        "layer, top-k), readable as integers by generic tools (docs/portable.md); r3arrow "
+        "reads it back exactly.",
+    )
+    exp.add_argument("input", metavar="IN", help="rollout .parquet, step=N/ root or IPC file")
+    exp.add_argument("out", metavar="OUT", help="destination .parquet file")
+    exp.add_argument(
+        "--portable", action="store_true", required=True, help="plain integer lists (required)"
+    )
+    _compression_arg(exp)
+    exp.set_defaults(func=_cmd_export)
+
+    gc = sub.add_parser(
+        "gc",
+        help="remove temp files left by dead writers",
+        description="Remove the .NAME.tmp-HOST-PID-UUID files that writers on this host left "
+        "behind when killed (their process no longer runs) in PATH, its step=N/ partitions, "
+        "or beside a file. A live writer's temp and another host's are kept.",
+    )
+    gc.add_argument("path", metavar="PATH", help="rollout root, partition directory or file")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    gc.set_defaults(func=_cmd_gc)
 
     bench = sub.add_parser(
         "bench",
@@ -522,18 +553,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_INTERRUPTED, EXIT_PIPE = 130, 141
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at devnull so the interpreter's final flush cannot raise again.
+
+    The recipe of Python's ``signal`` docs for a reader that closed the pipe early.
+    """
+    with_fd = getattr(sys.stdout, "fileno", None)
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if with_fd is not None:
+            os.dup2(devnull, with_fd())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (see the module docstring).
+
+    Usage errors raise ``SystemExit(2)`` from argparse, as ``--help`` raises
+    ``SystemExit(0)``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
-    except (R3ArrowError, OSError, ValueError, ImportError) as exc:  # ImportError: a missing extra
-        print(f"r3arrow: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_PIPE
     except KeyboardInterrupt:
         print("r3arrow: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    # ImportError: a missing extra; MemoryError: a table too large for this host
+    except (R3ArrowError, OSError, ValueError, TypeError, ImportError, MemoryError) as exc:
+        print(f"r3arrow: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    except pa.ArrowException as exc:  # ArrowIOError etc. not covered above
+        print(f"r3arrow: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
     return code
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -342,10 +342,13 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     timings["collate"] = time.perf_counter() - t
     mb0 = batches[0]
     targets = mb0.replay_targets()
+    routes = mb0.routes
+    if routes is None:  # collated with R3 on: the collator always carries targets here
+        raise RuntimeError("demo: expected replay targets in the collated microbatch")
     _say(
         f"[5/6] megatron collation: {len(batches)} packed "
         f"microbatch{'' if len(batches) == 1 else 'es'} (<= {cfg.microbatch_tokens} tokens); "
-        f"first: routes {tuple(mb0.routes.shape)} int32, "
+        f"first: routes {tuple(routes.shape)} int32, "
         f"{int(mb0.padding_mask.sum())} padded positions, "
         f"{len(targets)} replay targets of {tuple(targets[0].shape)}"
     )

@@ -6,18 +6,35 @@ trainer tensor exists. `split_microbatch_indices` plans on trajectory lengths;
 layouts of `r3arrow.collate.MegatronCollator` (see ``docs/design.md``, "Layouts for
 Megatron"): packed, a microbatch costs the sum of its lengths rounded up to the alignment
 multiple; unpacked, its rows times the longest rounded length.
+
+Data parallelism (``dp_size > 1``): Megatron runs the same number of microbatches on every
+DP rank. Trajectories are balanced over the ranks by token cost (longest first onto the
+least loaded rank), each rank's share is split as above, and ranks with fewer microbatches
+get padding microbatches: an empty index array in the plan, and in `split_microbatches` a
+`padding_table` (one dummy trajectory of one pad token, no route rows, empty response, so
+the collator gives it ``padding_mask`` True everywhere, dummy routes ``[0 .. K-1]`` and loss
+mask 0; it is marked in the schema metadata, see `is_padding_table`). Padding microbatches
+come last on their rank. The plan depends only on the lengths and arguments, so every rank
+computes the same one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from r3arrow._checks import check_optional_int, check_positive_int
+from r3arrow._checks import check_int, check_optional_int, check_positive_int
+from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import SchemaError
 from r3arrow.table import sequence_lengths, take_rows
+
+#: Schema metadata key marking a DP padding microbatch table (value ``b"1"``).
+PADDING_METADATA_KEY = b"r3arrow.padding"
+#: ``trajectory_id`` (and ``group_id``) of the dummy trajectory of a padding table.
+PADDING_TRAJECTORY_ID = "__r3arrow_padding__"
 
 
 def _round_up(x: np.ndarray, m: int) -> np.ndarray:
@@ -31,6 +48,8 @@ def split_microbatch_indices(
     num_microbatches: int | None = None,
     multiple: int = 1,
     packed: bool = True,
+    dp_size: int = 1,
+    dp_rank: int | None = None,
 ) -> list[np.ndarray]:
     """Row indices (int64, ascending) of each microbatch; every trajectory stays whole.
 
@@ -48,6 +67,11 @@ def split_microbatch_indices(
         e.g. `r3arrow.collate.alignment_multiple`.
     packed:
         Cost model: sum of rounded lengths (packed) or ``rows x longest rounded length``.
+    dp_size, dp_rank:
+        Data parallelism: the microbatches of DP rank ``dp_rank`` (required when
+        ``dp_size > 1``) out of `plan_dp_microbatches`; every rank gets the same number,
+        ``max_tokens``/``num_microbatches`` applying per rank; padding microbatches are
+        empty arrays, last.
 
     Balancing is longest-first onto the least loaded microbatch; microbatches are
     ordered by their first row.
@@ -55,16 +79,30 @@ def split_microbatch_indices(
     Raises
     ------
     TypeError, ValueError
-        ``max_tokens``/``multiple`` not a positive int, ``num_microbatches`` not in
-        ``1 .. B``, or neither ``max_tokens`` nor ``num_microbatches`` given.
+        ``max_tokens``/``multiple``/``dp_size`` not a positive int, ``num_microbatches`` not
+        in ``1 .. B``, neither ``max_tokens`` nor ``num_microbatches`` given, or ``dp_rank``
+        missing or outside ``[0, dp_size)`` with ``dp_size > 1``.
     SchemaError
         ``lengths`` is not a non-empty 1-D array of lengths ``>= 1`` (``row`` set), or a
         trajectory alone exceeds the budget (``row`` set).
     """
-    multiple = check_positive_int(multiple, "multiple")
-    budget = check_optional_int(max_tokens, "max_tokens", minimum=1)
-    if budget is None and num_microbatches is None:
-        raise ValueError("expected max_tokens, num_microbatches or both, found neither")
+    dp = check_positive_int(dp_size, "dp_size")
+    if dp > 1 or dp_rank is not None:
+        if dp_rank is None:
+            raise ValueError(f"dp_rank: expected an int in [0, {dp}) with dp_size={dp}, found None")
+        rank = check_int(dp_rank, "dp_rank", minimum=0, maximum=dp - 1)
+        return plan_dp_microbatches(
+            lengths,
+            dp_size=dp,
+            max_tokens=max_tokens,
+            num_microbatches=num_microbatches,
+            multiple=multiple,
+            packed=packed,
+        )[rank]
+    return _split(lengths, max_tokens, num_microbatches, multiple, packed)
+
+
+def _lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     n = np.asarray(lengths, dtype=np.int64)
     if n.ndim != 1 or n.size == 0:
         raise SchemaError(
@@ -74,6 +112,22 @@ def split_microbatch_indices(
         i = int(np.argmin(n))
         found = int(n[i])
         raise SchemaError(f"expected trajectory lengths >= 1, found {found} at row {i}", row=i)
+    return n
+
+
+def _split(
+    lengths: Sequence[int] | np.ndarray,
+    max_tokens: int | None,
+    num_microbatches: int | None,
+    multiple: int,
+    packed: bool,
+) -> list[np.ndarray]:
+    """`split_microbatch_indices` without data parallelism."""
+    multiple = check_positive_int(multiple, "multiple")
+    budget = check_optional_int(max_tokens, "max_tokens", minimum=1)
+    if budget is None and num_microbatches is None:
+        raise ValueError("expected max_tokens, num_microbatches or both, found neither")
+    n = _lengths(lengths)
     bins = check_optional_int(num_microbatches, "num_microbatches", minimum=1)
     if bins is not None and bins > n.size:
         raise ValueError(
@@ -107,16 +161,118 @@ def _cost(costs: np.ndarray, packed: bool) -> int:
     return int(costs.sum()) if packed else int(costs.shape[0] * costs.max())
 
 
-def _balance(cost: np.ndarray, order: np.ndarray, bins: int) -> list[np.ndarray]:
+def _assign(cost: np.ndarray, order: np.ndarray, bins: int) -> np.ndarray:
+    """Bin of each item: longest first onto the least loaded bin (lowest index on ties)."""
     load = np.zeros(bins, dtype=np.int64)
     assign = np.empty(cost.shape[0], dtype=np.int64)
     for i in order.tolist():  # per trajectory, on B-sized metadata only
         j = int(np.argmin(load))
         assign[i] = j
         load[j] += cost[i]
+    return assign
+
+
+def _balance(cost: np.ndarray, order: np.ndarray, bins: int) -> list[np.ndarray]:
+    assign = _assign(cost, order, bins)
     groups = [np.flatnonzero(assign == j) for j in range(bins)]
     groups.sort(key=lambda g: int(g[0]))
     return groups
+
+
+def plan_dp_microbatches(
+    lengths: Sequence[int] | np.ndarray,
+    *,
+    dp_size: int,
+    max_tokens: int | None = None,
+    num_microbatches: int | None = None,
+    multiple: int = 1,
+    packed: bool = True,
+) -> list[list[np.ndarray]]:
+    """Microbatch row indices of every DP rank: ``plan[rank][j]`` (int64, ascending).
+
+    Trajectories are balanced over the ``dp_size`` ranks by cost (lengths rounded up to
+    ``multiple``, longest first onto the least loaded rank); each rank's share is split by
+    `split_microbatch_indices` (``max_tokens`` and ``num_microbatches`` per rank; a rank
+    with fewer trajectories than ``num_microbatches`` splits into one per trajectory).
+    Every rank then gets ``M`` microbatches, ``M`` the largest count (at least
+    ``num_microbatches``): the missing ones are padding, empty arrays after the real ones.
+    A rank may hold only padding when there are fewer trajectories than ranks. Every row
+    ``0 .. B-1`` appears exactly once over all ranks.
+
+    Raises as `split_microbatch_indices` does (``num_microbatches`` is bounded by ``B``).
+    """
+    dp = check_positive_int(dp_size, "dp_size")
+    mult = check_positive_int(multiple, "multiple")
+    budget = check_optional_int(max_tokens, "max_tokens", minimum=1)
+    bins = check_optional_int(num_microbatches, "num_microbatches", minimum=1)
+    if budget is None and bins is None:
+        raise ValueError("expected max_tokens, num_microbatches or both, found neither")
+    n = _lengths(lengths)
+    if bins is not None and bins > n.size:
+        raise ValueError(
+            f"num_microbatches: expected 1..{n.size} (one trajectory at least each), found {bins}"
+        )
+    cost = _round_up(n, mult)
+    if budget is not None and budget < int(cost.max()):
+        _split(n, budget, None, mult, packed)  # raises, naming the row of the whole batch
+    assign = _assign(cost, np.argsort(-cost, kind="stable"), dp)
+    plan: list[list[np.ndarray]] = []
+    for rank in range(dp):
+        rows = np.flatnonzero(assign == rank)
+        if rows.size == 0:
+            plan.append([])
+            continue
+        count = None if bins is None else min(bins, int(rows.size))
+        plan.append([rows[g] for g in _split(n[rows], budget, count, mult, packed)])
+    total = max(max(len(p) for p in plan), bins or 1)
+    empty = np.zeros(0, dtype=np.int64)
+    return [p + [empty] * (total - len(p)) for p in plan]
+
+
+def padding_table(table: pa.Table) -> pa.Table:
+    """A DP padding microbatch with ``table``'s schema: one dummy trajectory.
+
+    The trajectory (id and group `PADDING_TRAJECTORY_ID`) has one prompt token 0, an empty
+    response and loss mask, reward 0 and, when ``table`` has a ``routes`` column, no route
+    rows; other columns are null. The schema metadata (the spec) is kept and
+    `PADDING_METADATA_KEY` added. The collator gives it ``padding_mask`` True at every
+    position, dummy route rows ``[0 .. K-1]``, loss mask 0 and ``Microbatch.is_padding``.
+    Marked validated when ``table`` is.
+
+    Its loss mask sums to 0: a loss normalised per microbatch must not divide by it (one
+    normalised over the global batch's tokens is unaffected). With a router aux loss on,
+    megatron-core 0.16.1 divides by its zero unpadded tokens (NaN gradients); apply
+    ``r3arrow.megatron.apply_all_padding_aux_loss_shim()`` first.
+
+    Raises `SchemaError` when ``table`` lacks the token columns.
+    """
+    fields = {f.name: f for f in table.schema}
+    for name in ("trajectory_id", "group_id", "prompt_ids", "response_ids", "loss_mask"):
+        if name not in fields:
+            raise SchemaError(f"expected column {name!r}, found columns {table.schema.names}")
+    values: dict[str, Any] = {
+        "trajectory_id": [PADDING_TRAJECTORY_ID],
+        "group_id": [PADDING_TRAJECTORY_ID],
+        "prompt_ids": [[0]],
+        "response_ids": [[]],
+        "loss_mask": [[]],
+        "reward": [0.0],
+        "routes": [[]],
+    }
+    arrays = [
+        pa.array(values[f.name], type=f.type) if f.name in values else pa.nulls(1, type=f.type)
+        for f in table.schema
+    ]
+    meta: dict[bytes, bytes] = dict(table.schema.metadata or {})
+    meta[PADDING_METADATA_KEY] = b"1"
+    out = pa.Table.from_arrays(arrays, schema=table.schema.with_metadata(meta))
+    return mark_validated(out) if is_validated(table) else out
+
+
+def is_padding_table(table: pa.Table | pa.RecordBatch) -> bool:
+    """Whether ``table`` is a DP padding microbatch (`padding_table`)."""
+    meta = table.schema.metadata
+    return bool(meta) and meta.get(PADDING_METADATA_KEY) == b"1"
 
 
 def split_microbatches(
@@ -126,11 +282,16 @@ def split_microbatches(
     num_microbatches: int | None = None,
     multiple: int = 1,
     packed: bool = True,
+    dp_size: int = 1,
+    dp_rank: int | None = None,
 ) -> list[pa.Table]:
     """Split a rollout table into microbatches of whole trajectories.
 
     The plan is `split_microbatch_indices` on the prompt + response lengths; each part
-    keeps every column and the schema metadata (the spec). Raises as that function does.
+    keeps every column and the schema metadata (the spec). With ``dp_size > 1``, the
+    microbatches of DP rank ``dp_rank``: as many on every rank, padding microbatches
+    (`padding_table`) last. Works on tables with or without a ``routes`` column (R3 off).
+    Raises as that function does.
     """
     groups = split_microbatch_indices(
         sequence_lengths(table),
@@ -138,8 +299,18 @@ def split_microbatches(
         num_microbatches=num_microbatches,
         multiple=multiple,
         packed=packed,
+        dp_size=dp_size,
+        dp_rank=dp_rank,
     )
-    return [take_rows(table, g) for g in groups]
+    return [take_rows(table, g) if g.size else padding_table(table) for g in groups]
 
 
-__all__ = ["split_microbatch_indices", "split_microbatches"]
+__all__ = [
+    "PADDING_METADATA_KEY",
+    "PADDING_TRAJECTORY_ID",
+    "is_padding_table",
+    "padding_table",
+    "plan_dp_microbatches",
+    "split_microbatch_indices",
+    "split_microbatches",
+]

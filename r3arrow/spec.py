@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from r3arrow._checks import check_int, check_positive_int
+from r3arrow._checks import check_int
 from r3arrow.errors import (
     ExpertRangeError,
     RouteDTypeError,
@@ -36,7 +36,10 @@ from r3arrow.ids import check_route_ids
 SPEC_METADATA_KEY = b"r3arrow.spec"
 
 _STORAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32))
-_MAX_EXPERTS = int(np.iinfo(np.int32).max)
+# The widest storage, int32, holds ids 0 .. 2**31 - 1: that is 2**31 experts.
+_MAX_EXPERTS = int(np.iinfo(np.int32).max) + 1
+# Arrow's fixed_size_list length is an int32: the bound of num_layers and topk.
+_MAX_LIST_SIZE = int(np.iinfo(np.int32).max)
 _ARROW_OF = {
     np.dtype(np.uint8): pa.uint8(),
     np.dtype(np.uint16): pa.uint16(),
@@ -45,14 +48,18 @@ _ARROW_OF = {
 
 
 def storage_dtype_for(num_ids: int) -> np.dtype[Any]:
-    """Smallest storage dtype that holds ids ``0 .. num_ids-1``: uint8, uint16 or int32."""
+    """Smallest storage dtype that holds ids ``0 .. num_ids-1``: uint8, uint16 or int32.
+
+    ``num_ids`` up to ``2**31`` (int32 holds ids up to ``2**31 - 1``); more raises
+    `ExpertRangeError`.
+    """
     if num_ids <= 1 << 8:
         return np.dtype(np.uint8)
     if num_ids <= 1 << 16:
         return np.dtype(np.uint16)
-    if num_ids <= np.iinfo(np.int32).max:
+    if num_ids <= _MAX_EXPERTS:
         return np.dtype(np.int32)
-    raise ExpertRangeError(f"expected fewer than 2**31 experts, found {num_ids}")
+    raise ExpertRangeError(f"expected at most 2**31 expert ids (int32), found {num_ids}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +71,10 @@ class RouteSpec:
     (``None`` = all). ``num_experts=None`` means unknown: storage starts at
     uint8 and traces widen when they see larger ids. ``id_dtype`` overrides the
     storage dtype (it must hold ``num_experts`` ids).
+
+    Bounds: ``1 <= num_layers, topk <= 2**31 - 1`` (Arrow list sizes are int32) and
+    ``topk <= num_experts <= 2**31`` (int32 storage holds ids up to ``2**31 - 1``).
+    Out-of-range or non-int arguments raise ``ValueError`` / ``TypeError``.
     """
 
     num_layers: int
@@ -75,9 +86,10 @@ class RouteSpec:
     def __post_init__(self) -> None:
         # Argument misuse raises builtins (docs/design.md, "Error policy").
         for name in ("num_layers", "topk"):
-            object.__setattr__(
-                self, name, check_positive_int(getattr(self, name), f"RouteSpec.{name}")
+            value = check_int(
+                getattr(self, name), f"RouteSpec.{name}", minimum=1, maximum=_MAX_LIST_SIZE
             )
+            object.__setattr__(self, name, value)
         if self.num_experts is not None:
             e = check_int(
                 self.num_experts, "RouteSpec.num_experts", minimum=1, maximum=_MAX_EXPERTS
@@ -185,8 +197,15 @@ class RouteSpec:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> RouteSpec:
+        """The spec of `to_json` output; `SchemaError` for anything that is not a valid one.
+
+        Values out of range (for example ``num_layers >= 2**31``), non-integers and a
+        ``version`` other than 1 are `SchemaError`, never ``OverflowError``.
+        """
         try:
             obj = orjson.loads(data)
+            if obj.get("version", 1) != 1 or isinstance(obj.get("version"), bool):
+                raise ValueError(f"expected version 1, found {obj.get('version')!r}")
             return cls(
                 num_layers=obj["num_layers"],
                 topk=obj["topk"],
@@ -194,10 +213,17 @@ class RouteSpec:
                 moe_layers=tuple(obj["moe_layers"]) if obj.get("moe_layers") is not None else None,
                 id_dtype=obj["id_dtype"] if "id_dtype" in obj else obj.get("dtype"),
             )
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        except (
+            orjson.JSONDecodeError,
+            AttributeError,
+            KeyError,
+            TypeError,
+            ValueError,
+            OverflowError,
+        ) as exc:
             raise SchemaError(
                 "invalid r3arrow.spec metadata: expected a RouteSpec JSON object, "
-                f"found {data!r:.200}"
+                f"found {data!r:.200} ({exc})"
             ) from exc
 
     def to_metadata(self) -> dict[bytes, bytes]:
@@ -245,7 +271,10 @@ def routes_to_numpy(
     if routes.null_count:
         raise RouteShapeError(f"expected no null tokens in routes, found {routes.null_count}")
     per_token = cast("pa.FixedSizeListArray[Any, Any]", routes)
-    leaf = cast("pa.FixedSizeListArray[Any, Any]", per_token.flatten()).flatten()
+    inner = cast("pa.FixedSizeListArray[Any, Any]", per_token.flatten())
+    if inner.null_count:  # flatten would drop a null layer row's ids and shift the rest
+        raise RouteShapeError(f"expected no null layer rows in routes, found {inner.null_count}")
+    leaf = inner.flatten()
     if leaf.null_count:
         raise RouteShapeError(f"expected no null expert ids, found {leaf.null_count}")
     flat: np.ndarray = leaf.to_numpy(zero_copy_only=True)

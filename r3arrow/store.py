@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow.errors import ContiguityError, R3ArrowError, SchemaError
-from r3arrow.ids import check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
 from r3arrow.trace import RouteTrace, validate_route_rows
 
@@ -116,10 +116,11 @@ class TurnStore:
         """A new `RouteTrace` for ``trajectory_id`` that records into this store.
 
         Each ``trace.record(...)`` validates the turn once (shape, dtype, id range,
-        row count) and appends it here as one record batch at ``token_start =
-        trace.captured`` before the turn, without a second check; on any error
-        neither the trace nor the store changes. The trace starts at this store's
-        current spec (with ``num_experts=None`` both widen as larger ids arrive).
+        distinct experts, row count, and the prompt ids when given) and appends it here
+        as one record batch at ``token_start = trace.captured`` before the turn, without
+        a second check; on any error neither the trace nor the store changes. The trace
+        starts at this store's current spec (with ``num_experts=None`` both widen as
+        larger ids arrive).
         Raises ``TypeError`` if ``trajectory_id`` is not a ``str``.
         """
         if not isinstance(trajectory_id, str):
@@ -133,8 +134,9 @@ class TurnStore:
     def append(self, trajectory_id: str, token_start: int, routes: Any) -> None:
         """Append one turn's rows ``[rows, L, K]`` (outside data: validated) at ``token_start``.
 
-        Raises `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError` (bad rows,
-        ``trajectory_id`` set) and `ContiguityError` (negative ``token_start``).
+        Raises `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`,
+        `DuplicateExpertError` (bad rows, ``trajectory_id`` set) and `ContiguityError`
+        (negative ``token_start``).
         """
         rows, spec = _turn_rows(self.spec, trajectory_id, int(token_start), routes)
         self._append_trusted(trajectory_id, int(token_start), rows, spec)
@@ -160,7 +162,7 @@ class TurnStore:
             raise SchemaError("turn batch: expected no nulls")
         offsets = np.asarray(col.offsets, dtype=np.int64)
         rows = routes_to_numpy(col.flatten(), spec)
-        check_route_ids(rows, spec, what="turn batch")
+        check_routes(rows, spec, what="turn batch")
         self._add(batch, spec, rows, offsets - offsets[0])
 
     def _add(

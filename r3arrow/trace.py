@@ -18,10 +18,20 @@ every turn it records (validated, owned, read-only, in storage dtype) is handed 
 the store as one record batch at ``token_start = captured before the turn``, which
 the store trusts without a second check. ``TurnStore.append`` (outside data) stays a
 validating trust boundary and uses the same validator (`validate_route_rows`).
+
+**What a trace covers.** Given the token ids of each turn (``prompt_ids``, and
+``generated_ids``), a trace remembers the conversation it has covered: the ids
+themselves (int32, one growable buffer, O(new tokens) per turn) and a blake2b
+digest of their int32 bytes, kept incrementally. `TokenTrace.check_extends` then
+refuses a prompt that does not extend them (`PrefixMismatchError`, ``token`` = the
+first differing position) *before* a request is sent: chat-template
+re-tokenization drift would otherwise pair routes with tokens they were not
+computed for.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -30,13 +40,14 @@ import pyarrow as pa
 
 from r3arrow._checks import check_int, check_positive_int
 from r3arrow.errors import (
+    PrefixMismatchError,
     R3ArrowError,
     RouteDTypeError,
     RouteShapeError,
     TerminalGapError,
     TraceStateError,
 )
-from r3arrow.ids import check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, as_route_rows, numpy_to_routes
 
 #: Receives each validated turn of a bound `RouteTrace`: ``(token_start, rows, spec)``, rows
@@ -134,6 +145,128 @@ def check_terminal_gap(
     return mask.astype(bool, copy=False)
 
 
+# ------------------------------------------------------------- covered tokens
+def as_token_ids(ids: Any, name: str = "prompt_ids") -> np.ndarray:
+    """Token ids as a flat int32 numpy array (a read-only array of that kind is not copied).
+
+    Raises ``ValueError`` (argument misuse) for a non-flat or non-integer sequence, or ids
+    outside ``[0, 2**31)``.
+    """
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1:
+        arr = ids
+    else:
+        raw = np.asarray(ids)
+        if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
+            raise ValueError(
+                f"{name}: expected a flat sequence of int token ids, found shape "
+                f"{list(raw.shape)} of dtype {raw.dtype}"
+            )
+        if raw.size and (int(raw.min()) < 0 or int(raw.max()) > np.iinfo(np.int32).max):
+            raise ValueError(
+                f"{name}: expected token ids in [0, 2**31), found [{int(raw.min())}, "
+                f"{int(raw.max())}]"
+            )
+        arr = raw.astype(np.int32)
+    if arr.flags.writeable:
+        arr = arr.copy()  # the caller may reuse its buffer: keep what was checked
+        arr.flags.writeable = False
+    return arr
+
+
+class CoveredTokens:
+    """The token ids a trace has covered, with a rolling blake2b digest; O(new tokens) per turn.
+
+    The ids live in one growable int32 buffer (doubling: appending a turn never re-copies
+    what is covered, amortised); the digest is blake2b over the int32 (native byte order)
+    bytes of ``tokens[:length]``, updated with each turn's new tokens only.
+    """
+
+    def __init__(self) -> None:
+        self._buf = np.zeros(0, dtype=np.int32)
+        self._len = 0
+        self._hash = hashlib.blake2b(digest_size=16)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The covered ids ``[length]`` int32 (a read-only view)."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def digest(self) -> str:
+        """Hex blake2b-128 of the covered ids' int32 bytes."""
+        return self._hash.hexdigest()
+
+    def first_difference(self, ids: np.ndarray) -> int:
+        """First position where ``ids`` does not extend the covered ids, or -1 if it does.
+
+        A prompt shorter than the covered ids differs at its own length. One vectorised
+        comparison over the overlap.
+        """
+        n = self._len
+        m = min(n, ids.shape[0])
+        diff = np.flatnonzero(self._buf[:m] != ids[:m])
+        if diff.size:
+            return int(diff[0])
+        return m if m < n else -1
+
+    def extended(
+        self, prompt: np.ndarray, tail: np.ndarray | None = None
+    ) -> tuple[np.ndarray, Any]:
+        """(buffer, digest) covering ``prompt`` then ``tail``; changes nothing.
+
+        ``prompt`` must extend the covered ids (checked by the caller). The buffer is this
+        one when it has room (the new ids are written past ``length``, where no reader
+        looks), else a doubled copy; only the new ids are hashed.
+        """
+        n, p = self._len, prompt.shape[0]
+        m = p + (0 if tail is None else tail.shape[0])
+        buf = self._buf
+        if m > buf.shape[0]:
+            buf = np.empty(max(m, 2 * buf.shape[0], 64), dtype=np.int32)
+            buf[:n] = self._buf[:n]
+        buf[n:p] = prompt[n:]
+        if tail is not None:
+            buf[p:m] = tail
+        digest = self._hash.copy()
+        digest.update(buf[n:m].tobytes())
+        return buf, digest
+
+    def commit(self, buf: np.ndarray, digest: Any, length: int) -> None:
+        """Adopt what `extended` returned."""
+        self._buf, self._hash, self._len = buf, digest, length
+
+
+def prefix_mismatch_error(
+    covered: CoveredTokens,
+    ids: np.ndarray,
+    pos: int,
+    *,
+    name: str,
+    trajectory_id: str | None,
+) -> PrefixMismatchError:
+    """The `PrefixMismatchError` for ``ids`` first differing from ``covered`` at ``pos``."""
+    n = len(covered)
+    if pos >= ids.shape[0]:
+        found = f"a prompt of {ids.shape[0]} tokens that ends at token {pos}"
+    else:
+        found = (
+            f"token id {int(ids[pos])} at position {pos} where the trace has "
+            f"{int(covered.tokens[pos])}"
+        )
+    where = f"trajectory {trajectory_id!r}: " if trajectory_id is not None else ""
+    return PrefixMismatchError(
+        f"{where}{name}: expected the prompt to extend the {n} tokens the trace covers, found "
+        f"{found} (re-tokenized history? keep the token ids the engine saw and generated)",
+        token=pos,
+        trajectory_id=trajectory_id,
+    )
+
+
 # ---------------------------------------------------------------------- traces
 class TokenTrace:
     """Accumulates one trajectory's fixed-shape per-token rows, turn by turn, in O(N).
@@ -162,6 +295,8 @@ class TokenTrace:
         self._captured = 0
         self._seen_tokens = 0
         self._finalized = False
+        self._covered = CoveredTokens()
+        self._checked: tuple[np.ndarray, int] | None = None  # (ids, covered) of check_extends
 
     # ------------------------------------------------------------------ state
     @property
@@ -181,6 +316,62 @@ class TokenTrace:
     @property
     def finalized(self) -> bool:
         return self._finalized
+
+    @property
+    def covered_tokens(self) -> np.ndarray:
+        """The token ids recorded turns covered (``[n]`` int32, read-only; see `check_extends`)."""
+        return self._covered.tokens
+
+    @property
+    def covered_digest(self) -> str:
+        """Hex blake2b-128 of the int32 bytes of `covered_tokens` (kept incrementally)."""
+        return self._covered.digest
+
+    def check_extends(self, prompt_ids: Any) -> np.ndarray:
+        """Check that ``prompt_ids`` extends `covered_tokens`; return them as int32 (read-only).
+
+        Call it before sending a request; pass the returned array to `record` as
+        ``prompt_ids``, which then skips its own comparison (one comparison per request).
+        A trace that never recorded ids covers nothing, and every prompt extends it.
+
+        Raises
+        ------
+        ValueError
+            ``prompt_ids`` is not a flat sequence of int ids (argument misuse).
+        PrefixMismatchError
+            the prompt differs from the covered ids, or is shorter; ``token`` is the first
+            differing position (the prompt's length if it ends early).
+        """
+        ids = as_token_ids(prompt_ids)
+        pos = self._covered.first_difference(ids)
+        if pos >= 0:
+            raise prefix_mismatch_error(
+                self._covered, ids, pos, name=self.name, trajectory_id=self._trajectory_id()
+            )
+        self._checked = (ids, len(self._covered))
+        return ids
+
+    def _ids_for(
+        self, p: int, g: int, prompt_ids: Any, generated_ids: Any
+    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The turn's (prompt ids, generated ids), checked against the counts and the coverage."""
+        if prompt_ids is None:
+            if generated_ids is not None:
+                raise ValueError("generated_ids: expected prompt_ids with them, found none")
+            return None
+        checked = self._checked
+        if checked is not None and checked[0] is prompt_ids and checked[1] == len(self._covered):
+            ids = checked[0]  # compared by check_extends, and nothing recorded since
+        else:
+            ids = self.check_extends(prompt_ids)
+        if ids.shape[0] != p:
+            raise ValueError(f"prompt_ids: expected prompt_tokens={p} ids, found {ids.shape[0]}")
+        gen = None if generated_ids is None else as_token_ids(generated_ids, "generated_ids")
+        if gen is not None and gen.shape[0] != g:
+            raise ValueError(
+                f"generated_ids: expected generated_tokens={g} ids, found {gen.shape[0]}"
+            )
+        return ids, gen
 
     # --------------------------------------------------------------- recording
     def _coerce(self, rows: Any) -> tuple[np.ndarray, Any]:
@@ -214,16 +405,31 @@ class TokenTrace:
     def _accept(self, start: int, arr: np.ndarray, state: Any) -> None:
         """Hook run with a validated, owned turn before the trace commits it (may raise)."""
 
-    def record(self, rows: Any, *, prompt_tokens: TokenCount, generated_tokens: TokenCount) -> int:
+    def record(
+        self,
+        rows: Any,
+        *,
+        prompt_tokens: TokenCount,
+        generated_tokens: TokenCount,
+        prompt_ids: Any = None,
+        generated_ids: Any = None,
+    ) -> int:
         """Append one response's rows; returns the token index of its first row.
 
         ``rows`` must have ``prompt_tokens - captured + generated_tokens - 1`` rows.
-        On any error the trace is unchanged.
+        ``prompt_ids`` (the ``P`` prompt ids the request sent) and ``generated_ids``
+        (the ``G`` generated ids) extend `covered_tokens`; without them the coverage stays
+        as it was (still a prefix of the conversation). On any error the trace is unchanged.
 
         Raises
         ------
         TypeError, ValueError
-            ``prompt_tokens`` / ``generated_tokens`` not ints ``>= 1`` (argument misuse).
+            ``prompt_tokens`` / ``generated_tokens`` not ints ``>= 1``; ids that are not a
+            flat int sequence, or whose lengths are not ``P`` / ``G`` (argument misuse).
+        PrefixMismatchError
+            ``prompt_ids`` do not extend `covered_tokens` (``token`` = first difference).
+        DuplicateExpertError, ExpertRangeError
+            a router-layer row repeats an expert, or an id is out of range (data errors).
         RouteShapeError
             wrong row count or row shape, or a prompt that does not extend past ``captured``.
         RouteDTypeError
@@ -242,6 +448,7 @@ class TokenTrace:
                 f"{self.name}: expected prompt_tokens > captured={self._captured} (prompt start "
                 f"must lie inside the prompt), found prompt_tokens={p}"
             )
+        ids = self._ids_for(p, g, prompt_ids, generated_ids)
         arr, state = self._coerce(rows)
         want = expected_rows(prompt_tokens=p, generated_tokens=g, prompt_start=self._captured)
         if arr.shape[0] != want:
@@ -255,10 +462,14 @@ class TokenTrace:
             arr = arr.astype(dtype, order="C")
             arr.flags.writeable = False
         start = self._captured
+        cover = None if ids is None else self._covered.extended(*ids)
         self._accept(start, arr, state)
         self._chunks.append(arr)
         self._captured += want
         self._seen_tokens = p + g
+        if cover is not None and ids is not None:
+            self._covered.commit(*cover, p + (0 if ids[1] is None else g))
+        self._checked = None
         return start
 
     def _storage_dtype(self, state: Any) -> np.dtype[Any]:
@@ -313,15 +524,18 @@ class TokenTrace:
 def validate_route_rows(
     routes: Any, spec: RouteSpec, *, what: str = "routes"
 ) -> tuple[np.ndarray, RouteSpec]:
-    """The one route-row validator: shape, dtype, id range; returns (rows, spec to store them in).
+    """The one route-row validator: shape, dtype, ids; returns (rows, spec to store them in).
 
     ``routes`` is numpy (any integer dtype) or Arrow per-token routes; the rows come
-    back as given (not copied). The returned spec is ``spec`` widened for the largest
-    id when ``spec.num_experts`` is None. Raises `RouteShapeError`, `RouteDTypeError`,
-    `ExpertRangeError` (with ``token`` and ``layer`` set).
+    back as given (not copied). The ids follow both rules of :mod:`r3arrow.ids` (range, and
+    distinct experts per router-layer row: a duplicate is a data error, and on an all-zero
+    layer of a spec without ``moe_layers`` the message says to declare the dense layers).
+    The returned spec is ``spec`` widened for the largest id when ``spec.num_experts`` is
+    None. Raises `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`,
+    `DuplicateExpertError` (with ``token`` and ``layer`` set).
     """
     arr = as_route_rows(routes, spec, what=what)
-    _, hi = check_route_ids(arr, spec, what=what)
+    _, hi = check_routes(arr, spec, what=what)
     if spec.num_experts is None and hi >= 0:
         spec = spec.widened_for(hi)
     return arr, spec
@@ -377,15 +591,25 @@ class RouteTrace(TokenTrace):
             self._sink(start, arr, spec)  # the store trusts the validated turn
         self.spec, self.dtype = spec, spec.dtype
 
-    def record(self, rows: Any, *, prompt_tokens: TokenCount, generated_tokens: TokenCount) -> int:
+    def record(
+        self,
+        rows: Any,
+        *,
+        prompt_tokens: TokenCount,
+        generated_tokens: TokenCount,
+        prompt_ids: Any = None,
+        generated_ids: Any = None,
+    ) -> int:
+        kwargs: dict[str, Any] = {
+            "prompt_tokens": prompt_tokens,
+            "generated_tokens": generated_tokens,
+            "prompt_ids": prompt_ids,
+            "generated_ids": generated_ids,
+        }
         if self._tid is None:
-            return super().record(
-                rows, prompt_tokens=prompt_tokens, generated_tokens=generated_tokens
-            )
+            return super().record(rows, **kwargs)
         try:
-            return super().record(
-                rows, prompt_tokens=prompt_tokens, generated_tokens=generated_tokens
-            )
+            return super().record(rows, **kwargs)
         except R3ArrowError as exc:
             if exc.trajectory_id is None:
                 exc.trajectory_id = self._tid
@@ -396,12 +620,15 @@ class RouteTrace(TokenTrace):
 
 
 __all__ = [
+    "CoveredTokens",
     "RouteTrace",
     "TokenTrace",
     "TurnSink",
+    "as_token_ids",
     "check_terminal_gap",
     "expected_rows",
     "first_terminal_gap",
+    "prefix_mismatch_error",
     "terminal_gap_error",
     "validate_route_rows",
 ]

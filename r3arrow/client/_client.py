@@ -20,7 +20,7 @@ from r3arrow._checks import (
     check_optional_int,
     check_positive_int,
 )
-from r3arrow.client._models import GenerateOutput
+from r3arrow.client._models import GenerateOutput, ParsedResponse
 from r3arrow.client._protocol import (
     ENDPOINT_PATHS,
     PROMPT_START_KEY,
@@ -36,6 +36,8 @@ from r3arrow.errors import (
     EngineError,
     EngineHTTPError,
     PayloadTooLargeError,
+    PrefixMismatchError,
+    R3ArrowError,
     RouteShapeError,
     TraceStateError,
 )
@@ -174,13 +176,17 @@ class EngineClient:
         self._round_robin = itertools.count()
         self._busy_traces: set[int] = set()
         #: Counters: requests sent, retries, route payload bytes and rows received, responses
-        #: recorded.
+        #: recorded, 2xx responses rejected as data errors (bad payload, row count, ids; never
+        #: retried), and requests refused before sending because the prompt does not extend
+        #: its trace (`PrefixMismatchError`).
         self.stats: dict[str, int] = {
             "requests": 0,
             "retries": 0,
             "payload_bytes": 0,
             "route_rows": 0,
             "recorded": 0,
+            "data_errors": 0,
+            "prefix_mismatches": 0,
         }
 
     # The retry options, readable as before the policy had its own object.
@@ -230,22 +236,47 @@ class EngineClient:
         return sorted(self.base_urls, key=lambda u: _score(session_id, u), reverse=True)
 
     async def probe_spec(
-        self, *, num_experts: int | None = None, token_ids: Sequence[int] = (1, 2, 3)
+        self,
+        *,
+        num_experts: int | None = None,
+        token_ids: Sequence[int] | None = None,
+        infer_dense: bool = True,
     ) -> RouteSpec:
-        """Ask the engine for the route shape: one 1-token request with prompt start 0.
+        """Ask the engine for the route spec: one 1-token request with prompt start 0.
 
-        Returns ``RouteSpec(L, K, num_experts)`` from the returned ``[P, L, K]`` rows (the
-        engine does not report ``num_experts``; None lets traces widen the dtype as needed).
-        Raises `EngineError` if the engine returns no routes.
+        Returns ``RouteSpec(L, K, num_experts, moe_layers)`` from the returned ``[P, L, K]``
+        rows (the engine does not report ``num_experts``; None lets traces widen the dtype as
+        needed). With ``infer_dense``, ``moe_layers`` lists the layers with a nonzero id in
+        the probe; a layer whose rows are all zero is taken as dense (vLLM reports zeros for
+        layers without a router).
+
+        The rule's limit: with ``K > 1`` a router layer can never answer all zeros (its ``K``
+        ids per token are distinct), so the inference is exact; with ``K == 1`` a router layer
+        that sent every probe token to expert 0 would be mistaken for dense, so probe with
+        enough varied tokens (``token_ids``; default: 32 ids, ``1 .. 32`` modulo the client's
+        ``vocab_size``) or declare ``moe_layers`` yourself.
+
+        Raises `EngineError` if the engine returns no routes, or only zeros (no router layer).
         """
+        if token_ids is None:
+            token_ids = [i % (self.vocab_size or 33) for i in range(1, 33)]
         out = await self.generate(token_ids, sampling_params={"max_tokens": 1, "ignore_eos": True})
-        if out.routed_experts is None:
+        routes = out.routed_experts
+        if routes is None:
             raise EngineError(
                 f"engine {out.base_url} returned no routed_experts; expected [rows, L, K] "
                 + _NO_ROUTES_HINT
             )
-        _, layers, topk = out.routed_experts.shape
-        return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts)
+        _, layers, topk = routes.shape
+        moe: tuple[int, ...] | None = None
+        if infer_dense:
+            moe = tuple(int(i) for i in np.flatnonzero(routes.any(axis=(0, 2))))
+            if not moe:
+                raise EngineError(
+                    f"engine {out.base_url}: expected a router layer (a nonzero expert id) in "
+                    f"the probe's {routes.shape[0]} rows, found all {layers} layers all zeros"
+                )
+        return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts, moe_layers=moe)
 
     # -------------------------------------------------------------- requests
     def build_request(
@@ -371,8 +402,13 @@ class EngineClient:
         prompt: list[int] = ids.tolist()
         return prompt
 
-    def _check_trace(self, trace: RouteTrace, prompt_tokens: int) -> RouteSpec:
-        """The spec responses for ``trace`` must have; raises if the trace cannot take one."""
+    def _check_trace(self, trace: RouteTrace, prompt: list[int]) -> tuple[RouteSpec, np.ndarray]:
+        """(spec responses for ``trace`` must have, checked prompt ids); raises if it can't.
+
+        Raises `PrefixMismatchError` if ``prompt`` does not extend the tokens the trace
+        covers (`RouteTrace.check_extends`).
+        """
+        prompt_tokens = len(prompt)
         if self.spec is not None and not self.spec.same_shape(trace.spec):
             raise RouteShapeError(
                 f"trace: expected routes shaped like {self.spec}, found {trace.spec}"
@@ -390,7 +426,60 @@ class EngineClient:
             raise TraceStateError(
                 "trace: a request for this trace is already in flight; expected one at a time"
             )
-        return trace.spec
+        try:
+            ids = trace.check_extends(prompt)
+        except PrefixMismatchError:
+            self.stats["prefix_mismatches"] += 1
+            raise
+        return trace.spec, ids
+
+    async def _accept(
+        self,
+        content: bytes,
+        url: str,
+        spec: RouteSpec | None,
+        return_routes: bool,
+        trace: RouteTrace | None,
+        ids: np.ndarray | None,
+        p: int,
+        prompt_start: int,
+    ) -> tuple[ParsedResponse, np.ndarray | None, int, int | None]:
+        """Decode a 2xx body, check it, record it into ``trace``: (parsed, routes, rows, start)."""
+        parse_args: dict[str, Any] = {
+            "endpoint": self.endpoint,
+            "spec": spec,
+            "max_payload_bytes": self.max_payload_bytes,
+            "want_routes": return_routes,
+            # One id check per response: here without a trace, in trace.record with one.
+            "check_ids": trace is None,
+        }
+        if len(content) > _OFFLOAD_BYTES:  # keep the event loop responsive while decoding
+            parsed = await asyncio.to_thread(parse_response, content, **parse_args)
+        else:
+            parsed = parse_response(content, **parse_args)
+        g = len(parsed.token_ids)
+        routes = parsed.routes
+        rows = 0
+        token_start: int | None = None
+        if routes is not None:
+            rows = check_row_count(
+                routes, prompt_tokens=p, generated_tokens=g, prompt_start=prompt_start, url=url
+            )
+            if trace is not None:
+                token_start = trace.record(
+                    routes,
+                    prompt_tokens=p,
+                    generated_tokens=g,
+                    prompt_ids=ids,
+                    generated_ids=parsed.token_ids,
+                )
+                self.stats["recorded"] += 1
+        elif trace is not None:
+            raise EngineError(
+                f"engine {url} returned no routed_experts; expected "
+                f"{p - prompt_start + g - 1} rows " + _NO_ROUTES_HINT
+            )
+        return parsed, routes, rows, token_start
 
     async def generate(
         self,
@@ -407,15 +496,20 @@ class EngineClient:
 
         With ``trace``: sends ``routed_experts_prompt_start = trace.captured`` and records the
         ``P - captured + G - 1`` returned rows into it, once, after the response decoded and
-        checked; any error leaves the trace unchanged. Without: sends ``prompt_start`` (an int
-        in ``[0, P)``). ``session_id`` pins the request to one base URL (default: the trace's
+        checked, together with the prompt and generated token ids (the trace's coverage);
+        any error leaves the trace unchanged. The prompt must extend the tokens the trace
+        covers, checked before sending. Without a trace: sends ``prompt_start`` (an int in
+        ``[0, P)``). ``session_id`` pins the request to one base URL (default: the trace's
         identity).
 
-        Raises `ValueError`/`TypeError` (argument misuse, before sending), `EngineHTTPError`
-        (HTTP 4xx at once; 5xx/429/connection errors after ``max_retries`` retries;
-        timeouts), `EngineError` (unusable response), `PayloadError`/`RouteShapeError`/
-        `ExpertRangeError` (bad routes; never retried), `TraceStateError` (the trace is
-        finalized or already has a request in flight).
+        Raises `ValueError`/`TypeError` (argument misuse, before sending), `PrefixMismatchError`
+        (the prompt does not extend the trace's tokens, e.g. a re-tokenized history; before
+        sending, ``token`` = first differing position), `EngineHTTPError` (HTTP 4xx at once;
+        5xx/429/connection errors after ``max_retries`` retries; timeouts), `EngineError`
+        (unusable response), `PayloadError`/`RouteShapeError`/`ExpertRangeError`/
+        `DuplicateExpertError` (bad routes: data errors, counted in ``stats["data_errors"]``,
+        never retried), `TraceStateError` (the trace is finalized or already has a request in
+        flight).
         """
         prompt = self._prompt_list(prompt_token_ids)
         p = len(prompt)
@@ -431,10 +525,11 @@ class EngineClient:
                 "(from the trace, or the prompt_start argument); found it in sampling_params"
             )
         spec = self.spec
+        ids: np.ndarray | None = None
         if trace is not None:
             if not return_routes:
                 raise ValueError("return_routes=False with a trace: expected routes to record")
-            spec = self._check_trace(trace, p)
+            spec, ids = self._check_trace(trace, prompt)
             prompt_start = trace.captured
         else:
             prompt_start = check_int(prompt_start, "prompt_start", minimum=0, maximum=p - 1)
@@ -453,34 +548,16 @@ class EngineClient:
             self._busy_traces.add(id(trace))
         try:
             content, url, attempts = await self._post(body, self.urls_for(session_id))
-            parse_args: dict[str, Any] = {
-                "endpoint": self.endpoint,
-                "spec": spec,
-                "max_payload_bytes": self.max_payload_bytes,
-                "want_routes": return_routes,
-                # One id check per response: here without a trace, in trace.record with one.
-                "check_ids": trace is None,
-            }
-            if len(content) > _OFFLOAD_BYTES:  # keep the event loop responsive while decoding
-                parsed = await asyncio.to_thread(parse_response, content, **parse_args)
-            else:
-                parsed = parse_response(content, **parse_args)
-            g = len(parsed.token_ids)
-            routes = parsed.routes
-            rows = 0
-            token_start: int | None = None
-            if routes is not None:
-                rows = check_row_count(
-                    routes, prompt_tokens=p, generated_tokens=g, prompt_start=prompt_start, url=url
+            try:
+                parsed, routes, rows, token_start = await self._accept(
+                    content, url, spec, return_routes, trace, ids, p, prompt_start
                 )
-                if trace is not None:
-                    token_start = trace.record(routes, prompt_tokens=p, generated_tokens=g)
-                    self.stats["recorded"] += 1
-            elif trace is not None:
-                raise EngineError(
-                    f"engine {url} returned no routed_experts; expected "
-                    f"{p - prompt_start + g - 1} rows " + _NO_ROUTES_HINT
-                )
+            except R3ArrowError as exc:
+                if not isinstance(exc, EngineHTTPError):
+                    self.stats["data_errors"] += 1  # the engine answered: never retried
+                if trace is not None and exc.trajectory_id is None:
+                    exc.trajectory_id = trace.trajectory_id  # which sample to drop
+                raise
         finally:
             if trace is not None:
                 self._busy_traces.discard(id(trace))

@@ -26,7 +26,7 @@ import orjson
 from r3arrow.client._models import ParsedResponse
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_packed, decode_vllm
 from r3arrow.errors import EngineError, PayloadError, RouteDTypeError, RouteShapeError
-from r3arrow.ids import check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, as_route_rows
 from r3arrow.trace import expected_rows
 
@@ -157,9 +157,9 @@ def decode_routes(
 
     Accepts vLLM's base64 ``.npy`` string, SkyRL's packed dict, or nested JSON lists (the slow
     legacy form; payload bytes reported as 0). With ``spec``, ``L``/``K`` must match and, if
-    ``check_ids``, ids must satisfy `r3arrow.ids.check_route_ids` (router-layer ids in
-    ``[0, num_experts)``). Raises `PayloadError`, `RouteShapeError`, `RouteDTypeError`,
-    `ExpertRangeError`.
+    ``check_ids``, ids must satisfy `r3arrow.ids.check_routes` (router-layer ids in
+    ``[0, num_experts)`` and distinct per row). Raises `PayloadError`, `RouteShapeError`,
+    `RouteDTypeError`, `ExpertRangeError`, `DuplicateExpertError`.
     """
     nbytes = 0
     if isinstance(value, str | bytes | bytearray | memoryview):
@@ -178,7 +178,7 @@ def decode_routes(
     if spec is not None:
         arr = as_route_rows(arr, spec, what="routed_experts")  # shape only; a view
         if check_ids:
-            check_route_ids(arr, spec, what="routed_experts")
+            check_routes(arr, spec, what="routed_experts")
     return arr, nbytes
 
 
@@ -193,7 +193,7 @@ def parse_response(
 ) -> ParsedResponse:
     """Parse a successful engine response body (JSON) of ``endpoint``.
 
-    ``check_ids=False`` skips the expert-id range check (a `RouteTrace` does it on record).
+    ``check_ids=False`` skips the expert-id checks (a `RouteTrace` does them on record).
     Raises `EngineError` when the body is not a response of the expected shape (no
     ``choices[0].token_ids``, no tokens generated, more than one choice) and the codec's
     errors for a bad ``routed_experts`` payload (see `decode_routes`).

@@ -52,7 +52,7 @@ def b64decode(s: str | memoryview, what: str) -> bytearray:
             return out
         return bytearray(_stdlib_base64.b64decode(s, validate=True))
     except (binascii.Error, ValueError, TypeError) as exc:
-        raise PayloadError(f"{what}: invalid base64: {exc}") from None
+        raise PayloadError(f"{what}: invalid base64: {exc}") from exc
 
 
 def b64encode(data: Any) -> str:

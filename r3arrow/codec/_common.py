@@ -5,12 +5,20 @@ See ``docs/design.md``, "Wire formats". Range checks go through :mod:`r3arrow.id
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 import numpy as np
 
 from r3arrow._checks import check_nonnegative_int
-from r3arrow.errors import PayloadError, PayloadTooLargeError, RouteDTypeError, RouteShapeError
+from r3arrow.errors import (
+    PayloadError,
+    PayloadTooLargeError,
+    R3ArrowError,
+    RouteDTypeError,
+    RouteShapeError,
+)
 from r3arrow.ids import check_route_ids
 from r3arrow.spec import RouteSpec
 
@@ -20,6 +28,40 @@ DEFAULT_MAX_BYTES: Final[int] = 8 << 30
 #: Payload dtypes the base64 codecs accept, by name (values are little-endian on the wire).
 WIRE_DTYPES: Final[tuple[str, ...]] = ("uint8", "uint16", "int16", "int32")
 WIRE_LE: Final[dict[str, np.dtype[Any]]] = {n: np.dtype(n).newbyteorder("<") for n in WIRE_DTYPES}
+
+#: Most ids one route row ``[L, K]`` may declare (``L * K``). Real models have ``L * K`` in
+#: the thousands; the bound keeps a header with zero rows and huge ``L``/``K`` (which holds no
+#: data, so no byte cap catches it) from reaching numpy's shape limits.
+MAX_ROW_IDS: Final[int] = 1 << 24
+
+
+def check_spec_arg(spec: object, what: str) -> None:
+    """``spec`` must be a `RouteSpec` or None (argument misuse raises ``TypeError``)."""
+    if spec is not None and not isinstance(spec, RouteSpec):
+        raise TypeError(f"{what}: expected spec a RouteSpec or None, found {type(spec).__name__}")
+
+
+@contextmanager
+def payload_boundary(what: str) -> Iterator[None]:
+    """Backstop at a decoder's boundary: nothing but an `R3ArrowError` leaves it.
+
+    The decoders validate everything they read before they allocate, so this should never
+    fire; if a library still raises (a corner no check foresaw), the failure becomes a
+    `PayloadError` (`PayloadTooLargeError` for ``MemoryError``) with the original exception
+    as ``__cause__``, so a caller that drops bad samples on `R3ArrowError` keeps working.
+    Argument checks run before a decoder enters it and keep raising builtins.
+    """
+    try:
+        yield
+    except R3ArrowError:
+        raise
+    except MemoryError as exc:
+        raise PayloadTooLargeError(f"{what}: decoding ran out of memory: {exc}") from exc
+    except Exception as exc:
+        raise PayloadError(
+            f"{what}: expected a well-formed payload, found one that fails to decode "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def check_max_bytes(max_bytes: Any) -> int:
@@ -45,11 +87,21 @@ def check_shape(shape: object, what: str) -> tuple[int, int, int]:
     if len(shape) != 3:
         raise RouteShapeError(f"{what}: expected a 3-D shape [rows, L, K], found {list(shape)}")
     rows, layers, topk = (int(d) for d in shape)
+    check_row_shape(layers, topk, what)
+    return rows, layers, topk
+
+
+def check_row_shape(layers: int, topk: int, what: str) -> None:
+    """A row ``[L, K]`` needs ``L, K >= 1`` and ``L * K <= MAX_ROW_IDS`` (`RouteShapeError`)."""
     if layers < 1 or topk < 1:
         raise RouteShapeError(
-            f"{what}: expected L >= 1 and K >= 1 in [rows, L, K], found {list(shape)}"
+            f"{what}: expected L >= 1 and K >= 1 in [rows, L, K], found L={layers}, K={topk}"
         )
-    return rows, layers, topk
+    if layers * topk > MAX_ROW_IDS:
+        raise RouteShapeError(
+            f"{what}: expected at most {MAX_ROW_IDS:,} ids per row (L * K), found "
+            f"L={layers:,} x K={topk:,}"
+        )
 
 
 def check_against_spec(arr: np.ndarray, spec: RouteSpec | None, what: str) -> np.ndarray:

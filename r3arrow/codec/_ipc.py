@@ -3,6 +3,20 @@
 `_declared_ipc_bytes` reads the buffer sizes each record batch declares from its
 flatbuffer metadata (a small bounds-checked reader, `_FlatTable`) before any body
 is decoded, so a stream cannot make the reader allocate more than ``max_bytes``.
+
+Streams must be little-endian (a big-endian schema is refused: Arrow would silently byteswap
+every id if one bit of the flag flipped), laid out as writers lay them out (buffers back to
+back, each padded to 8 or 64 bytes) and end at their end-of-stream marker (or the end of the
+input); anything else is a `PayloadError`.
+
+A compressed stream is also bounded relative to its own size: by default the record batches
+may declare at most ``max_ratio`` (`DEFAULT_MAX_RATIO`, 64) times the payload's bytes once
+decompressed, but never less than `RATIO_FLOOR_BYTES` (64 MiB), so that a few kilobytes of
+zstd cannot make a reader allocate gigabytes under the 8 GiB ``max_bytes`` default. Real
+route streams compress 2-10x (random ids barely compress); an uncompressed stream declares at
+most its own size, so only compression bombs reach the bound. ``max_ratio=None`` turns it off
+(``max_bytes`` still applies). Both bounds raise `PayloadTooLargeError` before anything is
+decompressed.
 """
 
 from __future__ import annotations
@@ -12,11 +26,19 @@ from typing import Any, Final
 import numpy as np
 import pyarrow as pa
 
-from r3arrow.codec._common import DEFAULT_MAX_BYTES, check_max_bytes, check_rows_for_encode
+from r3arrow.codec._common import (
+    DEFAULT_MAX_BYTES,
+    check_max_bytes,
+    check_row_shape,
+    check_rows_for_encode,
+    check_spec_arg,
+    payload_boundary,
+)
 from r3arrow.errors import (
     PayloadError,
     PayloadTooLargeError,
     R3ArrowError,
+    RouteDTypeError,
     RouteShapeError,
     SchemaError,
 )
@@ -32,6 +54,11 @@ from r3arrow.spec import (
 #: Schema metadata key holding the row count `encode_ipc` wrote; a stream cut at a
 #: message boundary reads as a valid shorter stream, this makes it detectable.
 IPC_ROWS_METADATA_KEY: Final[bytes] = b"r3arrow.num_rows"
+
+#: Default bound on decompressed bytes per payload byte of an Arrow IPC stream.
+DEFAULT_MAX_RATIO: Final[float] = 64.0
+#: The ratio bound never goes below this many decompressed bytes (64 MiB).
+RATIO_FLOOR_BYTES: Final[int] = 64 << 20
 
 
 def _as_arrow_buffer(buf: object) -> Any:
@@ -131,24 +158,39 @@ class _FlatTable:
         return _FlatTable(self.buf, at) if at else None
 
 
-_MSG_DICTIONARY_BATCH, _MSG_RECORD_BATCH = 2, 3
+_MSG_SCHEMA, _MSG_DICTIONARY_BATCH, _MSG_RECORD_BATCH = 1, 2, 3
 
 
 def _declared_ipc_bytes(b: Any) -> int:
     """Sum of the buffer sizes the stream's record batches declare once decompressed, read from
     the message metadata before any body is decoded (a compressed body states its own size)."""
     total = 0
-    reader = pa.ipc.MessageReader.open_stream(b)
+    source = pa.BufferReader(b)
+    reader = pa.ipc.MessageReader.open_stream(source)
     while True:
         try:
             msg = reader.read_next_message()
         except StopIteration:
+            if source.tell() != b.size:  # the reader would silently ignore them
+                raise PayloadError(
+                    f"Arrow IPC: expected the stream to end at its end-of-stream marker, found "
+                    f"{b.size - source.tell():,} more bytes after it"
+                ) from None
             return total
         meta = msg.metadata.to_pybytes()
         if len(meta) < 8:
             raise PayloadError("Arrow IPC: corrupted message metadata (too short)")
         root = _FlatTable(meta, int.from_bytes(meta[:4], "little"))
         kind = root.scalar(1, 1)
+        schema = root.table(2) if kind == _MSG_SCHEMA else None
+        # Arrow would byteswap a big-endian stream on read: one flipped bit in the schema
+        # would then turn every id into its byteswapped value. Every writer r3arrow meets
+        # is little-endian, so the flag is refused rather than trusted.
+        if schema is not None and schema.scalar(0, 2) != 0:
+            raise PayloadError(
+                "Arrow IPC: expected a little-endian stream (schema endianness 0), found "
+                f"endianness {schema.scalar(0, 2)}; big-endian streams are not accepted"
+            )
         batch = root.table(2) if kind in (_MSG_RECORD_BATCH, _MSG_DICTIONARY_BATCH) else None
         if batch is not None and kind == _MSG_DICTIONARY_BATCH:
             batch = batch.table(1)
@@ -158,6 +200,7 @@ def _declared_ipc_bytes(b: Any) -> int:
         count = batch._int(vec, 4) if vec else 0
         compressed = batch.field(3) != 0
         body = msg.body
+        end = 0
         for k in range(count):  # one entry per Arrow buffer, not per row
             offset = batch._int(vec + 4 + 16 * k, 8, signed=True)
             length = batch._int(vec + 12 + 16 * k, 8, signed=True)
@@ -166,6 +209,15 @@ def _declared_ipc_bytes(b: Any) -> int:
                     f"Arrow IPC: buffer [{offset}, {offset + length}) outside a "
                     f"{0 if body is None else body.size}-byte body"
                 )
+            # Writers lay buffers out back to back, each padded to 8 (or 64) bytes. Holding
+            # streams to that means an edited offset cannot slide a buffer over its padding
+            # or a neighbour and decode shifted ids of the right shape.
+            if offset not in (-(-end // 8) * 8, -(-end // 64) * 64):
+                raise PayloadError(
+                    f"Arrow IPC: expected buffer {k} at offset {-(-end // 8) * 8} (after the "
+                    f"previous buffer, padded), found offset {offset}"
+                )
+            end = offset + length
             if compressed and length >= 8 and body is not None:
                 declared = int.from_bytes(
                     body[offset : offset + 8].to_pybytes(), "little", signed=True
@@ -210,7 +262,52 @@ def _schema_spec(schema: Any) -> RouteSpec | None:
         raise SchemaError(
             f"Arrow IPC: expected a RouteSpec in metadata {SPEC_METADATA_KEY.decode()!r}, found "
             f"{schema.metadata[SPEC_METADATA_KEY]!r:.200} ({exc})"
-        ) from None
+        ) from exc
+
+
+def _check_ratio(max_ratio: Any) -> float | None:
+    """``max_ratio`` as a float ``>= 1``, or None (argument misuse raises a builtin)."""
+    if max_ratio is None:
+        return None
+    if isinstance(max_ratio, bool) or not isinstance(max_ratio, int | float):
+        raise TypeError(f"max_ratio: expected a number or None, found {type(max_ratio).__name__}")
+    if not max_ratio >= 1:  # also rejects NaN
+        raise ValueError(f"max_ratio: expected a number >= 1 or None, found {max_ratio!r}")
+    return float(max_ratio)
+
+
+def _check_routes_type(t: Any) -> None:
+    """``t`` must be ``fixed_size_list<fixed_size_list<int, K>, L>`` with a sane ``[L, K]``."""
+    if not (
+        pa.types.is_fixed_size_list(t)
+        and pa.types.is_fixed_size_list(t.value_type)
+        and pa.types.is_integer(t.value_type.value_type)
+    ):
+        raise RouteShapeError(
+            "Arrow IPC: expected 'routes' of type fixed_size_list<fixed_size_list<int, K>, L>, "
+            f"found {t}"
+        )
+    # A schema is not checked by Arrow: a negative or huge list size reads "fine".
+    check_row_shape(t.list_size, t.value_type.list_size, "Arrow IPC routes")
+
+
+def _check_no_inner_nulls(chunk: Any) -> None:
+    """A null ``[K]`` row inside a token would read as whatever bytes sit under it."""
+    inner = chunk.flatten()
+    if inner.null_count:
+        raise RouteShapeError(
+            f"Arrow IPC: expected no null layer rows in routes, found {inner.null_count}"
+        )
+
+
+def _check_type_sizes(t: Any) -> None:
+    """Arrow reads a fixed-size list of negative size from a schema without complaint."""
+    if pa.types.is_fixed_size_list(t) and t.list_size < 0:
+        raise PayloadError(f"Arrow IPC: expected list sizes >= 0 in the schema, found {t}")
+    if pa.types.is_dictionary(t):
+        _check_type_sizes(t.value_type)
+    for i in range(t.num_fields):
+        _check_type_sizes(t.field(i).type)
 
 
 def _routes_column(table: Any) -> Any:
@@ -220,9 +317,8 @@ def _routes_column(table: Any) -> Any:
     return table.column("routes")
 
 
-def _read_ipc(buf: Any, max_bytes: int) -> tuple[Any, RouteSpec | None]:
+def _read_ipc(buf: Any, max_bytes: int, max_ratio: float | None) -> tuple[Any, RouteSpec | None]:
     """Read and structurally validate a complete stream; return (table, spec from its metadata)."""
-    max_bytes = check_max_bytes(max_bytes)
     b = _as_arrow_buffer(buf)
     if b.size > max_bytes:
         raise PayloadTooLargeError(
@@ -235,18 +331,29 @@ def _read_ipc(buf: Any, max_bytes: int) -> tuple[Any, RouteSpec | None]:
                 f"Arrow IPC: record batches declare {declared:,} decoded bytes, more than "
                 f"max_bytes={max_bytes:,}"
             )
-        table = pa.ipc.open_stream(b).read_all()
+        if max_ratio is not None:
+            cap = max(RATIO_FLOOR_BYTES, int(max_ratio * b.size))
+            if declared > cap:
+                raise PayloadTooLargeError(
+                    f"Arrow IPC: record batches declare {declared:,} decoded bytes, more than "
+                    f"max_ratio={max_ratio:g} x the {b.size:,}-byte payload (at least "
+                    f"{RATIO_FLOOR_BYTES:,} bytes; pass max_ratio=None to lift)"
+                )
+        reader = pa.ipc.open_stream(b)
+        for field in reader.schema:
+            _check_type_sizes(field.type)
+        table = reader.read_all()
         table.validate(full=True)
     except PayloadError:
         raise
     except MemoryError as exc:
         raise PayloadTooLargeError(
             f"Arrow IPC: stream declares more memory than available: {exc}"
-        ) from None
+        ) from exc
     except _ARROW_READ_ERRORS as exc:
         raise PayloadError(
             f"Arrow IPC: expected a valid Arrow IPC stream, found {b.size:,} bytes that fail: {exc}"
-        ) from None
+        ) from exc
     total = table.get_total_buffer_size()
     if total > max_bytes:  # backstop; `_declared_ipc_bytes` already bounds compressed bodies
         raise PayloadTooLargeError(
@@ -274,45 +381,83 @@ def _check_sent_spec(sent: RouteSpec | None, spec: RouteSpec) -> None:
 
 
 def decode_ipc(
-    buf: Any, spec: RouteSpec | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+    buf: Any,
+    spec: RouteSpec | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_ratio: float | None = DEFAULT_MAX_RATIO,
 ) -> Any:
     """Read an Arrow IPC stream into a ``pyarrow.Table`` on ``buf``'s memory (zero-copy).
 
     With ``spec``: a spec in the schema metadata must have the same shape, and a ``"routes"``
     column (per-token type, or a ``large_list`` of it) must match ``L``/``K`` with ids in range.
-    Raises `PayloadError` for anything that is not a complete, valid stream.
+    Raises only `R3ArrowError` subclasses for any ``buf``: `PayloadError` for anything that is
+    not a complete, valid stream, `PayloadTooLargeError` over ``max_bytes`` or ``max_ratio``
+    (module docstring), `SchemaError` / `RouteShapeError` / `ExpertRangeError` for the spec
+    checks. ``TypeError``/``ValueError`` only for bad ``spec``/``max_bytes``/``max_ratio``.
     """
-    table, sent = _read_ipc(buf, max_bytes)
-    if spec is not None:
-        _check_sent_spec(sent, spec)
-        if "routes" in table.column_names:
-            for chunk in _route_chunks(_routes_column(table)):
-                check_route_ids(routes_to_numpy(chunk, spec), spec, what="Arrow IPC routes")
-    return table
+    max_bytes = check_max_bytes(max_bytes)
+    ratio = _check_ratio(max_ratio)
+    check_spec_arg(spec, "decode_ipc")
+    with payload_boundary("Arrow IPC"):
+        table, sent = _read_ipc(buf, max_bytes, ratio)
+        if spec is not None:
+            _check_sent_spec(sent, spec)
+            if "routes" in table.column_names:
+                col = _routes_column(table)
+                t = col.type  # per-token type, or a large_list of it (a rollout table)
+                per_token = t.value_type if pa.types.is_large_list(t) or pa.types.is_list(t) else t
+                _check_routes_type(per_token)
+                if (per_token.list_size, per_token.value_type.list_size) != spec.row_shape:
+                    raise RouteShapeError(
+                        f"Arrow IPC: expected routes [rows, {spec.num_layers}, {spec.topk}], "
+                        f"found {per_token}"
+                    )
+                for chunk in _route_chunks(col):
+                    _check_no_inner_nulls(chunk)
+                    check_route_ids(routes_to_numpy(chunk, spec), spec, what="Arrow IPC routes")
+        return table
 
 
 def decode_ipc_routes(
-    buf: Any, spec: RouteSpec | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+    buf: Any,
+    spec: RouteSpec | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_ratio: float | None = DEFAULT_MAX_RATIO,
 ) -> np.ndarray:
     """Decode an `encode_ipc` stream to ``[rows, L, K]`` numpy, a read-only view on ``buf``.
 
     Zero-copy when the stream holds one record batch (as `encode_ipc` writes); several batches are
     concatenated (one copy). Requires one ``"routes"`` column of the per-token routes type; its
     shape is checked against ``spec`` (else the metadata spec), ids only against ``spec``.
+    Raises what `decode_ipc` raises, and `RouteShapeError` for another column type or a
+    null layer row; only `R3ArrowError` subclasses for any ``buf``.
     """
-    table, sent = _read_ipc(buf, max_bytes)
+    max_bytes = check_max_bytes(max_bytes)
+    ratio = _check_ratio(max_ratio)
+    check_spec_arg(spec, "decode_ipc_routes")
+    with payload_boundary("Arrow IPC"):
+        return _decode_ipc_routes(buf, spec, max_bytes, ratio)
+
+
+def _decode_ipc_routes(
+    buf: Any, spec: RouteSpec | None, max_bytes: int, max_ratio: float | None
+) -> np.ndarray:
+    table, sent = _read_ipc(buf, max_bytes, max_ratio)
     if spec is not None:
         _check_sent_spec(sent, spec)
     col = _routes_column(table)
     t = col.type
-    if not (pa.types.is_fixed_size_list(t) and pa.types.is_fixed_size_list(t.value_type)):
-        raise RouteShapeError(
-            "Arrow IPC: expected 'routes' of type fixed_size_list<fixed_size_list<int, K>, L>, "
-            f"found {t}"
+    _check_routes_type(t)
+    if sent is not None and t.value_type.value_type != sent.arrow_value_type:
+        raise RouteDTypeError(
+            f"Arrow IPC: metadata spec says ids of {sent.arrow_value_type}, found "
+            f"{t.value_type.value_type}"
         )
+    for chunk in col.chunks:
+        _check_no_inner_nulls(chunk)
     if col.num_chunks == 0:
-        if not pa.types.is_integer(t.value_type.value_type):
-            raise RouteShapeError(f"Arrow IPC: expected integer expert ids, found {t}")
         arr = np.empty(
             (0, t.list_size, t.value_type.list_size), t.value_type.value_type.to_pandas_dtype()
         )

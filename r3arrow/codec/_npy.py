@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import io
 import math
+import re
 from typing import Any, Final
 
 import numpy as np
@@ -27,6 +28,8 @@ from r3arrow.codec._common import (
     check_max_bytes,
     check_rows_for_encode,
     check_shape,
+    check_spec_arg,
+    payload_boundary,
     too_large,
     view_rows,
     wire_name,
@@ -36,6 +39,10 @@ from r3arrow.spec import RouteSpec
 
 _NPY_MAGIC: Final[bytes] = b"\x93NUMPY"
 _NPY_MAX_HEADER: Final[int] = 10_000  # numpy's own default bound (np.load max_header_size)
+# A plain dtype code (``|u1``, ``<i4``, ``uint16``) and nothing else: numpy parses comma
+# strings and sub-array forms (``u1,``, ``(2,)i4``) with its own parser, which raises
+# SyntaxError on malformed ones, and they are never a wire dtype anyway.
+_PLAIN_DESCR: Final[re.Pattern[str]] = re.compile(r"[<>=|]?[A-Za-z][A-Za-z0-9]{0,15}")
 
 
 def _parse_npy_header(
@@ -81,7 +88,7 @@ def _parse_npy_header(
         RecursionError,
         UnicodeDecodeError,
     ) as exc:
-        raise PayloadError(f"{what}: unreadable .npy header: {exc}") from None
+        raise PayloadError(f"{what}: unreadable .npy header: {exc}") from exc
     if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
         keys = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
         raise PayloadError(
@@ -97,12 +104,16 @@ def _parse_npy_header(
             f"{what}: expected a plain integer dtype one of {list(WIRE_DTYPES)}, found "
             f"{descr!r:.100}"
         )
+    if not _PLAIN_DESCR.fullmatch(descr):
+        raise RouteDTypeError(
+            f"{what}: expected dtype one of {list(WIRE_DTYPES)}, found {descr!r:.100}"
+        )
     try:
         dt = np.dtype(descr)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, SyntaxError) as exc:
         raise RouteDTypeError(
             f"{what}: expected dtype one of {list(WIRE_DTYPES)}, found {descr!r:.100} ({exc})"
-        ) from None
+        ) from exc
     wire_name(dt, what)
     return offset, dt, check_shape(header["shape"], what)
 
@@ -115,9 +126,20 @@ def decode_vllm(
     Accepts uint8/uint16/int16/int32 in either byte order (big-endian is byteswapped into a
     new array); the result keeps the payload's dtype and is a writable view on the decoded
     buffer. No pickle, no object/structured dtypes, no Fortran order.
+
+    Raises only `R3ArrowError` subclasses for any payload (see the package docstring);
+    ``TypeError``/``ValueError`` only for a bad ``spec`` or ``max_bytes`` argument.
     """
     what = "vLLM routed_experts"
     max_bytes = check_max_bytes(max_bytes)
+    check_spec_arg(spec, what)
+    with payload_boundary(what):
+        return _decode_vllm(b64_npy, spec, max_bytes, what)
+
+
+def _decode_vllm(
+    b64_npy: B64Payload, spec: RouteSpec | None, max_bytes: int, what: str
+) -> np.ndarray:
     s = as_b64_input(b64_npy, what)
     found = b64_decoded_len(s, what)
     if found > max_bytes + _NPY_MAX_HEADER + 12:

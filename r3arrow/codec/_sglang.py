@@ -15,6 +15,7 @@ from r3arrow.codec._common import (
     check_against_spec,
     check_max_bytes,
     check_rows_for_encode,
+    payload_boundary,
     view_rows,
 )
 from r3arrow.errors import PayloadError, PayloadTooLargeError, RouteDTypeError
@@ -27,7 +28,12 @@ def decode_sglang(
     b64: B64Payload, spec: RouteSpec, *, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> np.ndarray:
     """Decode SGLang's ``meta_info["routed_experts"]`` (base64 of raw little-endian int32) to
-    ``[rows, spec.num_layers, spec.topk]`` int32, a writable view on the decoded buffer."""
+    ``[rows, spec.num_layers, spec.topk]`` int32, a writable view on the decoded buffer.
+
+    Raises only `R3ArrowError` subclasses for any payload; ``TypeError``/``ValueError`` only
+    for a bad ``spec`` or ``max_bytes`` argument. The payload carries no length or checksum:
+    any base64 of a multiple of the row size with in-range ids is valid data.
+    """
     what = "SGLang routed_experts"
     max_bytes = check_max_bytes(max_bytes)
     if not isinstance(spec, RouteSpec):
@@ -35,6 +41,11 @@ def decode_sglang(
             "decode_sglang: expected a RouteSpec (the payload has no shape), found "
             f"{type(spec).__name__}"
         )
+    with payload_boundary(what):
+        return _decode_sglang(b64, spec, max_bytes, what)
+
+
+def _decode_sglang(b64: B64Payload, spec: RouteSpec, max_bytes: int, what: str) -> np.ndarray:
     s = as_b64_input(b64, what)
     found = b64_decoded_len(s, what)
     if found > max_bytes:

@@ -21,8 +21,13 @@ targets (contiguous, no copy); it is written once, in cache-sized blocks. Output
 come from a pool and are reused once nothing references them (first touch of fresh pages
 costs more than the copy); large copies are split over threads.
 
-Microbatch planning (`split_microbatches`, `split_microbatch_indices`) lives in the
-torch-free `r3arrow.microbatch` and is re-exported here. Megatron-specific construction
+R3 off: ``MegatronCollator(spec=None)`` collates tables without routes into the same model
+inputs, with no replay buffer (``Microbatch.routes`` is None).
+
+Microbatch planning (`split_microbatches`, `split_microbatch_indices`; with ``dp_size`` the
+same number of microbatches on every DP rank, padding microbatches where a rank has fewer,
+``Microbatch.is_padding``) lives in the torch-free `r3arrow.microbatch` and is re-exported
+here. Megatron-specific construction
 (a collator from a Megatron config or model) is ``collator_for`` of the Megatron
 integration, which imports this package (never the other way round).
 

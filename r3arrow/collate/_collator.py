@@ -25,7 +25,7 @@ from r3arrow.collate._kernels import _put, _RowGatherer, _run_copies
 from r3arrow.collate._layout import _layer_selector, _Layout, _layout, alignment_multiple
 from r3arrow.collate._microbatch import Microbatch
 from r3arrow.errors import SchemaError
-from r3arrow.microbatch import split_microbatches
+from r3arrow.microbatch import is_padding_table, split_microbatches
 from r3arrow.spec import RouteSpec, validate_layers
 from r3arrow.table import flat_routes, list_lengths, route_spec, validate_rollouts
 
@@ -56,15 +56,22 @@ class MegatronCollator:
     ``num_threads`` (default: torch's intra-op threads, at most 8) split large route copies;
     numpy releases the GIL while copying.
 
-    Raises `TypeError`/`ValueError` for argument misuse (``spec`` not a `RouteSpec`, layers
-    not distinct ints, sizes not positive ints, ranks outside ``[0, size)``) and
+    ``spec=None`` collates with R3 off: tables without a ``routes`` column (one is ignored
+    if present), the same ``input_ids``/``position_ids``/masks/``cu_seqlens`` as with routes
+    captured on every token, no replay buffer (`Microbatch.routes` is None); ``layers`` must
+    then be None. A DP padding table (`r3arrow.microbatch.padding_table`) collates to a
+    microbatch with ``is_padding`` set, every position padding and dummy rows.
+
+    Raises `TypeError`/`ValueError` for argument misuse (``spec`` not a `RouteSpec` or None,
+    layers not distinct ints or given with R3 off, sizes not positive ints, ranks outside
+    ``[0, size)``) and
     `RouteShapeError` for layers that are not router layers of ``spec``. Build one for a
     Megatron rank with ``collator_for`` of the Megatron integration.
     """
 
     def __init__(
         self,
-        spec: RouteSpec,
+        spec: RouteSpec | None,
         layers: Sequence[int] | None = None,
         *,
         packed: bool = False,
@@ -80,14 +87,22 @@ class MegatronCollator:
         reuse_buffers: bool = True,
         num_threads: int | None = None,
     ) -> None:
-        if not isinstance(spec, RouteSpec):
-            raise TypeError(f"spec: expected a RouteSpec, found {type(spec).__name__}")
+        if spec is not None and not isinstance(spec, RouteSpec):
+            raise TypeError(
+                f"spec: expected a RouteSpec (or None for R3 off), found {type(spec).__name__}"
+            )
         self.spec = spec
-        if layers is None:
+        if spec is None:
+            if layers is not None:
+                raise ValueError(
+                    f"layers: expected None with R3 off (spec=None), found {list(layers)}"
+                )
+            chosen: list[int] = []
+        elif layers is None:
             chosen = list(spec.router_layers)
         else:
             chosen = validate_layers([check_int(i, "layers") for i in layers], spec)
-        if not chosen:
+        if spec is not None and not chosen:
             raise ValueError(f"layers: expected at least one router layer, found {chosen}")
         if len(set(chosen)) != len(chosen):
             raise ValueError(f"layers: expected distinct router layers, found {chosen}")
@@ -107,7 +122,7 @@ class MegatronCollator:
         threads = min(8, torch.get_num_threads()) if num_threads is None else num_threads
         self.num_threads = check_positive_int(threads, "num_threads")
         self._executor: ThreadPoolExecutor | None = None
-        self._select = _layer_selector(self.layers)
+        self._select = _layer_selector(self.layers) if self.layers else slice(0, 0)
         self._arange = np.arange(0, dtype=np.int64)
 
     # ---------------------------------------------------------------- public
@@ -115,14 +130,21 @@ class MegatronCollator:
         """Collate every trajectory of ``table`` into one microbatch (see `Microbatch`).
 
         Raises `TypeError` unless ``table`` is a ``pa.Table``/``pa.RecordBatch``; `SchemaError`
-        for a table off the rollout schema or another spec, an empty table, or a row whose
-        lengths disagree (``row`` set); the rollout checks' errors when ``validate`` is on.
+        for a table off the rollout schema or another spec (or without routes while the
+        collator has a spec), an empty table, or a row whose lengths disagree (``row`` set);
+        the rollout checks' errors when ``validate`` is on (R3 off: lengths only).
         """
         batches, spec = self._check_table(table)
+        padding = is_padding_table(table)
         plen = np.concatenate([list_lengths(b.column("prompt_ids")) for b in batches])
         rlen = np.concatenate([list_lengths(b.column("response_ids")) for b in batches])
-        cap = np.concatenate([list_lengths(b.column("routes")) for b in batches])
         n = plen + rlen
+        if padding:
+            cap = np.zeros_like(n)  # every position is padding
+        elif spec is None:
+            cap = n  # R3 off: routers route every real token freely
+        else:
+            cap = np.concatenate([list_lengths(b.column("routes")) for b in batches])
         self._check_lengths(batches, rlen, n, cap)
         lay = _layout(
             n,
@@ -131,7 +153,7 @@ class MegatronCollator:
             cp_size=self.cp_size,
             cp_rank=self.cp_rank,
         )
-        return self._fill(batches, spec, lay, plen, n, cap)
+        return self._fill(batches, spec, lay, plen, n, cap, padding)
 
     def split(
         self,
@@ -139,14 +161,19 @@ class MegatronCollator:
         *,
         max_tokens: int | None = None,
         num_microbatches: int | None = None,
+        dp_size: int = 1,
+        dp_rank: int | None = None,
     ) -> list[pa.Table]:
-        """`split_microbatches` with this collator's layout and alignment."""
+        """`split_microbatches` with this collator's layout and alignment (DP padding
+        microbatches included with ``dp_size > 1``)."""
         return split_microbatches(
             table,
             max_tokens=max_tokens,
             num_microbatches=num_microbatches,
             multiple=self.multiple,
             packed=self.packed,
+            dp_size=dp_size,
+            dp_rank=dp_rank,
         )
 
     def release_buffers(self) -> None:
@@ -161,17 +188,42 @@ class MegatronCollator:
     # ---------------------------------------------------------------- checks
     def _check_table(
         self, table: pa.Table | pa.RecordBatch
-    ) -> tuple[list[pa.RecordBatch], RouteSpec]:
+    ) -> tuple[list[pa.RecordBatch], RouteSpec | None]:
         if not isinstance(table, pa.Table | pa.RecordBatch):
             raise TypeError(
                 f"table: expected a pyarrow Table or RecordBatch, found {type(table).__name__}"
             )
-        for name in ("prompt_ids", "response_ids", "loss_mask", "routes"):
+        for name in ("prompt_ids", "response_ids", "loss_mask"):
             if name not in table.schema.names:
                 raise SchemaError(f"expected column {name!r}, found columns {table.schema.names}")
+        if table.num_rows == 0:
+            raise SchemaError("expected at least one trajectory, found an empty table")
+        batches = [
+            b
+            for b in (table.to_batches() if isinstance(table, pa.Table) else [table])
+            if b.num_rows
+        ]
+        if self.spec is None:
+            # R3 off: token columns must be integer lists even without validation.
+            for name in ("prompt_ids", "response_ids", "loss_mask"):
+                typ = table.schema.field(name).type
+                if not (
+                    (pa.types.is_list(typ) or pa.types.is_large_list(typ))
+                    and pa.types.is_integer(typ.value_type)
+                ):
+                    raise SchemaError(f"column {name!r}: expected a list of integers, found {typ}")
+            if self.validate and not is_validated(table):
+                validate_rollouts(table)  # R3-off rules (and the routes' if a column is there)
+            return batches, None
+        if "routes" not in table.schema.names:
+            raise SchemaError(
+                f"expected column 'routes' (this collator replays routes of spec {self.spec}), "
+                f"found columns {table.schema.names}; collate a table without routes with "
+                f"MegatronCollator(spec=None) (R3 off)"
+            )
         # A table r3arrow built or validated already passed the rollout checks.
         full = self.validate and not is_validated(table)
-        spec = validate_rollouts(table) if full else route_spec(table)
+        spec = validate_rollouts(table, require_routes=True) if full else route_spec(table)
         if not self.spec.same_shape(spec):
             raise SchemaError(
                 f"routes: expected [L={self.spec.num_layers}, K={self.spec.topk}] with router "
@@ -185,13 +237,6 @@ class MegatronCollator:
             raise SchemaError(
                 f"num_experts: expected {self.spec.num_experts}, found {spec.num_experts}"
             )
-        if table.num_rows == 0:
-            raise SchemaError("expected at least one trajectory, found an empty table")
-        batches = [
-            b
-            for b in (table.to_batches() if isinstance(table, pa.Table) else [table])
-            if b.num_rows
-        ]
         return batches, spec
 
     def _check_lengths(
@@ -212,13 +257,15 @@ class MegatronCollator:
     def _fill(
         self,
         batches: list[pa.RecordBatch],
-        spec: RouteSpec,
+        spec: RouteSpec | None,
         lay: _Layout,
         plen: np.ndarray,
         n: np.ndarray,
         cap: np.ndarray,
+        padding: bool,
     ) -> Microbatch:
-        k, n_local = spec.topk, len(self.layers)
+        # R3 off: an empty replay buffer, never exposed (Microbatch.layer_major is None).
+        k, n_local = (spec.topk, len(self.layers)) if spec is not None else (1, 0)
         tok_shape = (lay.columns, lay.positions)  # packed: columns == 1
         cp = self.cp_size > 1
         parts: list[tuple[tuple[int, ...], Any]] = [
@@ -251,6 +298,11 @@ class MegatronCollator:
         self._write(
             batches, lay, plen, n, cap, lm, ids, pos, labels, loss, lab_mask, pad, tok_index
         )
+        if padding:  # no real token in a padding microbatch
+            ids.fill(self.pad_token_id)
+            labels.fill(self.pad_token_id)
+            loss.fill(0)
+            lab_mask.fill(0)
 
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a)
@@ -258,10 +310,10 @@ class MegatronCollator:
         def t32(a: np.ndarray | None) -> torch.Tensor | None:
             return None if a is None else torch.from_numpy(a.astype(np.int32))
 
+        if spec is not None and spec.num_experts is None and self.spec is not None:
+            spec = dataclasses.replace(spec, num_experts=self.spec.num_experts)
         return Microbatch(
-            spec=spec
-            if spec.num_experts is not None
-            else dataclasses.replace(spec, num_experts=self.spec.num_experts),
+            spec=spec,
             layers=self.layers,
             packed=self.packed,
             input_ids=t(ids),
@@ -281,7 +333,8 @@ class MegatronCollator:
             cp_size=self.cp_size,
             cp_rank=self.cp_rank,
             sequence_parallel=self.sequence_parallel,
-            layer_major=t(lm),
+            layer_major=t(lm) if spec is not None else None,
+            is_padding=padding,
         )
 
     def _write(
@@ -300,8 +353,10 @@ class MegatronCollator:
         pad: np.ndarray,
         tok_index: np.ndarray | None,
     ) -> None:
-        """One pass over the segments (≤ 2 per trajectory): slices only, no per-token work."""
+        """One pass over the segments (≤ 2 per trajectory): slices only, no per-token work.
+        Routes only when the collator replays them and the table has some (not padding)."""
         ar = self._arange
+        r3 = self.spec is not None and lm.shape[0] > 0
         # Per-segment clipped counts, vectorised: tokens, next tokens, captured route rows.
         st, ln = lay.seg_start, lay.seg_len
         tr = lay.seg_traj
@@ -322,9 +377,10 @@ class MegatronCollator:
             prompt, p_off = _flat_list(batch.column("prompt_ids"))
             resp, r_off = _flat_list(batch.column("response_ids"))
             mask, _ = _flat_list(batch.column("loss_mask"))
-            routes, rt_off = flat_routes(batch)
-            route_base.append(rt_off[:-1] + sum(x.shape[0] for x in sources))
-            sources.append(routes)
+            if r3:
+                routes, rt_off = flat_routes(batch)
+                route_base.append(rt_off[:-1] + sum(x.shape[0] for x in sources))
+                sources.append(routes)
             for s in segs.tolist():
                 g = int(tr[s])
                 i = g - row0
@@ -346,14 +402,16 @@ class MegatronCollator:
                 pos[row, at : at + length] = ar[a : a + length]
                 pad[row, at : at + nr] = False
                 pad[row, at + nr : at + length] = True
-                if self.packed and nr:
+                if r3 and self.packed and nr:
                     jobs.append((len(sources) - 1, int(rt_off[i]) + a, nr, at))
-                if self.packed and nr < length:
+                if r3 and self.packed and nr < length:
                     pads.append((at + nr, length - nr))
                 if tok_index is not None and (self.packed or c == 0):
                     g0 = int(lay.seg_global[s])
                     tok_index[at : at + length] = ar[g0 : g0 + length]
             row0 += batch.num_rows
+        if not r3:
+            return
         if self.packed:
             self._copy_routes(sources, jobs, pads, lm)
         else:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from r3arrow.errors import RouteShapeError
+from r3arrow.errors import ReplayError, RouteShapeError
 from r3arrow.spec import RouteSpec
 
 
@@ -29,9 +29,15 @@ class Microbatch:
     token t+1 of the same sequence and ``label_mask[t] = loss_mask[t+1]`` (0 where there is
     no next token). ``cu_seqlens``/``cu_seqlens_padded`` (int32, packed only) describe the
     whole packed row before context-parallel slicing, as Megatron's ``PackedSeqParams`` wants.
+
+    R3 off (collated by ``MegatronCollator(spec=None)`` from a table without routes):
+    ``spec``, ``routes`` and ``layer_major`` are None, ``layers`` is empty, ``captured``
+    equals ``seq_lens`` (routers route every real token freely) and ``padding_mask`` is True
+    at alignment and batch padding only; `replay_tensor`/`replay_targets` raise `ReplayError`.
+    Padding microbatches (see `is_padding`) hold only dummy rows and loss mask 0.
     """
 
-    spec: RouteSpec
+    spec: RouteSpec | None
     layers: tuple[int, ...]
     packed: bool
     input_ids: torch.Tensor
@@ -55,12 +61,24 @@ class Microbatch:
     sequence_parallel: bool
     #: int32 ``[L_local, P, C, K]``: P positions per column, C = b columns (unpacked) or 1.
     #: Flattened over (P, C) this is Megatron's token order (sequence-major for ``[s, b]``).
-    layer_major: torch.Tensor
+    #: None with R3 off.
+    layer_major: torch.Tensor | None
+    #: True for a DP padding microbatch (`r3arrow.microbatch.padding_table`): every
+    #: position is padding, the loss mask is 0; it only keeps DP ranks' schedules in step.
+    is_padding: bool = False
 
     # -------------------------------------------------------------- derived
     @property
-    def routes(self) -> torch.Tensor:
-        """int32 ``[b, S, L_local, K]`` (packed: ``[1, T, L_local, K]``), a view of the targets."""
+    def r3(self) -> bool:
+        """Whether the microbatch carries replay targets (False: collated with R3 off)."""
+        return self.layer_major is not None
+
+    @property
+    def routes(self) -> torch.Tensor | None:
+        """int32 ``[b, S, L_local, K]`` (packed: ``[1, T, L_local, K]``), a view of the targets;
+        None with R3 off."""
+        if self.layer_major is None:
+            return None
         return self.layer_major.permute(2, 1, 0, 3)  # [C, P, L, K]; packed C == 1
 
     @property
@@ -75,7 +93,7 @@ class Microbatch:
     @property
     def num_router_tokens(self) -> int:
         """Tokens each local router sees on this rank (after CP and SP slicing)."""
-        _, positions, columns, _ = self.layer_major.shape
+        columns, positions = (int(d) for d in self.padding_mask.shape)  # packed: columns 1
         if self.sequence_parallel:
             positions //= self.tp_size
         return int(positions * columns)
@@ -85,8 +103,14 @@ class Microbatch:
 
         Token order is Megatron's: flat index ``s * b + b_idx`` of the ``[s, b]`` hidden
         states (packed ``[1, T]``: T order), sliced to this TP rank under sequence
-        parallelism.
+        parallelism. Raises `ReplayError` with R3 off (no routes were collated).
         """
+        if self.layer_major is None:
+            raise ReplayError(
+                "replay targets: expected a microbatch collated with routes, found one collated "
+                "with R3 off (MegatronCollator(spec=None), a table without routes); routers "
+                "route freely, install no replay targets"
+            )
         n_layers, positions, columns, k = self.layer_major.shape
         flat = self.layer_major.reshape(n_layers, positions * columns, k)
         if self.sequence_parallel and self.tp_size > 1:
@@ -96,7 +120,7 @@ class Microbatch:
 
     def replay_targets(self) -> list[torch.Tensor]:
         """One contiguous int32 ``[num_router_tokens, K]`` tensor per local router, in layer
-        order: the rows of `replay_tensor` (views, no copy)."""
+        order: the rows of `replay_tensor` (views, no copy). Raises `ReplayError` with R3 off."""
         return list(self.replay_tensor().unbind(0))
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Microbatch:
@@ -127,7 +151,9 @@ class Microbatch:
         kind = "packed" if self.packed else "unpacked"
         return (
             f"Microbatch({kind} {shape}, sequences={self.num_sequences}, "
-            f"layers={list(self.layers)}, router_tokens={self.num_router_tokens}, "
+            f"layers={list(self.layers) if self.r3 else 'r3 off'}, "
+            f"router_tokens={self.num_router_tokens}, "
+            f"{'padding, ' if self.is_padding else ''}"
             f"tp={self.tp_rank}/{self.tp_size}{' sp' if self.sequence_parallel else ''}, "
             f"cp={self.cp_rank}/{self.cp_size})"
         )

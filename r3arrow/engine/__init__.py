@@ -7,13 +7,13 @@
 
 Modules: ``model`` (`TinyMoE`, `TinyMoEConfig`, `ReferenceEngine`: torch, no HTTP),
 ``_protocol`` (vLLM's request validation, error JSON and response shapes; `encode_npy_b64`),
-``faults`` (`Fault`, `FaultPlan`, `corrupt_routes`: what each fault does), ``server``
-(`EngineServer`, `RequestLog`: the HTTP server). Invalid requests raise
+``faults`` (`Fault`, `FaultPlan`, `corrupt_routes`, `drift_prompt`: what each fault does),
+``server`` (`EngineServer`, `RequestLog`: the HTTP server). Invalid requests raise
 `r3arrow.errors.EngineRequestError` (also importable from here).
 """
 
 from r3arrow.engine._protocol import encode_npy_b64
-from r3arrow.engine.faults import Fault, FaultPlan, corrupt_routes
+from r3arrow.engine.faults import Fault, FaultPlan, corrupt_routes, drift_prompt
 from r3arrow.engine.model import GenerateResult, ReferenceEngine, TinyMoE, TinyMoEConfig
 from r3arrow.engine.server import EngineServer, RequestLog
 from r3arrow.errors import EngineRequestError
@@ -29,5 +29,6 @@ __all__ = [
     "TinyMoE",
     "TinyMoEConfig",
     "corrupt_routes",
+    "drift_prompt",
     "encode_npy_b64",
 ]

@@ -18,7 +18,15 @@ The faults and what the client sees (``docs/design.md``, "Wire formats"):
 ``short_routes(n)``     the last ``n`` route rows dropped (a row-count error)
 ``extra_routes(n)``     ``n`` well-formed rows appended (a row-count error)
 ``no_routes()``         ``routed_experts: null``, as vLLM without route capture
+``duplicate_experts()`` one router-layer row names an expert twice (a data error:
+                        `DuplicateExpertError`, never retried)
+``zero_router_layer()`` a router layer answered all zeros, as if it were dense (with
+                        ``K > 1`` its rows repeat expert 0: a `DuplicateExpertError`)
 ======================  =================================================================
+
+Client-side scenarios are not server faults: `drift_prompt` re-tokenizes a
+conversation's history (the chat-template drift that `PrefixMismatchError` catches
+before a request is sent).
 
 Modes of ``malformed_routes`` (`corrupt_routes` applies them):
 
@@ -53,6 +61,8 @@ FaultKind = Literal[
     "short_routes",
     "extra_routes",
     "no_routes",
+    "duplicate_experts",
+    "zero_router_layer",
 ]
 MalformedMode = Literal["base64", "not_npy", "object", "float", "truncated", "shape"]
 
@@ -78,6 +88,7 @@ class Fault:
     retry_after: float | None = None
     rows: int = 0
     mode: MalformedMode = "base64"
+    layer: int | None = None
 
     @staticmethod
     def delay(seconds: float) -> Fault:
@@ -129,6 +140,22 @@ class Fault:
     def no_routes() -> Fault:
         """Generate normally, but answer ``routed_experts: null`` (capture disabled)."""
         return Fault("no_routes")
+
+    @staticmethod
+    def duplicate_experts(layer: int | None = None) -> Fault:
+        """Generate normally, then make the middle row of a router layer repeat its first expert.
+
+        ``layer``: the layer to corrupt (None: the first layer with a nonzero id, a router
+        layer). Needs ``K >= 2``.
+        """
+        layer = check_optional_int(layer, "Fault.duplicate_experts: layer", minimum=0)
+        return Fault("duplicate_experts", layer=layer)
+
+    @staticmethod
+    def zero_router_layer(layer: int | None = None) -> Fault:
+        """Generate normally, then zero every row of a router layer (None: the first one)."""
+        layer = check_optional_int(layer, "Fault.zero_router_layer: layer", minimum=0)
+        return Fault("zero_router_layer", layer=layer)
 
 
 @dataclasses.dataclass
@@ -205,10 +232,14 @@ def corrupt_routes(arr: np.ndarray, fault: Fault) -> str | None:
 
     ``arr`` is the engine's ``[rows, L, K]`` rows; returns the payload string (base64), or
     None for ``no_routes``. Only the route faults (``malformed_routes``, ``short_routes``,
-    ``extra_routes``, ``no_routes``) belong here.
+    ``extra_routes``, ``no_routes``, ``duplicate_experts``, ``zero_router_layer``) belong
+    here. Raises ``ValueError`` for another fault, or a corruption the rows cannot take
+    (``duplicate_experts`` with ``K == 1``, a ``layer`` out of range, no router layer).
     """
     if fault.kind == "no_routes":
         return None
+    if fault.kind in ("duplicate_experts", "zero_router_layer"):
+        return encode_npy_b64(_corrupt_layer(arr, fault))
     if fault.kind == "short_routes":
         return encode_npy_b64(arr[: max(0, arr.shape[0] - fault.rows)])
     if fault.kind == "extra_routes":
@@ -238,6 +269,47 @@ def corrupt_routes(arr: np.ndarray, fault: Fault) -> str | None:
     return encode_npy_b64(arr.reshape(arr.shape[0], -1))  # "shape"
 
 
+def _corrupt_layer(arr: np.ndarray, fault: Fault) -> np.ndarray:
+    """A copy of ``arr`` with one router layer corrupted as ``fault`` says."""
+    rows, layers, k = arr.shape
+    if fault.layer is not None:
+        if fault.layer >= layers:
+            raise ValueError(
+                f"{fault.kind}: expected a layer in [0, {layers}), found {fault.layer}"
+            )
+        layer = fault.layer
+    else:
+        routed = np.flatnonzero(arr.any(axis=(0, 2)))
+        if routed.size == 0:
+            raise ValueError(f"{fault.kind}: expected a router layer (a nonzero id), found none")
+        layer = int(routed[0])
+    out = arr.copy()
+    if fault.kind == "zero_router_layer":
+        out[:, layer, :] = 0
+        return out
+    if k < 2 or rows == 0:
+        raise ValueError(f"duplicate_experts: expected rows with K >= 2, found shape {arr.shape}")
+    out[rows // 2, layer, 1] = out[rows // 2, layer, 0]
+    return out
+
+
+def drift_prompt(conversation: list[int], position: int, vocab_size: int) -> list[int]:
+    """``conversation`` re-tokenized differently at ``position``: that token split into two.
+
+    Models a chat template that renders the history back to text and tokenizes it again:
+    the ids from ``position`` on no longer match what the engine saw. Returns a new list
+    (one token longer); raises ``ValueError`` for a position outside the conversation.
+    """
+    position = check_int(position, "drift_prompt: position", minimum=0)
+    if position >= len(conversation):
+        raise ValueError(
+            f"drift_prompt: expected a position < {len(conversation)}, found {position}"
+        )
+    tok = conversation[position]
+    split = [(tok + 1) % vocab_size, (tok + 2) % vocab_size]
+    return [*conversation[:position], *split, *conversation[position + 1 :]]
+
+
 __all__ = [
     "GENERATION_PATHS",
     "MALFORMED_MODES",
@@ -246,4 +318,5 @@ __all__ = [
     "FaultPlan",
     "MalformedMode",
     "corrupt_routes",
+    "drift_prompt",
 ]

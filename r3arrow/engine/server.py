@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from r3arrow._checks import check_int, check_positive_int
+from r3arrow._checks import check_int, check_optional_int, check_positive_int
 from r3arrow.engine import _protocol as proto
 from r3arrow.engine._protocol import ErrorResponse, error_body
 from r3arrow.engine.faults import Fault, FaultPlan, corrupt_routes
@@ -253,7 +253,11 @@ class EngineServer:
     ``faults`` injects failures into generation requests; ``log`` records every request.
     ``return_routed_experts=False`` answers ``routed_experts: null`` (vLLM without capture);
     request bodies over ``max_body_bytes`` get a 413; an idle keep-alive connection is closed
-    after ``idle_timeout`` seconds. Model calls run one at a time on one worker thread;
+    after ``idle_timeout`` seconds. A request asking for more than ``max_n`` samples or more
+    than ``max_tokens_limit`` tokens (None: only ``max_model_len`` bounds it) gets an HTTP 400
+    in vLLM's error JSON naming the limit and the value, before anything is generated; a
+    request without ``max_tokens`` generates up to ``min(remaining context,
+    max_tokens_limit)`` tokens. Model calls run one at a time on one worker thread;
     parsing and encoding run concurrently on the connection threads. Argument misuse raises
     `TypeError`/`ValueError`.
     """
@@ -269,6 +273,8 @@ class EngineServer:
         return_routed_experts: bool = True,
         max_body_bytes: int = 64 << 20,
         idle_timeout: float = 60.0,
+        max_n: int = 16,
+        max_tokens_limit: int | None = None,
     ) -> None:
         if engine is not None and not isinstance(engine, ReferenceEngine):
             raise TypeError(
@@ -281,6 +287,8 @@ class EngineServer:
         if not idle_timeout > 0:
             raise ValueError(f"idle_timeout: expected seconds > 0, found {idle_timeout!r}")
         max_body_bytes = check_positive_int(max_body_bytes, "max_body_bytes")
+        self.max_n = check_positive_int(max_n, "max_n")
+        self.max_tokens_limit = check_optional_int(max_tokens_limit, "max_tokens_limit", minimum=1)
         port = check_int(port, "port", minimum=0, maximum=65535)
         self.engine = engine if engine is not None else ReferenceEngine()
         self.host = host
@@ -388,13 +396,29 @@ class EngineServer:
             raise proto.bad_request(str(exc), "token_ids") from exc
         return prompt
 
+    def _check_limits(self, sp: proto.Sampling) -> None:
+        """HTTP 400 (vLLM's error JSON) for ``n`` or ``max_tokens`` past this server's limits."""
+        if sp.n > self.max_n:
+            raise proto.bad_request(
+                f"n must be at most {self.max_n} (this engine's max_n), got {sp.n}. "
+                f"(parameter=n, value={sp.n})",
+                "n",
+            )
+        cap = self.max_tokens_limit
+        if cap is not None and sp.max_tokens is not None and sp.max_tokens > cap:
+            raise proto.bad_request(
+                f"max_tokens must be at most {cap} (this engine's max_tokens_limit), got "
+                f"{sp.max_tokens}. (parameter=max_tokens, value={sp.max_tokens})",
+                "max_tokens",
+            )
+
     def _run(self, prompt: list[int], sp: proto.Sampling) -> list[GenerateResult]:
         """``sp.n`` generations of ``prompt``; sample i uses seed ``seed + i`` (as vLLM does)."""
-        max_tokens = (
-            sp.max_tokens
-            if sp.max_tokens is not None
-            else self.engine.config.max_model_len - len(prompt)
-        )
+        max_tokens = sp.max_tokens
+        if max_tokens is None:
+            max_tokens = self.engine.config.max_model_len - len(prompt)
+            if self.max_tokens_limit is not None:
+                max_tokens = min(max_tokens, self.max_tokens_limit)
         top = 0
         if sp.logprobs is not None:
             top = self.engine.config.vocab_size if sp.logprobs == -1 else max(sp.logprobs, 1)
@@ -466,6 +490,7 @@ class EngineServer:
             )
         proto.check_model(body, self.model_name)
         sp = proto.parse_sampling(sp_obj, "body.sampling_params", default_max_tokens=None)
+        self._check_limits(sp)
         return_token_ids = proto.get_bool(body, "return_token_ids", "body", False)
         results = self._run(prompt, sp)
         choices = [
@@ -513,6 +538,7 @@ class EngineServer:
                 "logprobs",
             )
         sp = proto.parse_sampling(body, "body", default_max_tokens=16)
+        self._check_limits(sp)
         return_token_ids = proto.get_bool(body, "return_token_ids", "body", False)
         # all prompts are validated before any is generated
         for prompt in prompts:

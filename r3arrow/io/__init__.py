@@ -19,10 +19,19 @@ This package is the only owner of the on-disk layout (see ``docs/design.md``,
   `read_row_group`.
 - **Arrow IPC** (`r3arrow.io._ipc`): `write_ipc`, `read_ipc` (memory-mapped).
 
-The spec travels in the file metadata; every reader checks it and raises
-`SchemaError` with the offending ``path`` for a corrupt or foreign file.
-Argument misuse (a negative or non-int ``step``) raises ``ValueError`` /
-``TypeError``.
+- **Trust boundary** (`r3arrow.io._verify`): what every Parquet reader checks.
+
+The spec travels in the file metadata. Files carry Parquet page checksums and
+a SHA-256 over the r3arrow metadata (``r3arrow.meta_sha256``); readers verify
+both (older files without them still read, unchecked on that point), the
+schema version and the spec, and — unless ``validate=False`` — the rows they
+return (columns, types, no nulls, lengths, expert ids). Every error is an
+`R3ArrowError` (mostly `SchemaError`) with ``path`` naming the file; no Arrow
+or OS exception escapes for a corrupt or foreign file. A rollout table without
+``routes`` and without a spec (R3 off) is written and read back as is.
+``write_rollouts(portable=True)`` stores routes as nested integer lists for
+generic tools (`r3arrow.io._portable`). Argument misuse (a negative or non-int
+``step``) raises ``ValueError`` / ``TypeError``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pyarrow as pa
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated
 from r3arrow.errors import SchemaError
-from r3arrow.io._layout import atomic_path
+from r3arrow.io._layout import atomic_path, check_regular
 from r3arrow.io._parquet import check_rollout_schema
 from r3arrow.table import validate_rollouts
 
@@ -39,15 +39,15 @@ def read_ipc(path: PathLike, *, memory_map: bool = True) -> pa.Table:
     """Read an IPC rollout file; memory-mapped (zero-copy, lazy paging) by default.
 
     Raises ``FileNotFoundError`` if ``path`` does not exist, `SchemaError`
-    (``path`` set) for an unreadable file or one without the r3arrow spec.
+    (``path`` set) for a path that is not a regular file (a FIFO would block),
+    an unreadable file or one without the r3arrow spec.
     """
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such file")
+    check_regular(p)
     try:
         source = pa.memory_map(str(p)) if memory_map else pa.OSFile(str(p), "rb")
         table = pa.ipc.open_file(source).read_all()
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise SchemaError(
             f"{p}: expected an r3arrow Arrow IPC rollout file, found an unreadable file ({exc})",
             path=p,

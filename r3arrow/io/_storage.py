@@ -124,9 +124,11 @@ def to_storage(table: pa.Table) -> pa.Table:
 def from_storage(table: pa.Table) -> pa.Table:
     """Restore nested routes columns from their storage form (spec from schema metadata); zero-copy.
 
-    A table without the storage metadata is returned unchanged. Raises
-    `SchemaError` if the metadata is malformed or a column does not have the
-    stored type of the spec.
+    The storage form is the default ``fixed_size_binary`` one or the portable
+    nested-list one (`r3arrow.io._portable`, format ``nested_list/v1``); both
+    come back as the exact nested ``fixed_size_list`` type. A table without the
+    storage metadata is returned unchanged. Raises `SchemaError` if the metadata
+    is malformed or a column does not have the stored type of the spec.
     """
     spec = RouteSpec.from_schema(table.schema)
     meta = dict(table.schema.metadata or {})
@@ -141,8 +143,15 @@ def from_storage(table: pa.Table) -> pa.Table:
         raise SchemaError(
             f"routes storage metadata: expected {{format, columns}} JSON, found {raw!r:.120}"
         ) from exc
+    from r3arrow.io._portable import PORTABLE_FORMAT, from_portable  # it imports this module
+
+    if fmt == PORTABLE_FORMAT:
+        return from_portable(table, names).replace_schema_metadata(meta)
     if fmt != STORAGE_FORMAT:
-        raise SchemaError(f"routes storage: expected format {STORAGE_FORMAT!r}, found {fmt!r}")
+        raise SchemaError(
+            f"routes storage: expected format {STORAGE_FORMAT!r} or {PORTABLE_FORMAT!r}, "
+            f"found {fmt!r}"
+        )
     for name in names:
         if name in table.schema.names and not pa.types.is_large_list(table.schema.field(name).type):
             raise SchemaError(
@@ -156,8 +165,8 @@ def route_rows(col: ArrowArray, spec: RouteSpec, name: str) -> tuple[np.ndarray,
     """(rows ``[T, L, K]``, lengths int64 ``[B]``) of a ragged routes column, nested or stored form.
 
     ``col`` is a ``list`` / ``large_list`` of per-token routes (the nested type,
-    or the ``fixed_size_binary`` storage form when read without
-    :func:`from_storage`, e.g. from a Ray block). The rows are a view of the
+    the portable ``list<list<dtype>>`` form, or the ``fixed_size_binary`` storage
+    form when read without :func:`from_storage`, e.g. from a Ray block). The rows are a view of the
     column's buffer when it has one chunk (several chunks are combined first).
     Raises `SchemaError` naming column ``name`` if it is not such a column.
     """
@@ -173,6 +182,11 @@ def route_rows(col: ArrowArray, spec: RouteSpec, name: str) -> tuple[np.ndarray,
     values = cast("pa.LargeListArray[Any]", arr).flatten()
     if pa.types.is_fixed_size_binary(values.type):
         values = decode_tokens(values, spec, what=f"column {name!r}")
+    else:
+        from r3arrow.io._portable import is_portable_type, portable_tokens
+
+        if is_portable_type(values.type):
+            values = portable_tokens(values, spec, name)
     return routes_to_numpy(values, spec), list_lengths(arr)
 
 

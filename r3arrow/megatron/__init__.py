@@ -6,9 +6,13 @@
   rank's router sees, ids in ``[0, num_experts)``, no expert twice in a row) and only then
   calls ``RouterReplay.set_replay_data``: Megatron itself accepts wrong targets silently.
 * `replay_backward` switches to ``REPLAY_BACKWARD`` for activation recomputation.
-* `model_inputs` passes the router padding mask (and ``PackedSeqParams``) to ``GPTModel``.
+* `model_inputs` passes the router padding mask (and ``PackedSeqParams``) to ``GPTModel``,
+  pre-sliced to the TP rank's sequence-parallel share on pipeline stages that do not embed
+  tokens (`stage_padding_mask`; Megatron scatters the mask on the first stage only).
 * `apply_padding_mask_shim` makes a ``[tokens]`` padding mask broadcast as ``[tokens, 1]``
-  in expert-bias accounting on releases without Megatron-LM #6114.
+  in expert-bias accounting on releases without Megatron-LM #6114;
+  `apply_all_padding_aux_loss_shim` keeps the load-balancing loss of an all-padding (DP
+  padding) microbatch at 0 instead of NaN.
 * `stage_router_layers` / `router_layers` give the global ids of a stage's routers;
   `collator_for` builds this rank's `r3arrow.collate.MegatronCollator`.
 
@@ -24,7 +28,7 @@ scope), `_install` (target checks and installation), `_inputs` (model inputs), `
 from __future__ import annotations
 
 from r3arrow.errors import ReplayDuplicateError, ReplayRangeError
-from r3arrow.megatron._inputs import model_inputs, packed_seq_params
+from r3arrow.megatron._inputs import model_inputs, packed_seq_params, stage_padding_mask
 from r3arrow.megatron._install import install_replay, validate_targets
 from r3arrow.megatron._routers import router_layers
 from r3arrow.megatron._schedule import (
@@ -34,8 +38,11 @@ from r3arrow.megatron._schedule import (
     set_replay_action,
 )
 from r3arrow.megatron._shim import (
+    all_padding_aux_loss_fix_present,
+    apply_all_padding_aux_loss_shim,
     apply_padding_mask_shim,
     padding_mask_fix_present,
+    remove_all_padding_aux_loss_shim,
     remove_padding_mask_shim,
 )
 from r3arrow.megatron._stages import collator_for, moe_layer_pattern, stage_router_layers
@@ -43,6 +50,8 @@ from r3arrow.megatron._stages import collator_for, moe_layer_pattern, stage_rout
 __all__ = [
     "ReplayDuplicateError",
     "ReplayRangeError",
+    "all_padding_aux_loss_fix_present",
+    "apply_all_padding_aux_loss_shim",
     "apply_padding_mask_shim",
     "clear_replay_state",
     "collator_for",
@@ -51,11 +60,13 @@ __all__ = [
     "moe_layer_pattern",
     "packed_seq_params",
     "padding_mask_fix_present",
+    "remove_all_padding_aux_loss_shim",
     "remove_padding_mask_shim",
     "replay_backward",
     "replay_schedule",
     "router_layers",
     "set_replay_action",
+    "stage_padding_mask",
     "stage_router_layers",
     "validate_targets",
 ]

@@ -108,7 +108,8 @@ def install_replay(
 ) -> list[torch.Tensor]:
     """Validate replay targets, then hand them to ``RouterReplay.set_replay_data``; return them.
 
-    ``mb``: a `Microbatch` (targets, token count, layers and ``num_experts`` from it) or a list
+    ``mb``: a `Microbatch` (targets, token count, layers and ``num_experts`` from it; one
+    collated with R3 off raises `ReplayError`) or a list
     of ``[tokens, K]`` tensors in router-instance order (then ``num_tokens`` is required).
     ``routers`` (a model, modules or routers): targets go to routers by ``layer_number``
     (1-based global), which must match the microbatch's layers; ``num_experts`` and top-k are
@@ -120,9 +121,16 @@ def install_replay(
     ``layers`` not one per target) and `ReplayError` (subclasses `ReplayRangeError`,
     `ReplayDuplicateError`) for targets that do not fit, before anything reaches Megatron.
     """
+    if isinstance(mb, Microbatch) and (mb.spec is None or not mb.r3):
+        raise ReplayError(
+            "install_replay: expected a microbatch with routes, found one collated with R3 "
+            "off (MegatronCollator(spec=None)); leave the routers free (replay_schedule(None)) "
+            "instead of installing targets"
+        )
     rr = _router_replay().RouterReplay
     instances = list(rr.global_router_replay_instances)
     if isinstance(mb, Microbatch):
+        assert mb.spec is not None  # checked above
         targets = mb.replay_targets()
         tokens = mb.num_router_tokens
         ids = list(mb.layers)

@@ -1,12 +1,17 @@
-"""Expert-bias padding-mask shim for ``TopKRouter._apply_expert_bias`` (Megatron-LM #6114).
+"""Padding-mask shims for megatron-core's routers.
 
-Releases without the fix broadcast a ``[tokens]`` padding mask wrongly in expert-bias
-accounting; `apply_padding_mask_shim` patches the method once, unless the installed
-release already counts masks right (decided by behaviour, `padding_mask_fix_present`).
+* Expert bias (Megatron-LM #6114): releases without the fix broadcast a ``[tokens]`` padding
+  mask wrongly in expert-bias accounting; `apply_padding_mask_shim` patches
+  ``TopKRouter._apply_expert_bias`` once, unless the installed release already counts masks
+  right (decided by behaviour, `padding_mask_fix_present`).
+* All-padding microbatches: the load-balancing loss divides by the unpadded-token count,
+  0 on a DP padding microbatch; `apply_all_padding_aux_loss_shim` clamps it to 1 (loss 0),
+  unless the release already returns a finite loss (`all_padding_aux_loss_fix_present`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import types
@@ -115,3 +120,84 @@ def remove_padding_mask_shim() -> None:
             del TopKRouter._apply_expert_bias
         else:
             TopKRouter._apply_expert_bias = original
+
+
+# ------------------------------------------------- all-padding microbatches and aux loss
+_aux_shim: dict[str, Any] = {}
+
+
+def _at_least_one(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.clamp(x, min=1)
+    return max(x, 1)
+
+
+def _guard_token_count(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``switch_load_balancing_loss_func`` with ``total_num_tokens`` clamped to at least 1.
+
+    With a padding mask the count is the number of unpadded tokens (an integer), so the
+    clamp changes nothing but 0, where the probabilities and counts are all zero and the
+    loss becomes 0 instead of ``0 / 0``; megatron's own z-loss clamps the same way."""
+
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if "total_num_tokens" in kwargs:
+            kwargs["total_num_tokens"] = _at_least_one(kwargs["total_num_tokens"])
+        elif len(args) > 2:
+            args = (*args[:2], _at_least_one(args[2]), *args[3:])
+        return original(*args, **kwargs)
+
+    guarded._r3arrow_shim = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def all_padding_aux_loss_fix_present() -> bool:
+    """Whether the installed router's load-balancing loss is finite on a microbatch whose
+    tokens are all padding (by behaviour: 2 masked tokens, 4 experts). megatron-core 0.16.1
+    divides by the zero unpadded-token count there: NaN loss and NaN router gradients."""
+    from megatron.core.transformer.moe import router
+
+    fn = router.switch_load_balancing_loss_func
+    if getattr(fn, "_r3arrow_shim", False):
+        return True
+    loss = fn(
+        probs=torch.zeros(2, 4),
+        tokens_per_expert=torch.zeros(4),
+        total_num_tokens=torch.tensor(0.0),
+        topk=2,
+        num_experts=4,
+        moe_aux_loss_coeff=0.01,
+    )
+    return bool(torch.isfinite(torch.as_tensor(loss)).all())
+
+
+def apply_all_padding_aux_loss_shim() -> bool:
+    """Make the routers' load-balancing losses 0 (not NaN) on all-padding microbatches.
+
+    DP padding microbatches (`r3arrow.microbatch.padding_table`) have ``padding_mask`` True
+    everywhere; with an aux loss on, megatron-core 0.16.1 computes ``0 / 0`` for them and
+    poisons the step with NaN gradients. The shim wraps the ``switch_load_balancing_loss_func``
+    the router module calls (aux, sequence and global aux losses) so the token count is at
+    least 1; every other microbatch's loss is unchanged. Idempotent; returns True when in
+    place, False when skipped because the release already returns a finite loss
+    (`all_padding_aux_loss_fix_present`).
+    """
+    from megatron.core.transformer.moe import router
+
+    with _shim_lock:
+        if getattr(router.switch_load_balancing_loss_func, "_r3arrow_shim", False):
+            return True
+        if all_padding_aux_loss_fix_present():
+            return False
+        _aux_shim["original"] = router.switch_load_balancing_loss_func
+        router.switch_load_balancing_loss_func = _guard_token_count(_aux_shim["original"])
+        return True
+
+
+def remove_all_padding_aux_loss_shim() -> None:
+    """Undo `apply_all_padding_aux_loss_shim` (tests, or after upgrading in place)."""
+    from megatron.core.transformer.moe import router
+
+    with _shim_lock:
+        if "original" in _aux_shim:
+            router.switch_load_balancing_loss_func = _aux_shim.pop("original")

@@ -134,7 +134,7 @@ def stage_router_layers(
 
 
 def collator_for(
-    spec: RouteSpec,
+    spec: RouteSpec | None,
     config: Any = None,
     *,
     model: Any = None,
@@ -147,13 +147,17 @@ def collator_for(
     """A `MegatronCollator` for this rank: layers from ``model``'s routers (``layer_number``) or
     from ``config`` and the PP/VPP rank; TP/CP sizes, sequence parallelism and FP8 from
     ``config``; ranks from Megatron's ``parallel_state`` when initialised (else 0). Extra
-    keywords go to the collator and win over the config."""
-    if model is not None:
-        layers = router_layers(model)
-    elif config is not None:
-        layers = stage_router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
-    else:
+    keywords go to the collator and win over the config. ``spec=None``: an R3-off collator
+    (no layers; sizes and ranks as above)."""
+    layers: list[int] | None
+    if config is None and model is None:
         raise TypeError("collator_for: expected a config or a model, found neither")
+    if spec is None:
+        layers = None
+    elif model is not None:
+        layers = router_layers(model)
+    else:
+        layers = stage_router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
     params: dict[str, Any] = {}
     if config is not None:
         params = {

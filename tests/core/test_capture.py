@@ -14,6 +14,7 @@ from r3arrow import RouteSpec, RouteTrace, TurnStore
 from r3arrow._validated import is_validated
 from r3arrow.errors import (
     ContiguityError,
+    DuplicateExpertError,
     ExpertRangeError,
     R3ArrowError,
     RouteShapeError,
@@ -65,13 +66,13 @@ def test_bound_trace_validates_once_and_the_store_trusts_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[int] = []
-    real = r3arrow.ids.check_route_ids
+    real = r3arrow.ids.check_routes
 
     def counting(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
         calls.append(arr.shape[0])
         return real(arr, spec, what=what)
 
-    monkeypatch.setattr(r3arrow.trace, "check_route_ids", counting)
+    monkeypatch.setattr(r3arrow.trace, "check_routes", counting)
     store = TurnStore(SPEC)
     trace = store.trace("t")
     trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2)
@@ -103,6 +104,11 @@ def test_bound_trace_shares_the_read_only_buffer_with_the_store() -> None:
         (rows_of(3), {"prompt_tokens": 3, "generated_tokens": 2}, RouteShapeError),  # 4 wanted
         (np.full((4, 3, 2), 16), {"prompt_tokens": 3, "generated_tokens": 2}, ExpertRangeError),
         (rows_of(4), {"prompt_tokens": 0, "generated_tokens": 2}, ValueError),
+        (
+            np.zeros((4, 3, 2), np.uint8),
+            {"prompt_tokens": 3, "generated_tokens": 2},
+            DuplicateExpertError,
+        ),
     ],
 )
 def test_a_rejected_turn_changes_neither_trace_nor_store(
@@ -117,6 +123,32 @@ def test_a_rejected_turn_changes_neither_trace_nor_store(
         assert info.value.trajectory_id == "t"
     trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2)
     assert store.num_turns == 1
+
+
+def test_duplicate_experts_are_a_data_error_at_record_and_nothing_changes() -> None:
+    store = TurnStore(SPEC)
+    trace = store.trace("t")
+    trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2)
+    bad = rows_of(2, seed=5)
+    bad[1, 2, 1] = bad[1, 2, 0]  # layer 2 routes; layer 1 is dense (zeros) and unchecked
+    with pytest.raises(DuplicateExpertError) as info:
+        trace.record(bad, prompt_tokens=5, generated_tokens=2)
+    assert isinstance(info.value, R3ArrowError) and isinstance(info.value, ValueError)
+    assert info.value.fields() == {"trajectory_id": "t", "token": 1, "layer": 2}
+    assert (trace.captured, trace.num_turns, store.num_turns) == (4, 1, 1)
+    with pytest.raises(DuplicateExpertError, match="token 1, layer 2"):
+        store.append("u", 0, bad)  # outside data: the same rule
+    assert store.num_turns == 1
+
+
+def test_duplicate_on_an_all_zero_layer_hints_at_moe_layers() -> None:
+    all_router = RouteSpec(num_layers=3, topk=2, num_experts=16)  # dense layer 1 undeclared
+    rows = rows_of(4)  # SPEC's rows: zeros on layer 1
+    trace = TurnStore(all_router).trace("t")
+    with pytest.raises(DuplicateExpertError, match=r"layer 1 is all zeros.*moe_layers") as info:
+        trace.record(rows, prompt_tokens=3, generated_tokens=2)
+    assert (info.value.layer, info.value.token, info.value.trajectory_id) == (1, 0, "t")
+    assert trace.captured == 0
 
 
 def test_bound_traces_widen_with_the_store_when_num_experts_is_unknown() -> None:

@@ -236,6 +236,57 @@ def test_encode_packed_matches_skyrl_layout() -> None:
 
 
 @pytest.mark.parametrize(
+    ("top", "name"),
+    [(0, "uint8"), (255, "uint8"), (256, "int16"), (32767, "int16"), (32768, "int32")],
+)
+@pytest.mark.parametrize("dtype", ["uint16", "int32", "int64", "uint64"])
+def test_encode_packed_emits_the_narrowest_skyrl_dtype(top: int, name: str, dtype: str) -> None:
+    arr = np.array([[[0, top]], [[1, 2]]], dtype=dtype)
+    obj = codec.encode_packed(arr)
+    assert obj["dtype"] == name and obj["shape"] == [2, 1, 2]
+    # SkyRL's reader: np.frombuffer(raw, np.dtype(name)).reshape(shape)
+    back = np.frombuffer(base64.b64decode(obj["data"]), np.dtype(name)).reshape(obj["shape"])
+    assert back.tolist() == arr.tolist()
+    assert codec.decode_packed(obj).tolist() == arr.tolist()
+
+
+def test_encode_packed_refuses_ids_that_would_wrap() -> None:
+    with pytest.raises(ExpertRangeError, match=r"found -1 \(token 1, layer 0"):
+        codec.encode_packed(np.array([[[0, 1]], [[-1, 2]]], np.int64))
+    with pytest.raises(ExpertRangeError, match="found 2147483648"):
+        codec.encode_packed(np.array([[[0, 2**31]]], np.int64))
+    with pytest.raises(ExpertRangeError, match="found 16"):
+        codec.encode_packed(np.full((1, 3, 2), 16, np.int64), SPEC)
+    with pytest.raises(RouteShapeError, match=r"expected \[rows, 3, 2\]"):
+        codec.encode_packed(np.zeros((1, 2, 2), np.int64), SPEC)
+    with pytest.raises(RouteDTypeError):
+        codec.encode_packed(np.zeros((1, 3, 2), np.float32))
+    with pytest.raises(TypeError, match="RouteSpec or None"):
+        codec.encode_packed(np.zeros((1, 3, 2), np.uint8), "spec")  # type: ignore[arg-type]
+
+
+def test_encode_packed_accepts_torch_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.tensor([[[3, 300], [0, 1], [2, 5]]], dtype=torch.int64)
+    obj = codec.encode_packed(t)
+    assert obj["dtype"] == "int16" and codec.decode_packed(obj).tolist() == t.tolist()
+    obj8 = codec.encode_packed(t.clamp(max=15).to(torch.int32), SPEC)  # a non-contiguous source
+    assert obj8["dtype"] == "uint8"
+    assert codec.decode_packed(obj8, SPEC).tolist() == t.clamp(max=15).tolist()
+    if torch.cuda.is_available():  # pragma: no cover - CPU CI
+        assert codec.encode_packed(t.cuda()) == obj
+
+
+def test_decode_packed_accepts_every_skyrl_dtype_and_legacy_uint16() -> None:
+    arr = np.array([[[1, 7]]])
+    for name in ("uint8", "int16", "int32", "uint16"):
+        raw = arr.astype(np.dtype(name).newbyteorder("<")).tobytes()
+        obj = {"data": base64.b64encode(raw).decode(), "shape": [1, 1, 2], "dtype": name}
+        out = codec.decode_packed(obj)
+        assert out.dtype == np.dtype(name) and out.tolist() == [[[1, 7]]]
+
+
+@pytest.mark.parametrize(
     ("mutate", "err", "match"),
     [
         (lambda o: o.pop("dtype"), PayloadError, "expected keys"),
@@ -401,6 +452,27 @@ def test_ipc_compressed_bomb_is_bounded_before_decompressing() -> None:
     assert pa.default_memory_pool().max_memory() == before
 
 
+def test_ipc_trailing_bytes_after_end_of_stream_are_refused() -> None:
+    buf = codec.encode_ipc(np.ones((2, 3, 2), np.uint8), SPEC).to_pybytes()
+    assert buf.endswith(b"\xff\xff\xff\xff\x00\x00\x00\x00")
+    for tail in (b"\x00", b"junk", buf):  # a second stream concatenated is refused too
+        with pytest.raises(PayloadError, match="more bytes after it"):
+            codec.decode_ipc_routes(buf + tail)
+
+
+def test_ipc_id_type_must_match_the_metadata_spec() -> None:
+    table = pa.table({"routes": numpy_to_routes(np.ones((2, 3, 2), np.uint16))})
+    forged = table.replace_schema_metadata(SPEC.to_metadata())  # SPEC stores uint8
+    with pytest.raises(RouteDTypeError, match="metadata spec says ids of uint8, found uint16"):
+        codec.decode_ipc_routes(ipc_bytes(forged))
+
+
+def test_ipc_spec_check_covers_streams_without_batches() -> None:
+    empty = pa.table({"routes": pa.array([], RouteSpec(2, 2, 16).arrow_type)})
+    with pytest.raises(RouteShapeError, match=r"expected routes \[rows, 3, 2\]"):
+        codec.decode_ipc(ipc_bytes(empty), SPEC)
+
+
 # ------------------------------------------------------------------------ empties
 @pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "int32"])
 def test_empty_round_trips(dtype: str) -> None:
@@ -436,7 +508,9 @@ def test_round_trip_every_codec(case: tuple[np.ndarray, RouteSpec]) -> None:
     p = codec.decode_packed(codec.encode_packed(arr), spec)
     s = codec.decode_sglang(codec.encode_sglang(arr), spec)
     i = codec.decode_ipc_routes(codec.encode_ipc(arr, spec), spec)
-    assert v.dtype == arr.dtype and p.dtype == arr.dtype and s.dtype == np.int32
+    assert v.dtype == arr.dtype and s.dtype == np.int32
+    # packed narrows to SkyRL's dtype for the largest id (never uint16)
+    assert p.dtype == codec.packed_dtype_for(int(arr.max(initial=0)))
     assert i.dtype == spec.dtype
     for out in (v, p, s, i):
         assert out.shape == arr.shape and np.array_equal(out, arr)

@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 import r3arrow
 from r3arrow.errors import SchemaError
-from r3arrow.microbatch import split_microbatch_indices, split_microbatches
+from r3arrow.microbatch import (
+    PADDING_TRAJECTORY_ID,
+    is_padding_table,
+    plan_dp_microbatches,
+    split_microbatch_indices,
+    split_microbatches,
+)
 from r3arrow.spec import RouteSpec
 from r3arrow.table import sequence_lengths
 
@@ -99,6 +105,151 @@ def test_split_microbatches_on_a_table_keeps_rows_and_spec() -> None:
     ids = sorted(str(t) for part in parts for t in part.column("trajectory_id").to_pylist())
     assert ids == ["t0", "t1", "t2", "t3"]
     assert all(r3arrow.route_spec(part) == spec for part in parts)
+
+
+def _as_lists(groups: list[np.ndarray]) -> list[list[int]]:
+    return [g.tolist() for g in groups]
+
+
+def test_dp_balanced_plan_literal() -> None:
+    lens = [8, 1, 1, 1, 6, 2]
+    # Ranks by cost, longest first, ties to the lower rank: rank 0 {0, 1, 3}, rank 1 {2, 4, 5};
+    # then each share in two microbatches.
+    plan = plan_dp_microbatches(lens, dp_size=2, num_microbatches=2)
+    assert [_as_lists(p) for p in plan] == [[[0], [1, 3]], [[2, 5], [4]]]
+    for rank in range(2):
+        got = split_microbatch_indices(lens, num_microbatches=2, dp_size=2, dp_rank=rank)
+        assert _as_lists(got) == _as_lists(plan[rank])
+    # Rank 0 needs two microbatches within the budget, ranks 1 and 2 one: both get a padding one.
+    plan = plan_dp_microbatches([8, 8, 8, 1], dp_size=3, max_tokens=8)
+    assert [_as_lists(p) for p in plan] == [[[0], [3]], [[1], []], [[2], []]]
+    # Fewer trajectories than ranks: a rank of padding only.
+    assert [_as_lists(p) for p in plan_dp_microbatches([3], dp_size=2, max_tokens=4)] == [
+        [[0]],
+        [[]],
+    ]
+    # num_microbatches above a rank's share: padding fills it up.
+    plan = plan_dp_microbatches([5, 4, 3], dp_size=2, num_microbatches=2)
+    assert [_as_lists(p) for p in plan] == [[[0], []], [[1], [2]]]
+    assert all(g.dtype == np.int64 for p in plan for g in p)
+
+
+def test_dp_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"dp_rank: expected an int in \[0, 2\).*found None"):
+        split_microbatch_indices([3, 2], num_microbatches=1, dp_size=2)
+    with pytest.raises(ValueError, match=r"dp_rank: expected an int in \[0, 1\]"):
+        split_microbatch_indices([3, 2], num_microbatches=1, dp_size=2, dp_rank=2)
+    with pytest.raises(ValueError, match=r"dp_size: expected an int in \[1, inf\]"):
+        split_microbatch_indices([3, 2], num_microbatches=1, dp_size=0)
+    with pytest.raises(ValueError, match=r"num_microbatches: expected 1\.\.2"):
+        plan_dp_microbatches([3, 2], dp_size=2, num_microbatches=3)
+    with pytest.raises(SchemaError, match=r"row 1 needs 9 tokens.*budget is 5") as info:
+        plan_dp_microbatches([3, 9, 2], dp_size=2, max_tokens=5)
+    assert info.value.row == 1
+    with pytest.raises(ValueError, match="neither"):
+        plan_dp_microbatches([3], dp_size=2)
+
+
+def _cost(lens: list[int], g: np.ndarray, multiple: int, packed: bool) -> int:
+    c = [-(-lens[i] // multiple) * multiple for i in g.tolist()]
+    return sum(c) if packed else len(c) * max(c)
+
+
+@given(
+    st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    st.integers(1, 5),
+    st.sampled_from([1, 4]),
+    st.booleans(),
+    st.one_of(st.none(), st.integers(40, 120)),
+    st.integers(1, 6),
+)
+def test_dp_plan_covers_every_trajectory_once_with_equal_counts(
+    lens: list[int],
+    dp: int,
+    multiple: int,
+    packed: bool,
+    budget: int | None,
+    count: int,
+) -> None:
+    count = min(count, len(lens))
+    if budget is not None:
+        budget = max(budget, -(-max(lens) // multiple) * multiple)
+    bins = None if budget is not None and count % 2 else count  # budget alone, count, or both
+    plan = plan_dp_microbatches(
+        lens, dp_size=dp, max_tokens=budget, num_microbatches=bins, multiple=multiple, packed=packed
+    )
+    assert len(plan) == dp
+    total = len(plan[0])
+    assert all(len(p) == total for p in plan) and total >= (bins or 1)
+    rows = sorted(i for p in plan for g in p for i in g.tolist())
+    assert rows == list(range(len(lens)))  # every trajectory on exactly one rank, once
+    for rank, groups in enumerate(plan):
+        sizes = [g.size for g in groups]
+        real = sum(1 for n in sizes if n)
+        assert all(n == 0 for n in sizes[real:])  # padding microbatches last
+        for g in groups[:real]:
+            assert np.all(np.diff(g) > 0)
+            if budget is not None:
+                assert _cost(lens, g, multiple, packed) <= budget
+        same = split_microbatch_indices(
+            lens,
+            max_tokens=budget,
+            num_microbatches=bins,
+            multiple=multiple,
+            packed=packed,
+            dp_size=dp,
+            dp_rank=rank,
+        )
+        assert _as_lists(same) == _as_lists(groups)
+    # Longest-first onto the least loaded rank: loads differ by at most one trajectory's cost.
+    cost = [-(-n // multiple) * multiple for n in lens]
+    loads = [sum(cost[i] for g in p for i in g.tolist()) for p in plan]
+    assert max(loads) - min(loads) <= max(cost)
+    if dp == 1:
+        plain = split_microbatch_indices(
+            lens, max_tokens=budget, num_microbatches=bins, multiple=multiple, packed=packed
+        )
+        assert _as_lists(plain) == _as_lists(plan[0])
+
+
+def test_split_microbatches_with_dp_pads_with_dummy_tables() -> None:
+    spec = RouteSpec(num_layers=2, topk=2, num_experts=4)
+    lens = [9, 2, 2]
+    table = r3arrow.rollout_table(
+        trajectory_id=[f"t{i}" for i in range(3)],
+        group_id=["g"] * 3,
+        prompt_ids=[[1]] * 3,
+        response_ids=[list(range(n - 1)) for n in lens],
+        loss_mask=[[1] * (n - 1) for n in lens],
+        reward=[0.0] * 3,
+        routes=[np.tile(np.arange(2, dtype=np.uint8), (n, 2, 1)) for n in lens],
+        spec=spec,
+        advantage=[1.0, 2.0, 3.0],
+    )
+    ranks = [split_microbatches(table, max_tokens=9, dp_size=2, dp_rank=r) for r in range(2)]
+    assert [len(parts) for parts in ranks] == [1, 1]  # rank 0 {t0}, rank 1 {t1, t2}
+    ranks = [split_microbatches(table, num_microbatches=2, dp_size=2, dp_rank=r) for r in range(2)]
+    assert [[is_padding_table(p) for p in parts] for parts in ranks] == [
+        [False, True],
+        [False, False],
+    ]
+    pad = ranks[0][1]
+    assert pad.schema == table.schema.with_metadata(pad.schema.metadata)
+    assert pad.to_pylist() == [
+        {
+            "trajectory_id": PADDING_TRAJECTORY_ID,
+            "group_id": PADDING_TRAJECTORY_ID,
+            "prompt_ids": [0],
+            "response_ids": [],
+            "loss_mask": [],
+            "reward": 0.0,
+            "routes": [],
+            "advantage": None,
+        }
+    ]
+    assert r3arrow.route_spec(pad) == spec and r3arrow.validate_rollouts(pad) == spec
+    ids = [str(t) for parts in ranks for p in parts for t in p.column("trajectory_id").to_pylist()]
+    assert sorted(t for t in ids if t != PADDING_TRAJECTORY_ID) == ["t0", "t1", "t2"]
 
 
 def test_core_module_imports_no_torch() -> None:

@@ -58,6 +58,26 @@ def test_storage_dtype_too_many_experts() -> None:
         storage_dtype_for(2**31 + 1)
 
 
+def test_int32_bound_both_sides() -> None:
+    # int32 storage holds ids 0 .. 2**31 - 1, so 2**31 experts fit and 2**31 + 1 do not.
+    assert storage_dtype_for(2**31) == np.dtype(np.int32)
+    spec = RouteSpec(num_layers=1, topk=2, num_experts=2**31)
+    assert spec.dtype == np.dtype(np.int32)
+    top = np.array([[[2**31 - 2, 2**31 - 1]]], dtype=np.int64)
+    assert check_route_ids(top, spec) == (2**31 - 2, 2**31 - 1)
+    np.testing.assert_array_equal(routes_to_numpy(numpy_to_routes(top.astype(np.int32))), top)
+    with pytest.raises(ExpertRangeError, match="2147483648"):
+        check_route_ids(np.array([[[0, 2**31]]], dtype=np.int64), spec)
+    with pytest.raises(ValueError, match=r"RouteSpec\.num_experts"):
+        RouteSpec(num_layers=1, topk=2, num_experts=2**31 + 1)
+    # Unknown num_experts widens up to the largest int32 id, and no further.
+    unknown = RouteSpec(num_layers=1, topk=2, num_experts=None)
+    assert unknown.widened_for(2**31 - 1).dtype == np.dtype(np.int32)
+    with pytest.raises(ExpertRangeError):
+        unknown.widened_for(2**31)
+    assert RouteSpec.from_json(spec.to_json()) == spec
+
+
 def test_unknown_num_experts_starts_at_uint8() -> None:
     assert RouteSpec(num_layers=4, topk=2, num_experts=None).dtype == np.dtype(np.uint8)
 
@@ -95,7 +115,10 @@ def test_router_and_dense_layers() -> None:
         ({"num_layers": 2, "topk": 9, "num_experts": 8}, ValueError),
         ({"num_layers": 2, "topk": 2, "num_experts": 0}, ValueError),
         ({"num_layers": 2, "topk": 2, "num_experts": -3}, ValueError),
-        ({"num_layers": 2, "topk": 2, "num_experts": 2**31}, ValueError),
+        ({"num_layers": 2, "topk": 2, "num_experts": 2**31 + 1}, ValueError),
+        ({"num_layers": 2**31, "topk": 2, "num_experts": 8}, ValueError),
+        ({"num_layers": 2, "topk": 2**31, "num_experts": 2**31}, ValueError),
+        ({"num_layers": 2, "topk": 2, "num_experts": 8.0}, TypeError),
         ({"num_layers": 4, "topk": 2, "num_experts": 8, "moe_layers": [1, 1]}, ValueError),
         ({"num_layers": 4, "topk": 2, "num_experts": 8, "moe_layers": [4]}, ValueError),
         ({"num_layers": 4, "topk": 2, "num_experts": 8, "moe_layers": [-1]}, ValueError),
@@ -190,6 +213,48 @@ def test_spec_json_fields() -> None:
 def test_spec_from_bad_json_raises_schema_error(data: bytes) -> None:
     with pytest.raises(SchemaError, match="RouteSpec"):
         RouteSpec.from_json(data)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"num_layers": 2147483648, "topk": 2, "num_experts": 8}',
+        b'{"num_layers": 2, "topk": 2147483648, "num_experts": 2147483648}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 2147483649}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 99999999999999999999999}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 8, "moe_layers": [99999999999999999999]}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 8, "moe_layers": [2147483648]}',
+        b'{"num_layers": 2.0, "topk": 2, "num_experts": 8}',
+        b'{"num_layers": "2", "topk": 2, "num_experts": 8}',
+        b'{"num_layers": true, "topk": 2, "num_experts": 8}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 8.5}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 8, "moe_layers": 1}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 8, "moe_layers": ["a"]}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 8, "id_dtype": 5}',
+        b'{"num_layers": 2, "topk": 2, "num_experts": 8, "id_dtype": "int64"}',
+        b'{"version": 2, "num_layers": 2, "topk": 2, "num_experts": 8}',
+        b'{"version": true, "num_layers": 2, "topk": 2, "num_experts": 8}',
+    ],
+)
+def test_spec_from_json_out_of_range_or_non_int_is_schema_error(data: bytes) -> None:
+    with pytest.raises(SchemaError, match="RouteSpec") as info:
+        RouteSpec.from_json(data)
+    assert not isinstance(info.value, OverflowError)
+
+
+def test_spec_from_json_accepts_the_largest_values() -> None:
+    data = b'{"version": 1, "num_layers": 2147483647, "topk": 2, "num_experts": 2147483648}'
+    spec = RouteSpec.from_json(data)
+    assert (spec.num_layers, spec.num_experts) == (2**31 - 1, 2**31)
+    assert spec.dtype == np.dtype(np.int32)
+
+
+def test_routes_with_a_null_layer_row_are_refused() -> None:
+    # A null [K] row inside a token would be dropped by flatten and shift every later id.
+    typ = RouteSpec(num_layers=2, topk=2, num_experts=8).arrow_type
+    arr = pa.array([[[0, 1], None], [[2, 3], [4, 5]]], type=typ)
+    with pytest.raises(RouteShapeError, match="null layer rows"):
+        routes_to_numpy(arr)
 
 
 def test_spec_from_schema_without_key() -> None:

@@ -182,13 +182,16 @@ def test_append_batch_with_several_turns_and_wrong_schemas() -> None:
         store.append_batch(renamed)
     other = RouteSpec(num_layers=4, topk=2, num_experts=16)
     with pytest.raises(SchemaError):
-        store.append_batch(turn_batch(other, "y", 0, np.zeros((1, 4, 2), dtype=np.uint8)))
+        store.append_batch(
+            turn_batch(other, "y", 0, np.tile(np.arange(2, dtype=np.uint8), (1, 4, 1)))
+        )
     no_meta = two.replace_schema_metadata(None)
     with pytest.raises(SchemaError, match=r"r3arrow\.spec"):
         store.append_batch(no_meta)
     wide = RouteSpec(num_layers=3, topk=2, num_experts=300, moe_layers=(0, 2))
     with pytest.raises(SchemaError, match="uint8"):  # the store's num_experts is known: no widening
-        store.append_batch(turn_batch(wide, "y", 0, np.zeros((1, 3, 2), dtype=np.uint16)))
+        rows = np.array([[[0, 1], [0, 0], [0, 1]]], dtype=np.uint16)  # layer 1 dense: zeros
+        store.append_batch(turn_batch(wide, "y", 0, rows))
     assert store.num_turns == 2
 
 

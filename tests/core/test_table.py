@@ -1,5 +1,7 @@
-"""Rollout table: schema held to schemas/rollout.v1.json, building, padding mask, row selection,
-dynamic sampling (filter_groups / replace_groups)."""
+"""Rollout table: schema held to schemas/rollout.v1.json, building, padding mask, row selection.
+
+validate_rollouts rule by rule: test_validate.py; dynamic sampling: test_sampling.py; R3 off:
+test_r3off.py."""
 
 from __future__ import annotations
 
@@ -25,11 +27,9 @@ from r3arrow.errors import (
 )
 from r3arrow.table import (
     ROLLOUT_COLUMNS,
-    filter_groups,
     filter_rows,
     flat_routes,
     input_ids,
-    replace_groups,
     rollout_schema,
     rollout_table,
     route_spec,
@@ -37,7 +37,6 @@ from r3arrow.table import (
     sequence_loss_mask,
     take_rows,
     validate_rollouts,
-    varied_groups,
 )
 from r3arrow.testing import random_routes
 
@@ -105,28 +104,33 @@ def schema_doc() -> dict[str, Any]:
     return doc
 
 
-def assert_follows_schema_file(schema: pa.Schema, spec: RouteSpec) -> None:
+def assert_follows_schema_file(schema: pa.Schema, spec: RouteSpec | None) -> None:
+    """``schema`` follows the file; ``spec=None``: the R3-off form (no routes, no spec)."""
     doc = schema_doc()
-    spec_json = json.loads(schema.metadata[b"r3arrow.spec"])
+    meta = schema.metadata or {}
+    core = [f for f in doc["fields"] if spec is not None or not f.get("optional", False)]
+    assert schema.names[: len(core)] == [f["name"] for f in core]  # names and order
+    assert doc["extra_columns"]["allowed"] is True
+    required = {k for k, v in doc["metadata"].items() if not v.get("optional", False)}
+    # Metadata: exactly the documented keys (the optional spec only with R3 on), the schema name.
+    assert {k.decode() for k in meta} == (set(doc["metadata"]) if spec is not None else required)
+    assert meta[b"r3arrow.schema"].decode() == doc["metadata"]["r3arrow.schema"]["value"]
+    assert doc["metadata"]["r3arrow.schema"]["value"] == doc["schema"]
+    if spec is None:
+        assert "routes" not in schema.names
+        for f in core:
+            assert schema.field(f["name"]).type == parse_type(f["type"], {}), f["name"]
+        return
+    spec_json = json.loads(meta[b"r3arrow.spec"])
     env = {
         "id": spec_json["dtype"],
         "num_layers": spec_json["num_layers"],
         "topk": spec_json["topk"],
     }
-    core = doc["fields"]
-    assert schema.names[: len(core)] == [f["name"] for f in core]  # names and order
     for f in core:
         field = schema.field(f["name"])
         assert field.type == parse_type(f["type"], env), f["name"]
         assert field.nullable == f["nullable"], f["name"]
-    assert doc["extra_columns"]["allowed"] is True
-    # Metadata: exactly the documented keys, the schema name, and the spec's documented JSON fields.
-    assert {k.decode() for k in schema.metadata} == set(doc["metadata"])
-    assert (
-        schema.metadata[b"r3arrow.schema"].decode()
-        == doc["metadata"]["r3arrow.schema"]["value"]
-        == doc["schema"]
-    )
     spec_fields = doc["metadata"]["r3arrow.spec"]["fields"]
     assert set(spec_json) == set(spec_fields)
     assert spec_json["dtype"] in spec_fields["dtype"]["enum"]
@@ -140,6 +144,15 @@ def assert_follows_schema_file(schema: pa.Schema, spec: RouteSpec) -> None:
     assert spec_json["moe_layers"] == (
         list(spec.moe_layers) if spec.moe_layers is not None else None
     )
+
+
+def test_only_routes_and_the_spec_are_optional_in_the_file() -> None:
+    doc = schema_doc()
+    assert [f["name"] for f in doc["fields"] if f.get("optional")] == ["routes"]
+    assert [k for k, v in doc["metadata"].items() if v.get("optional")] == ["r3arrow.spec"]
+    off = rollout_schema(None, [pa.field("advantage", pa.float32())])
+    assert off.names == [*ROLLOUT_COLUMNS[:-1], "advantage"]
+    assert_follows_schema_file(off, None)
 
 
 @pytest.mark.parametrize(
@@ -262,7 +275,7 @@ def test_rollout_table_builds_with_spec_metadata_and_extra_columns() -> None:
     assert offsets.tolist() == np.cumsum([0, *(len(r) for r in cols["routes"])]).tolist()
     for i, r in enumerate(cols["routes"]):
         np.testing.assert_array_equal(flat[offsets[i] : offsets[i + 1]], r)
-    assert validate_rollouts(table).arrow_type == SPEC.arrow_type
+    assert validate_rollouts(table, require_routes=True).arrow_type == SPEC.arrow_type
 
 
 def test_rollout_table_accepts_arrow_routes_and_a_routes_column() -> None:
@@ -537,137 +550,6 @@ def test_selection_on_a_multi_chunk_table() -> None:
     out = take_rows(both, [7, 0])
     assert out.column("trajectory_id").to_pylist() == ["b-3", "traj-0"]
     assert_rows_intact(out, both)
-
-
-# ---------------------------------------------------------- dynamic sampling
-
-
-def reference_keep(groups: list[str], values: list[Any]) -> list[bool]:
-    seen: dict[str, set[Any]] = {}
-    for g, v in zip(groups, values, strict=True):
-        seen.setdefault(g, set()).add(v)
-    return [len(seen[g]) > 1 for g in groups]
-
-
-def test_filter_groups_literal() -> None:
-    rng = np.random.default_rng(9)
-    cols = make_rows(rng, 7)
-    cols["group_id"] = ["a", "b", "a", "c", "b", "c", "d"]
-    cols["reward"] = [
-        1.0,
-        0.0,
-        0.0,
-        1.0,
-        0.0,
-        1.0,
-        0.5,
-    ]  # a varies; b all 0; c all 1; d a single row
-    table = rollout_table(**cols, spec=SPEC, step=list(range(7)))
-    out = filter_groups(table)
-    assert out.column("trajectory_id").to_pylist() == ["traj-0", "traj-2"]
-    assert out.column("step").to_pylist() == [0, 2]
-    assert_rows_intact(out, table)
-    assert varied_groups(table).tolist() == [True, False, True, False, False, False, False]
-    assert r3arrow.filter_groups is filter_groups
-
-
-def test_filter_groups_other_columns_and_errors() -> None:
-    table = make_table(np.random.default_rng(10), 6)
-    labels = pa.array(["x", "x", "y", "x", "x", "x"])
-    grouped = table.append_column("label", labels).append_column(
-        "bucket", pa.array([0, 0, 0, 1, 1, 1])
-    )
-    out = filter_groups(grouped, by="bucket", value="label")  # string values; an int group key
-    assert out.column("bucket").to_pylist() == [0, 0, 0]
-    with pytest.raises(SchemaError, match="'nope'"):
-        filter_groups(table, by="nope")
-    with pytest.raises(SchemaError, match="'nope'"):
-        filter_groups(table, value="nope")
-
-
-@given(
-    groups=st.lists(st.sampled_from(["g0", "g1", "g2", "g3", "g4"]), min_size=1, max_size=24),
-    data=st.data(),
-    chunk_at=st.integers(0, 24),
-)
-def test_filter_groups_matches_a_pure_python_reference(
-    groups: list[str], data: st.DataObject, chunk_at: int
-) -> None:
-    n = len(groups)
-    values = data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
-    rng = np.random.default_rng(n)
-    cols = make_rows(rng, n)
-    cols["group_id"], cols["reward"] = groups, values
-    table = rollout_table(**cols, spec=SPEC, step=list(range(n)))
-    cut = min(chunk_at, n)
-    chunked = pa.concat_tables([table.slice(0, cut), table.slice(cut)])  # several chunks
-    keep = reference_keep(groups, values)
-    for t in (table, chunked):
-        out = filter_groups(t)
-        assert out.column("step").to_pylist() == [i for i in range(n) if keep[i]]  # order kept
-        assert_rows_intact(out, table)
-
-
-def test_replace_groups_literal_and_deterministic() -> None:
-    rng = np.random.default_rng(11)
-    cols = make_rows(rng, 8)
-    cols["group_id"] = ["a", "a", "b", "b", "b", "c", "c", "d"]
-    cols["reward"] = [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.0]  # kept: a, c; dropped: b, d
-    table = rollout_table(**cols, spec=SPEC, step=list(range(8)))
-    out = replace_groups(table, seed=3)
-    assert out.num_rows == table.num_rows
-    assert out.schema.equals(table.schema, check_metadata=True)
-    assert out.equals(replace_groups(table, seed=3))  # deterministic under a seed
-    steps = pylist(out.column("step"))
-    assert [steps[i] for i in (0, 1, 5, 6)] == [0, 1, 5, 6]  # kept rows stay in place
-    kept_rows = {0, 1, 5, 6}
-    for pos in (2, 3, 4, 7):
-        assert steps[pos] in kept_rows  # replacement rows come from kept groups
-    # One dropped group draws one kept group: its rows come from a single kept group.
-    group_of = dict(zip(range(8), cols["group_id"], strict=True))
-    assert len({group_of[steps[p]] for p in (2, 3, 4)}) == 1
-    assert_rows_intact(out, table)
-    validate_rollouts(out)
-
-
-def test_replace_groups_edge_cases() -> None:
-    rng = np.random.default_rng(12)
-    cols = make_rows(rng, 4)
-    cols["group_id"], cols["reward"] = ["a", "a", "b", "b"], [0.0, 1.0, 1.0, 0.0]
-    table = rollout_table(**cols, spec=SPEC)
-    assert replace_groups(table, seed=0).equals(table)  # nothing dropped: unchanged
-    cols["reward"] = [1.0, 1.0, 0.0, 0.0]
-    uniform = rollout_table(**cols, spec=SPEC)
-    with pytest.raises(SchemaError, match="uniform"):
-        replace_groups(uniform, seed=0)
-
-
-@given(
-    groups=st.lists(st.sampled_from(["g0", "g1", "g2", "g3", "g4", "g5"]), min_size=2, max_size=24),
-    data=st.data(),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_replace_groups_properties(groups: list[str], data: st.DataObject, seed: int) -> None:
-    n = len(groups)
-    values = data.draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=n, max_size=n))
-    keep = reference_keep(groups, values)
-    cols = make_rows(np.random.default_rng(seed % 1000), n)
-    cols["group_id"], cols["reward"] = groups, values
-    table = rollout_table(**cols, spec=SPEC, step=list(range(n)))
-    if not any(keep):
-        with pytest.raises(SchemaError):
-            replace_groups(table, seed=seed)
-        return
-    out = replace_groups(table, seed=seed)
-    assert out.equals(replace_groups(table, seed=seed))
-    assert out.num_rows == n
-    steps = pylist(out.column("step"))
-    for i in range(n):
-        if keep[i]:
-            assert steps[i] == i
-        else:
-            assert keep[steps[i]]
-    assert_rows_intact(out, table)
 
 
 @pytest.mark.parametrize("value", [-1, 1000])

@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 from r3arrow import RouteSpec, RouteTrace, TokenTrace, numpy_to_routes, routes_to_numpy
 from r3arrow.errors import (
     ExpertRangeError,
+    PrefixMismatchError,
     R3ArrowError,
     RouteDTypeError,
     RouteShapeError,
@@ -701,3 +702,107 @@ def test_arbitrary_arrays_are_accepted_only_when_valid(
     assert valid, "an invalid payload was accepted"
     out = trace.finalize(num_tokens=prompt + gen, loss_mask=np.zeros(prompt + gen))
     np.testing.assert_array_equal(to_np(out, spec), arr)
+
+
+# ------------------------------------------------------------ covered tokens
+def test_covered_tokens_extend_turn_by_turn_and_refuse_drift() -> None:
+    trace = RouteTrace(SPEC)
+    assert trace.covered_tokens.size == 0
+    trace.check_extends([5, 6, 7])  # nothing covered yet: any prompt extends it
+    empty_digest = trace.covered_digest
+    trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2, prompt_ids=[5, 6, 7],
+                 generated_ids=[8, 9])  # fmt: skip
+    assert trace.covered_tokens.tolist() == [5, 6, 7, 8, 9]
+    assert trace.covered_tokens.dtype == np.int32 and not trace.covered_tokens.flags.writeable
+    assert trace.covered_digest != empty_digest
+    ok = trace.check_extends(np.array([5, 6, 7, 8, 9, 1], dtype=np.int64))
+    assert ok.dtype == np.int32 and ok.tolist() == [5, 6, 7, 8, 9, 1]
+    # re-tokenized history: the generated [8, 9] came back as [8, 10]
+    with pytest.raises(PrefixMismatchError, match="position 4 where the trace has 9") as info:
+        trace.check_extends([5, 6, 7, 8, 10, 1])
+    assert info.value.token == 4 and isinstance(info.value, ValueError)
+    with pytest.raises(PrefixMismatchError, match="ends at token 3") as short:
+        trace.check_extends([5, 6, 7])
+    assert short.value.token == 3
+    before = (trace.captured, trace.num_turns, trace.covered_digest)
+    with pytest.raises(PrefixMismatchError):  # record checks too when not handed check's array
+        trace.record(rows_of(2), prompt_tokens=6, generated_tokens=1,
+                     prompt_ids=[5, 6, 7, 8, 10, 1])  # fmt: skip
+    assert (trace.captured, trace.num_turns, trace.covered_digest) == before
+    trace.record(rows_of(2), prompt_tokens=6, generated_tokens=1, prompt_ids=ok)
+    assert trace.covered_tokens.tolist() == [5, 6, 7, 8, 9, 1]  # no generated ids: prompt only
+
+
+def test_digest_is_blake2b_of_the_covered_int32_bytes() -> None:
+    import hashlib
+
+    trace = RouteTrace(SPEC)
+    trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2, prompt_ids=[1, 2, 3],
+                 generated_ids=[4, 5])  # fmt: skip
+    want = hashlib.blake2b(np.arange(1, 6, dtype=np.int32).tobytes(), digest_size=16)
+    assert trace.covered_digest == want.hexdigest()
+
+
+def test_bound_trace_prefix_error_carries_the_trajectory_id() -> None:
+    from r3arrow import TurnStore
+
+    store = TurnStore(SPEC)
+    trace = store.trace("t")
+    trace.record(rows_of(2), prompt_tokens=2, generated_tokens=1, prompt_ids=[1, 2])
+    with pytest.raises(PrefixMismatchError) as info:
+        trace.check_extends([1, 3, 4])
+    assert info.value.fields() == {"trajectory_id": "t", "token": 1}
+    with pytest.raises(PrefixMismatchError):
+        trace.record(rows_of(2), prompt_tokens=3, generated_tokens=1, prompt_ids=[1, 3, 4])
+    assert store.num_turns == 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"prompt_ids": [1, 2]}, "prompt_tokens=3 ids"),
+        ({"prompt_ids": [1, 2, 3], "generated_ids": [4]}, "generated_tokens=2 ids"),
+        ({"generated_ids": [4, 5]}, "expected prompt_ids"),
+        ({"prompt_ids": [[1, 2, 3]]}, "flat sequence"),
+        ({"prompt_ids": [1, -2, 3]}, r"\[0, 2\*\*31\)"),
+    ],
+)
+def test_token_id_argument_misuse_is_a_value_error(kw: dict[str, Any], match: str) -> None:
+    trace = RouteTrace(SPEC)
+    with pytest.raises(ValueError, match=match) as info:
+        trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2, **kw)
+    assert not isinstance(info.value, R3ArrowError)
+    assert trace.captured == 0
+
+
+@given(
+    turns=st.lists(
+        st.tuples(st.integers(1, 5), st.integers(1, 4), st.booleans()), min_size=1, max_size=6
+    ),
+    drift=st.integers(0, 10**6),
+    seed=st.integers(0, 2**16),
+)
+def test_any_conversation_is_covered_and_any_drift_is_located(
+    turns: list[tuple[int, int, bool]], drift: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    trace = RouteTrace(SPEC)
+    conv: list[int] = rng.integers(0, 100, size=2).tolist()
+    covered = 0
+    for obs, g, with_gen in turns:
+        conv += rng.integers(0, 100, size=obs).tolist()
+        p = len(conv)
+        gen = rng.integers(0, 100, size=g).tolist()
+        ids = trace.check_extends(conv)
+        rows = rows_of(p - trace.captured + g - 1, seed=seed)
+        trace.record(rows, prompt_tokens=p, generated_tokens=g, prompt_ids=ids,
+                     generated_ids=gen if with_gen else None)  # fmt: skip
+        conv += gen
+        covered = len(conv) if with_gen else p
+        assert trace.covered_tokens.tolist() == conv[:covered]
+    pos = drift % covered
+    bad = list(conv)
+    bad[pos] += 1
+    with pytest.raises(PrefixMismatchError) as info:
+        trace.check_extends(bad)
+    assert info.value.token == pos

@@ -118,14 +118,21 @@ def test_routed_experts_of_each_turn_are_the_new_rows(
         assert o.response_bytes > o.payload_bytes
 
 
-def test_probe_spec_reads_the_route_shape(
+def test_probe_spec_reads_the_route_shape_and_the_dense_layers(
     engine: ReferenceEngine, plan: FaultPlan, server: EngineServer
 ) -> None:
-    async def main() -> r3arrow.RouteSpec:
+    async def main(**kw: Any) -> r3arrow.RouteSpec:
         async with EngineClient(server.url) as client:
-            return await client.probe_spec(num_experts=8)
+            return await client.probe_spec(num_experts=8, **kw)
 
-    assert run(main()) == r3arrow.RouteSpec(num_layers=4, topk=2, num_experts=8)
+    # layer 0 is dense (zeros in the probe): the engine's own spec, moe_layers included
+    spec = run(main())
+    assert spec == engine.config.route_spec()
+    assert spec == r3arrow.RouteSpec(num_layers=4, topk=2, num_experts=8, moe_layers=(1, 2, 3))
+    assert run(main(infer_dense=False)) == r3arrow.RouteSpec(num_layers=4, topk=2, num_experts=8)
+    # an engine whose router layer answers zeros is taken at its word (a guard is elsewhere)
+    plan.then(Fault.zero_router_layer())
+    assert run(main()).moe_layers == (2, 3)
     plan.then(Fault.no_routes())
     with pytest.raises(EngineError, match="no routed_experts"):
         run(main())

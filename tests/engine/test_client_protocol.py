@@ -35,13 +35,15 @@ from r3arrow.client import (
 from r3arrow.client._protocol import build_request
 from r3arrow.client._retry import retry_after_seconds
 from r3arrow.codec import encode_packed, encode_vllm
-from r3arrow.engine import Fault, FaultPlan, corrupt_routes
+from r3arrow.engine import Fault, FaultPlan, corrupt_routes, drift_prompt
 from r3arrow.engine._protocol import error_body, status_type
 from r3arrow.errors import (
+    DuplicateExpertError,
     EngineError,
     ExpertRangeError,
     PayloadError,
     PayloadTooLargeError,
+    PrefixMismatchError,
     R3ArrowError,
     RouteDTypeError,
     RouteShapeError,
@@ -401,6 +403,68 @@ def test_expert_ids_out_of_range_for_the_spec(with_trace: bool) -> None:
     assert info.value.token is not None and info.value.layer in SPEC.router_layers
     assert fake.count() == 1
     assert trace is None or snapshot(trace) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("with_trace", [True, False])
+@pytest.mark.parametrize("fault", [Fault.duplicate_experts(), Fault.zero_router_layer()])
+def test_duplicate_experts_are_a_data_error_never_retried(fault: Fault, with_trace: bool) -> None:
+    """Checked once, by r3arrow.ids: in the trace's record, or at the client's decode."""
+    fake = FakeVLLM(FaultPlan().then(fault))
+    trace = r3arrow.RouteTrace(SPEC) if with_trace else None
+    conv = list(range(1, 11))
+
+    async def main() -> dict[str, int]:
+        async with client_for(fake, backoff_base=0.001) as client:
+            with pytest.raises(DuplicateExpertError, match="distinct experts") as info:
+                await client.generate(conv, sampling_params=SP, trace=trace)
+            assert info.value.layer == 1  # the first router layer (layer 0 is dense)
+            want = 6 if fault.kind == "duplicate_experts" else 0  # middle row / first row
+            assert info.value.token == want
+            await client.generate(conv, sampling_params=SP, trace=trace)  # the next one is fine
+            return client.stats
+
+    stats = run(main())
+    assert fake.count() == 2 and stats["retries"] == 0 and stats["data_errors"] == 1
+    assert stats["recorded"] == (1 if with_trace else 0)
+    assert trace is None or trace.captured == 12
+
+
+def test_prefix_drift_is_refused_before_sending() -> None:
+    fake = FakeVLLM()
+    trace = r3arrow.RouteTrace(SPEC)
+
+    async def main() -> tuple[dict[str, int], int]:
+        async with client_for(fake) as client:
+            out = await client.generate([5, 6, 7], sampling_params=SP, trace=trace)
+            conv = [5, 6, 7, *out.token_ids, 9]
+            drifted = drift_prompt(conv, 4, 512)  # the second generated token re-tokenized
+            with pytest.raises(PrefixMismatchError, match="position 4") as info:
+                await client.generate(drifted, sampling_params=SP, trace=trace)
+            assert info.value.token == 4
+            with pytest.raises(PrefixMismatchError, match="position 0"):
+                await client.generate([4, *conv[1:]], sampling_params=SP, trace=trace)
+            sent = fake.count()
+            await client.generate(conv, sampling_params=SP, trace=trace)
+            return client.stats, sent
+
+    stats, sent = run(main())
+    assert sent == 1 and fake.count() == 2  # nothing was sent for the drifted prompts
+    assert stats["prefix_mismatches"] == 2 and stats["data_errors"] == 0
+    assert trace.covered_tokens.size == 7 + 3 and trace.captured == (3 + 3 - 1) + (7 - 5 + 3 - 1)
+
+
+def test_probe_spec_infers_dense_layers_from_all_zero_rows() -> None:
+    fake = FakeVLLM()
+
+    async def main(**kw: Any) -> RouteSpec:
+        async with client_for(fake, None) as client:
+            return await client.probe_spec(num_experts=8, **kw)
+
+    assert run(main()) == SPEC  # layer 0 answered zeros: dense
+    assert run(main(infer_dense=False)).moe_layers is None
+    fake.plan.then(Fault.malformed_routes("shape"))
+    with pytest.raises(RouteShapeError):  # no spec to check against, but still [rows, L, K]
+        run(main())
 
 
 # ------------------------------------------------------------- requests

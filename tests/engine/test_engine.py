@@ -27,6 +27,8 @@ from r3arrow.engine import (
     ReferenceEngine,
     TinyMoE,
     TinyMoEConfig,
+    corrupt_routes,
+    drift_prompt,
 )
 
 GEN = "/inference/v1/generate"
@@ -406,7 +408,63 @@ def test_bad_json_content_type_and_unknown_model(client: httpx.Client) -> None:
     assert client.post(GEN, json=gen_body(PROMPT, max_tokens=1)).status_code == 200  # still serving
 
 
+def test_n_and_max_tokens_are_capped_with_a_400_naming_limit_and_value(
+    engine: ReferenceEngine,
+) -> None:
+    with (
+        EngineServer(engine, max_n=2, max_tokens_limit=5) as srv,
+        httpx.Client(base_url=srv.url, timeout=30) as c,
+    ):
+        n = _error(c.post(GEN, json=gen_body(PROMPT, max_tokens=1, n=3)))
+        assert n["param"] == "n" and n["type"] == "BadRequestError"
+        assert "at most 2" in n["message"] and "value=3" in n["message"]
+        cmpl = _error(c.post(CMPL, json={"prompt": [PROMPT, PROMPT], "max_tokens": 6}))
+        assert cmpl["param"] == "max_tokens"
+        assert "at most 5" in cmpl["message"] and "value=6" in cmpl["message"]
+        ok = c.post(GEN, json=gen_body(PROMPT, max_tokens=5, n=2, ignore_eos=True))
+        assert ok.status_code == 200 and [len(ch["token_ids"]) for ch in ok.json()["choices"]] == [
+            5,
+            5,
+        ]
+        # no max_tokens: up to the remaining context, bounded by the limit
+        dflt = c.post(GEN, json=gen_body(PROMPT, ignore_eos=True)).json()
+        assert len(dflt["choices"][0]["token_ids"]) == 5
+    assert srv.log.count(GEN) == 3
+    with pytest.raises(ValueError, match="max_n"):
+        EngineServer(engine, max_n=0)
+    with pytest.raises(ValueError, match="max_tokens_limit"):
+        EngineServer(engine, max_tokens_limit=0)
+
+
 # ---------------------------------------------------------------- faults
+def test_layer_faults_corrupt_one_router_layer() -> None:
+    rows = np.zeros((5, 3, 2), dtype=np.uint8)
+    rows[:, 1:] = np.array([2, 5], dtype=np.uint8)  # layer 0 dense (zeros), 1 and 2 route
+    dup = decode(str(corrupt_routes(rows, Fault.duplicate_experts())))
+    changed = np.argwhere(dup != rows)
+    assert changed.tolist() == [[2, 1, 1]] and dup[2, 1].tolist() == [2, 2]
+    on2 = decode(str(corrupt_routes(rows, Fault.duplicate_experts(layer=2))))
+    assert on2[2, 2].tolist() == [2, 2] and on2[2, 1].tolist() == [2, 5]
+    zero = decode(str(corrupt_routes(rows, Fault.zero_router_layer())))
+    assert not zero[:, :2].any() and (zero[:, 2] == rows[:, 2]).all()
+    with pytest.raises(ValueError, match="K >= 2"):
+        corrupt_routes(rows[..., :1], Fault.duplicate_experts())
+    with pytest.raises(ValueError, match=r"layer in \[0, 3\)"):
+        corrupt_routes(rows, Fault.zero_router_layer(layer=3))
+    with pytest.raises(ValueError, match="router layer"):
+        corrupt_routes(np.zeros_like(rows), Fault.duplicate_experts())
+    with pytest.raises(ValueError, match="layer"):
+        Fault.duplicate_experts(layer=-1)
+
+
+def test_drift_prompt_splits_one_token() -> None:
+    conv = [10, 20, 30, 511]
+    assert drift_prompt(conv, 1, 512) == [10, 21, 22, 30, 511]
+    assert drift_prompt(conv, 3, 512) == [10, 20, 30, 0, 1]  # wraps in the vocabulary
+    with pytest.raises(ValueError, match="position < 4"):
+        drift_prompt(conv, 4, 512)
+
+
 def _serve(engine: ReferenceEngine, plan: FaultPlan) -> EngineServer:
     return EngineServer(engine, faults=plan)
 

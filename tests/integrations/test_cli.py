@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -310,10 +311,11 @@ def test_convert_npy_paths_resolve_against_the_dump_not_the_cwd(
         "2",
         "3",
     ]
-    assert (
-        main(["convert", "dumps/d.jsonl", "--out", "o.parquet", "--format", "npy", *spec_args])
-        == EXIT_OK
-    )
+    convert = ["convert", "dumps/d.jsonl", "--out", "o.parquet", "--format", "npy", *spec_args]
+    # an absolute routes_npy is outside the dump's folder: refused unless --allow-outside
+    assert main(convert) == EXIT_ERROR
+    assert "abs.npy" in capsys.readouterr().err
+    assert main([*convert, "--allow-outside"]) == EXIT_OK
     values, _ = r3arrow.table.flat_routes(r3arrow.read_rollouts(tmp_path / "o.parquet"))
     np.testing.assert_array_equal(values, np.concatenate([routes, routes]))
     capsys.readouterr()
@@ -388,3 +390,197 @@ def test_stats_exit_codes_and_ipc_input(
     )
     assert main(["inspect", str(ipc), "--json"]) == EXIT_OK
     assert orjson.loads(capsys.readouterr().out)["rows"] == 5
+
+
+# ----------------------------------------------------- files, gc, export, failures
+_SPEC_ARGS = ["--num-layers", "4", "--topk", "2", "--num-experts", "8", "--moe-layers", "1", "2"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _dead_temp(directory: Path, size: int) -> Path:
+    """A temp file named as if a writer on this host, now dead, had left it."""
+    from r3arrow.io._layout import temp_name
+
+    name = temp_name("part-00000.parquet").replace(f"-{os.getpid()}-", f"-{_dead_pid()}-")
+    path = directory / name
+    path.write_bytes(b"\0" * size)
+    return path
+
+
+def test_gc_removes_dead_writers_temps_and_inspect_reports_them(
+    tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from r3arrow.io._layout import temp_name
+
+    root = tmp_path / "run"
+    r3arrow.write_rollouts(_table(rng), root, step=0)
+    dead = _dead_temp(root / "step=0", 1000)
+    live = root / "step=0" / temp_name("part-00001.parquet")  # this process: alive
+    live.write_bytes(b"x" * 10)
+    other = root / "step=0" / f".part-00002.parquet.tmp-otherhost-1-{'0' * 32}"
+    other.write_bytes(b"y" * 7)
+    assert main(["inspect", str(root), "--json"]) == EXIT_OK
+    info = orjson.loads(capsys.readouterr().out)
+    assert (info["temp_files"], info["temp_bytes"], info["stale_temp_bytes"]) == (3, 1017, 1000)
+    assert main(["gc", str(root), "--dry-run"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "would remove 1 temp files" in out and "1000 B" in out and dead.exists()
+    assert main(["gc", str(root)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert str(dead) in out and "removed 1 temp files" in out and "kept 2" in out
+    assert not dead.exists() and live.exists() and other.exists()
+    assert main(["inspect", str(root)]) == EXIT_OK
+    assert "leftover temps:      2 files" in capsys.readouterr().out
+
+
+def test_export_portable_round_trips(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "p.parquet"
+    assert main(["export", str(rollout_file), str(out), "--portable"]) == EXIT_OK
+    assert "portable" in capsys.readouterr().out
+    assert pq.read_schema(out).field("routes").type == pa.large_list(pa.list_(pa.list_(pa.uint8())))
+    r3arrow.testing.assert_rollouts_equal(
+        r3arrow.read_rollouts(out), r3arrow.read_rollouts(rollout_file)
+    )
+
+
+def test_unknown_compression_is_a_usage_error_listing_choices(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(
+            ["export", str(rollout_file), str(tmp_path / "o"), "--portable", "--compression", "xz"]
+        )
+    assert exc.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "xz" in err and "zstd" in err and "snappy" in err
+
+
+@pytest.mark.parametrize("value", ["2147483648", "-1", "1.5", "4e9"])
+def test_spec_overflow_is_a_usage_error(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "d.jsonl"
+    src.write_text("")
+    args = ["convert", str(src), "--out", str(tmp_path / "o.parquet"), *_SPEC_ARGS]
+    args[args.index("--num-experts") + 1] = value
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == EXIT_USAGE
+    assert value in capsys.readouterr().err
+
+
+def test_fifo_is_refused_not_opened(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "f.parquet"
+    os.mkfifo(fifo)
+    for argv in (
+        ["inspect", str(fifo)],
+        ["stats", str(fifo)],
+        ["convert", str(fifo), "--out", str(tmp_path / "o.parquet"), *_SPEC_ARGS],
+    ):
+        assert main(argv) == EXIT_ERROR
+        err = capsys.readouterr().err
+        assert err.startswith("r3arrow: error:") and "FIFO" in err and str(fifo) in err
+
+
+def test_rollout_file_without_routes_fails_cleanly(
+    rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(rollout_file)
+    bad = tmp_path / "noroutes.parquet"
+    pq.write_table(table.drop_columns(["routes"]), bad)
+    assert main(["inspect", str(bad)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("r3arrow: error:") and "routes" in err and "Traceback" not in err
+
+
+def test_non_canonical_step_directory_fails_cleanly(
+    tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "run"
+    r3arrow.write_rollouts(_table(rng), root, step=1)
+    (root / "step=1").rename(root / "step=01")
+    assert main(["inspect", str(root)]) == EXIT_ERROR
+    assert "step=01" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../a.npy", "sub/../../a.npy"])
+def test_convert_refuses_npy_outside_the_dump_folder(
+    name: str, tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]
+) -> None:
+    np.save(tmp_path / "a.npy", random_routes(rng, 4, SPEC), allow_pickle=False)
+    (tmp_path / "dumps" / "sub").mkdir(parents=True)
+    rec = {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": name}
+    src = tmp_path / "dumps" / "d.jsonl"
+    src.write_bytes(orjson.dumps(rec) + b"\n")
+    argv = ["convert", str(src), "--out", str(tmp_path / "o.parquet"), "--format", "npy"]
+    argv += [
+        "--num-layers",
+        "4",
+        "--topk",
+        "2",
+        "--num-experts",
+        "8",
+        "--moe-layers",
+        "1",
+        "2",
+        "3",
+    ]
+    assert main(argv) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert name in err and "--allow-outside" in err
+    assert main([*argv, "--allow-outside"]) == EXIT_OK
+
+
+def test_convert_checks_npy_declared_size_before_allocating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    header = "{'descr': '|u1', 'fortran_order': False, 'shape': (1099511627776, 4, 2), }"
+    header += " " * (63 - len(header) % 64) + "\n"
+    raw = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + b"\0" * 8
+    (tmp_path / "big.npy").write_bytes(raw)
+    rec = {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "routes_npy": "big.npy"}
+    src = tmp_path / "d.jsonl"
+    src.write_bytes(orjson.dumps(rec) + b"\n")
+    argv = ["convert", str(src), "--out", str(tmp_path / "o.parquet"), "--format", "npy"]
+    assert main([*argv, *_SPEC_ARGS]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "big.npy" in err and "8796093022208" in err
+
+
+def test_keyboard_interrupt_exits_130(
+    monkeypatch: pytest.MonkeyPatch, rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import r3arrow.cli as cli
+
+    def interrupted(path: Path) -> dict[str, Any]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "inspect_summary", interrupted)
+    assert main(["inspect", str(rollout_file)]) == 130
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_closed_stdout_exits_quietly(rollout_file: Path) -> None:
+    """``r3arrow inspect f --json | head -c 10``: no traceback, exit 0 or 141."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "r3arrow", "inspect", str(rollout_file), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader went away before the first write
+    with proc.stderr:
+        err = proc.stderr.read()
+    assert proc.wait(timeout=120) in (0, 141)
+    assert err == b""

@@ -18,6 +18,7 @@ import r3arrow
 from r3arrow import RouteSpec
 from r3arrow.collate import (
     MegatronCollator,
+    Microbatch,
     alignment_multiple,
     next_token_shift,
     packed_to_batch,
@@ -25,7 +26,19 @@ from r3arrow.collate import (
     unpacked_to_batch,
 )
 from r3arrow.errors import RouteShapeError, SchemaError
+from r3arrow.microbatch import is_padding_table
 from r3arrow.table import rollout_table
+
+
+def _routes(mb: Microbatch) -> torch.Tensor:
+    """``mb.routes`` of a microbatch collated with routes (never None here)."""
+    assert mb.routes is not None
+    return mb.routes
+
+
+def _lm(mb: Microbatch) -> torch.Tensor:
+    assert mb.layer_major is not None
+    return mb.layer_major
 
 
 def _table(spec: RouteSpec, trajs: list[dict[str, Any]]) -> pa.Table:
@@ -73,19 +86,19 @@ def test_unpacked_layout_literal() -> None:
         [False, True, True, True, True],
     ]
     assert mb.cu_seqlens is None and mb.cu_seqlens_padded is None
-    assert mb.routes.shape == (2, 5, 2, 2) and mb.routes.dtype == torch.int32
-    assert mb.routes[0, :3, 0].tolist() == [[1, 2], [11, 12], [21, 22]]  # layer 1 rows
-    assert mb.routes[0, :3, 1].tolist() == [[2, 3], [12, 13], [22, 23]]  # layer 2 rows
-    assert mb.routes[0, 3:].reshape(-1, 2).tolist() == [[0, 1]] * 4  # dummies where not captured
+    assert _routes(mb).shape == (2, 5, 2, 2) and _routes(mb).dtype == torch.int32
+    assert _routes(mb)[0, :3, 0].tolist() == [[1, 2], [11, 12], [21, 22]]  # layer 1 rows
+    assert _routes(mb)[0, :3, 1].tolist() == [[2, 3], [12, 13], [22, 23]]  # layer 2 rows
+    assert _routes(mb)[0, 3:].reshape(-1, 2).tolist() == [[0, 1]] * 4  # dummies where not captured
     assert (
-        mb.routes[1, 0, 0].tolist() == [51, 52]
-        and mb.routes[1, 1:].reshape(-1, 2).tolist() == [[0, 1]] * 8
+        _routes(mb)[1, 0, 0].tolist() == [51, 52]
+        and _routes(mb)[1, 1:].reshape(-1, 2).tolist() == [[0, 1]] * 8
     )
     targets = mb.replay_targets()
     assert len(targets) == 2 and all(t.shape == (10, 2) and t.is_contiguous() for t in targets)
     for s in range(5):  # sequence-major: s * b + b_idx
         for bi in range(2):
-            assert targets[0][s * 2 + bi].tolist() == mb.routes[bi, s, 0].tolist()
+            assert targets[0][s * 2 + bi].tolist() == _routes(mb)[bi, s, 0].tolist()
 
 
 def test_packed_layout_literal_with_alignment() -> None:
@@ -99,13 +112,13 @@ def test_packed_layout_literal_with_alignment() -> None:
     assert mb.labels.tolist() == [[2, 3, 4, 5, 0, 0, 0, 0, 7, 0, 0, 0]]  # never crosses a segment
     assert mb.label_mask.tolist() == [[0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]]
     assert mb.padding_mask.tolist() == [[False] * 3 + [True] * 5 + [False] + [True] * 3]
-    assert mb.routes.shape == (1, 12, 1, 2)
+    assert _routes(mb).shape == (1, 12, 1, 2)
     assert (
-        mb.routes[0, :, 0].tolist()
+        _routes(mb)[0, :, 0].tolist()
         == [[2, 3], [12, 13], [22, 23]] + [[0, 1]] * 5 + [[52, 53]] + [[0, 1]] * 3
     )
     (target,) = mb.replay_targets()
-    assert target.tolist() == mb.routes[0, :, 0].tolist()
+    assert target.tolist() == _routes(mb)[0, :, 0].tolist()
 
 
 def test_next_token_shift_and_scatter_back_literal() -> None:
@@ -158,7 +171,7 @@ def test_context_parallel_chunks_literal() -> None:
     full = MegatronCollator(SPEC, packed=True, align=4)(table)
     for r in (r0, r1):
         assert r.token_index is not None
-        assert torch.equal(full.routes[0, r.token_index], r.routes[0])
+        assert torch.equal(_routes(full)[0, r.token_index], _routes(r)[0])
         assert torch.equal(full.input_ids[0, r.token_index], r.input_ids[0])
     # unpacked: rows of 8 (multiple 4), chunks of 2 per row
     u0 = MegatronCollator(SPEC, cp_size=2, cp_rank=0)(table)
@@ -190,7 +203,7 @@ def test_sequence_parallel_slices_router_tokens_by_tp_rank() -> None:
         table
     )
     assert packed.cu_seqlens_padded is not None and packed.cu_seqlens_padded.tolist() == [0, 6, 8]
-    assert packed.replay_targets()[0].tolist() == packed.routes[0, 4:, 0].tolist()
+    assert packed.replay_targets()[0].tolist() == _routes(packed)[0, 4:, 0].tolist()
 
 
 def test_pp_local_layers_with_dense_first_layers() -> None:
@@ -198,12 +211,12 @@ def test_pp_local_layers_with_dense_first_layers() -> None:
     t = {"prompt": [1], "response": [2, 3], "mask": [1, 1], "routes": _rows(2, 0, spec)}
     table = _table(spec, [t])
     mb = MegatronCollator(spec, layers=[4, 5])(table)
-    assert mb.routes[0, :2].tolist() == [[[4, 5], [5, 6]], [[14, 15], [15, 16]]]
-    assert MegatronCollator(spec, layers=[5, 3])(table).routes[0, 0].tolist() == [
+    assert _routes(mb)[0, :2].tolist() == [[[4, 5], [5, 6]], [[14, 15], [15, 16]]]
+    assert _routes(MegatronCollator(spec, layers=[5, 3])(table))[0, 0].tolist() == [
         [5, 6],
         [3, 4],
     ]  # order kept
-    assert MegatronCollator(spec, layers=[2, 5])(table).routes[0, 1].tolist() == [
+    assert _routes(MegatronCollator(spec, layers=[2, 5])(table))[0, 1].tolist() == [
         [12, 13],
         [15, 16],
     ]
@@ -270,35 +283,35 @@ def test_multi_chunk_table_equals_single_chunk() -> None:
         {"packed": True, "cp_size": 2, "cp_rank": 1},
     ):
         a, b = MegatronCollator(SPEC, **kw)(joined), MegatronCollator(SPEC, **kw)(single)
-        assert torch.equal(a.layer_major, b.layer_major) and torch.equal(a.input_ids, b.input_ids)
+        assert torch.equal(_lm(a), _lm(b)) and torch.equal(a.input_ids, b.input_ids)
 
 
 def test_output_buffers_reused_only_when_unreferenced() -> None:
     table = _table(SPEC, [A, B])
     collate = MegatronCollator(SPEC, packed=True)
     first = collate(table)
-    ptr = first.layer_major.data_ptr()
-    snapshot = first.routes.clone()
+    ptr = _lm(first).data_ptr()
+    snapshot = _routes(first).clone()
     second = collate(table)
-    assert second.layer_major.data_ptr() != ptr  # first is alive: never overwritten
-    second.layer_major.fill_(-7)
-    assert torch.equal(first.routes, snapshot)
+    assert _lm(second).data_ptr() != ptr  # first is alive: never overwritten
+    _lm(second).fill_(-7)
+    assert torch.equal(_routes(first), snapshot)
     del first
     gc.collect()
     third = collate(table)
-    assert third.layer_major.data_ptr() == ptr and torch.equal(third.routes, snapshot)
+    assert _routes(third).data_ptr() == ptr and torch.equal(_routes(third), snapshot)
     kept = third.replay_targets()[0]  # a view handed to Megatron keeps the buffer busy
     del third
     gc.collect()
     fourth = collate(table)
-    assert fourth.layer_major.data_ptr() != ptr
+    assert _lm(fourth).data_ptr() != ptr
     assert kept.tolist() == snapshot[0, :, 0].tolist()
     del second, fourth, kept
     gc.collect()
     big = _table(SPEC, [A, B] * 40)
     held = collate(big)  # needs more than any pooled buffer: the small free ones are replaced
     assert collate._pool is not None
-    assert len(collate._pool) == 1 and collate.pooled_bytes >= held.layer_major.nbytes
+    assert len(collate._pool) == 1 and collate.pooled_bytes >= _lm(held).nbytes
     collate.release_buffers()
     assert collate.pooled_bytes > 0  # held is still in use
     del held
@@ -306,7 +319,7 @@ def test_output_buffers_reused_only_when_unreferenced() -> None:
     collate.release_buffers()
     assert collate.pooled_bytes == 0
     fresh = MegatronCollator(SPEC, packed=True, reuse_buffers=False)
-    assert fresh.pooled_bytes == 0 and torch.equal(fresh(table).routes, snapshot)
+    assert fresh.pooled_bytes == 0 and torch.equal(_routes(fresh(table)), snapshot)
 
 
 @pytest.mark.parametrize(
@@ -335,7 +348,7 @@ def test_threaded_route_copies_equal_single_thread(
     monkeypatch.setattr(r3arrow.collate._collator, "_PARALLEL_BYTES", 0)
     monkeypatch.setattr(r3arrow.collate._kernels, "_BLOCK_BYTES", 64)  # many small blocks/thread
     threaded = MegatronCollator(spec, num_threads=3, **kw)(table)
-    assert torch.equal(single.layer_major, threaded.layer_major)
+    assert torch.equal(_lm(single), _lm(threaded))
     assert torch.equal(single.padding_mask, threaded.padding_mask)
     with pytest.raises(ValueError, match="num_threads"):
         MegatronCollator(spec, num_threads=0)
@@ -344,7 +357,7 @@ def test_threaded_route_copies_equal_single_thread(
 def test_microbatch_to_device_and_repr() -> None:
     mb = MegatronCollator(SPEC, packed=True, align=4)(_table(SPEC, [A, B]))
     moved = mb.to("cpu")
-    assert torch.equal(moved.routes, mb.routes) and moved.cu_seqlens is not None
+    assert torch.equal(_routes(moved), _routes(mb)) and moved.cu_seqlens is not None
     assert "packed 1x12" in repr(mb) and "layers=[1, 2]" in repr(mb)
     assert (
         r3arrow.MegatronCollator is MegatronCollator
@@ -461,7 +474,7 @@ def test_collate_matches_per_token_reference(
     assert mb.labels.tolist() == ref["label"]
     assert mb.label_mask.tolist() == ref["label_mask"]
     assert mb.padding_mask.tolist() == ref["pad"]
-    assert mb.routes.tolist() == ref["routes"]
+    assert _routes(mb).tolist() == ref["routes"]
     assert [t.tolist() for t in mb.replay_targets()] == ref["targets"]
     assert all(t.is_contiguous() and t.dtype == torch.int32 for t in mb.replay_targets())
     assert mb.num_router_tokens == len(ref["targets"][0])
@@ -489,3 +502,32 @@ def test_split_microbatches_keeps_columns_and_routes_with_their_trajectory() -> 
         [3, 1],
         [1, 3],
     )
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"packed": True, "align": 4},
+        {"tp_size": 2, "tp_rank": 1, "cp_size": 2, "cp_rank": 1, "sequence_parallel": True},
+        {"packed": True, "cp_size": 2, "cp_rank": 0},
+    ],
+)
+def test_dp_padding_microbatch_collates_to_dummy_rows_only(kw: dict[str, Any]) -> None:
+    """A rank short of microbatches gets a padding table; it collates like any other."""
+    table = _table(SPEC, [A, B, dict(A, group="g2")])
+    ranks = [split_microbatches(table, num_microbatches=2, dp_size=2, dp_rank=r) for r in (0, 1)]
+    assert [len(parts) for parts in ranks] == [2, 2]
+    collate = MegatronCollator(SPEC, pad_token_id=-1, **kw)
+    padding = [collate(p) for parts in ranks for p in parts if is_padding_table(p)]
+    real = [collate(p) for parts in ranks for p in parts if not is_padding_table(p)]
+    assert len(padding) == 1 and len(real) == 3 and not any(mb.is_padding for mb in real)
+    (mb,) = padding
+    assert mb.is_padding and bool(mb.padding_mask.all()) and "padding" in repr(mb)
+    assert float(mb.loss_mask.sum()) == 0 and float(mb.label_mask.sum()) == 0
+    assert bool((mb.input_ids == -1).all()) and bool((mb.labels == -1).all())
+    assert mb.num_sequences == 1 and mb.captured.tolist() == [0]
+    dummy = torch.arange(SPEC.topk, dtype=torch.int32)
+    targets = mb.replay_tensor()
+    assert targets.shape[:2] == (len(SPEC.router_layers), mb.num_router_tokens)
+    assert bool((targets == dummy).all())  # every row is [0 .. K-1]

@@ -135,3 +135,4 @@ def test_demo_against_an_engine_url_probes_the_route_shape(
     assert result.ok and "external engine" in capsys.readouterr().out
     spec = r3arrow.route_spec(result.table)
     assert (spec.num_layers, spec.topk, spec.num_experts) == (3, 3, 8)
+    assert spec.router_layers == (1, 2)  # layer 0 is dense: probed from its all-zero rows

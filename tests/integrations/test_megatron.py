@@ -128,6 +128,11 @@ def _forward(
         return [r(hidden, padding_mask=padding) for r in routers]
 
 
+def _mb_routes(mb: Microbatch) -> torch.Tensor:
+    assert mb.routes is not None
+    return mb.routes
+
+
 SPEC = RouteSpec(num_layers=4, topk=TOPK, num_experts=EXPERTS, moe_layers=(1, 2, 3))
 MOE = [1, 2, 3]
 
@@ -253,7 +258,7 @@ def test_replay_by_instance_order_and_stage_subset(megatron: types.SimpleNamespa
     mb = MegatronCollator(SPEC, layers=[2, 3])(table)
     flat, offsets = r3arrow.table.flat_routes(table)
     np.testing.assert_array_equal(
-        mb.routes[0, :5].numpy(), flat[offsets[0] : offsets[1], 2:].astype(np.int32)
+        _mb_routes(mb)[0, :5].numpy(), flat[offsets[0] : offsets[1], 2:].astype(np.int32)
     )
     with replay_schedule():
         targets = install_replay(mb)  # no routers given: instance order
@@ -346,12 +351,12 @@ def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace)
         with pytest.raises(ReplayError, match="int32 or int64"):
             install_replay([t.to(torch.uint8) for t in good], num_tokens=n)
         mb = collate(table)
-        mb.routes[1, 2, 1, 1] = mb.routes[1, 2, 1, 0]
+        _mb_routes(mb)[1, 2, 1, 1] = _mb_routes(mb)[1, 2, 1, 0]
         with pytest.raises(DuplicateExpertError, match=DUPLICATE_ON_LAYER_2) as dup_info:
             install_replay(mb, routers)
         assert isinstance(dup_info.value, ReplayDuplicateError) and dup_info.value.layer == 2
         mb = collate(table)
-        mb.routes[0, 3, 2, 0] = EXPERTS
+        _mb_routes(mb)[0, 3, 2, 0] = EXPERTS
         with pytest.raises(
             ExpertRangeError,
             match=rf"expected expert ids < num_experts={EXPERTS}, found .* layer 3\)",
@@ -482,3 +487,5 @@ def test_router_layers_from_layer_number_and_collator_for(megatron: types.Simple
     assert collate.layers == (1, 3) and collate.tp_size == 1
     cfg = _config(moe_layer_freq=[0, 1, 1, 1])
     assert r3arrow.megatron.collator_for(SPEC, cfg).layers == (1, 2, 3)
+    off = r3arrow.megatron.collator_for(None, cfg)  # R3 off: no layers, sizes from the config
+    assert off.spec is None and off.layers == () and off.tp_size == 1

@@ -1,0 +1,601 @@
+"""verl 0.9.1 ``DataProto`` <-> r3arrow rollout table.
+
+verl's agent loop hands the trainer one padded ``DataProto`` per step
+(``verl/experimental/agent_loop/agent_loop.py``, ``AgentLoopWorker._postprocess``); its
+``batch`` (a ``TensorDict``, batch size ``[b]``) holds, with ``S = P + R``:
+
+* ``prompts`` ``[b, P]`` int64, left-padded with the pad id; ``responses`` ``[b, R]`` int64,
+  right-padded; ``input_ids`` ``[b, S]`` their concatenation;
+* ``attention_mask`` ``[b, S]`` int64 (1 = token); ``response_mask`` ``[b, R]`` int64
+  (1 = generated, 0 = tool/observation tokens and padding); ``position_ids`` ``[b, S]`` int64
+  ``= clip(cumsum(attention_mask) - 1, 0)``;
+* ``rm_scores`` ``[b, R]`` float32, the trajectory's score at its last response token;
+* ``routed_experts`` ``[b, S, L, K]`` int16 aligned with ``input_ids``: the engine's rows
+  from the first attended token on, zeros elsewhere.
+
+``non_tensor_batch["uid"]`` is the GRPO group. verl keeps no captured-row count: its Megatron
+actor replays every attended row but the last (``build_r3_replay_mask`` in
+``verl/utils/megatron/router_replay_utils.py``). See ``docs/frameworks/verl.md``.
+
+`from_dataproto` reads that layout into a rollout table (``docs/design.md``, "The Arrow data
+model"); `to_dataproto` writes a table back in exactly that layout, plus two non-tensor keys
+(``trajectory_id`` and `CAPTURED_KEY`) and the table's Arrow schema in ``meta_info``
+(`SCHEMA_KEY`), which verl carries through ``concat``/``chunk``/``select`` untouched, so
+both round trips are exact. Everything is vectorised over tokens;
+only trajectory ids and per-trajectory route views are built per row. verl and tensordict are
+imported inside the functions (``ImportError`` names what to install); torch is required.
+Argument misuse raises ``ValueError``/``TypeError``; bad data in a ``DataProto`` raises
+`SchemaError` / `RouteShapeError` (with ``row`` set when a trajectory is at fault), and the
+table's own checks (`ExpertRangeError`, `TerminalGapError`, ...) apply as in `rollout_table`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from r3arrow._validated import is_validated, mark_validated
+from r3arrow.errors import RouteShapeError, SchemaError
+from r3arrow.spec import RouteSpec
+from r3arrow.table import (
+    ROLLOUT_COLUMNS,
+    captured_lengths,
+    flat_routes,
+    list_lengths,
+    rollout_table,
+    route_spec,
+    validate_rollouts,
+)
+
+#: Non-tensor key holding each trajectory's captured route rows (int64), written by
+#: `to_dataproto` so that `from_dataproto` restores a table exactly; verl ignores it.
+CAPTURED_KEY = "r3_captured"
+#: ``meta_info`` key holding the table's Arrow schema (IPC bytes), written by `to_dataproto`.
+SCHEMA_KEY = "r3arrow.schema"
+#: Non-tensor key of the trajectory ids written by `to_dataproto`.
+TRAJECTORY_KEY = "trajectory_id"
+#: Non-tensor key of the GRPO group (verl's ``uid``).
+GROUP_KEY = "uid"
+#: Batch keys of verl's layout, rebuilt by `to_dataproto` (never extra columns).
+LAYOUT_KEYS: tuple[str, ...] = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "rm_scores",
+    "routed_experts",
+)
+# Schema metadata: how each extra column travels in a DataProto (kind and dtype), so that
+# to_dataproto(from_dataproto(d)) rebuilds d's extra keys with their dtypes.
+_META_KEY = b"r3arrow.verl.keys"
+_ROUTES_DTYPE = torch.int16
+_INSTALL = (
+    "verl is not installed: pip install --no-deps verl==0.9.1 and -r ci/verl-requirements.txt"
+)
+
+
+def _verl_protocol() -> Any:
+    try:
+        return importlib.import_module("verl.protocol")
+    except ImportError as exc:
+        raise ImportError(_INSTALL) from exc
+
+
+def _np(value: Any, name: str) -> np.ndarray:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"batch[{name!r}]: expected a torch.Tensor, found {type(value).__name__}")
+    if value.is_nested:
+        raise TypeError(f"batch[{name!r}]: expected a padded tensor, found a nested one")
+    if value.dtype == torch.bfloat16:
+        raise TypeError(f"batch[{name!r}]: bfloat16 has no numpy dtype; cast it first")
+    return np.asarray(value.detach().cpu().numpy())
+
+
+def _shape(arr: np.ndarray, want: tuple[int, ...], name: str, kind: str) -> None:
+    if arr.shape != want or arr.dtype.kind not in kind:
+        kinds = {"iu": "integer", "iub": "integer", "f": "float"}.get(kind, kind)
+        raise SchemaError(
+            f"batch[{name!r}]: expected {kinds} {list(want)}, found {arr.dtype} {list(arr.shape)}"
+        )
+
+
+def _first(mask: np.ndarray) -> tuple[int, int]:
+    r, c = np.argwhere(mask)[0]
+    return int(r), int(c)
+
+
+def _binary(arr: np.ndarray, name: str) -> np.ndarray:
+    bad = (arr != 0) & (arr != 1)
+    if bad.any():
+        r, c = _first(bad)
+        raise SchemaError(
+            f"batch[{name!r}]: expected 0/1, found {arr[r, c]} at row {r}, token {c}", row=r
+        )
+    return arr.astype(bool)
+
+
+def _padding(mask: np.ndarray, side: str, name: str) -> None:
+    """``mask`` rows are 0..0 1..1 (left padding) or 1..1 0..0 (right padding)."""
+    step = np.diff(mask.astype(np.int8), axis=1)
+    bad = step < 0 if side == "left" else step > 0
+    if bad.any():
+        r, c = _first(bad)
+        raise SchemaError(
+            f"attention_mask over {name}: expected {side}-padding (a {side} run of zeros), "
+            f"found a gap at row {r}, token {c + 1}",
+            row=r,
+        )
+
+
+def _ragged(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.LargeListArray[Any]:
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), pa.array(values, type=typ)
+    )
+
+
+def _ids(non_tensor: Mapping[str, Any], key: str | None, rows: int, fallback: Any) -> Any:
+    if key is None or key not in non_tensor:
+        return fallback
+    arr = np.asarray(non_tensor[key])
+    if arr.shape != (rows,):
+        raise SchemaError(f"non_tensor_batch[{key!r}]: expected [{rows}], found {list(arr.shape)}")
+    return pa.array(arr.astype(str))
+
+
+def _captured(
+    captured: Any, non_tensor: Mapping[str, Any], routes: np.ndarray, window: np.ndarray
+) -> np.ndarray:
+    """Captured rows per trajectory: the argument, `CAPTURED_KEY`, or verl's rule."""
+    attended = window.sum(axis=1)
+    if isinstance(captured, str):
+        if captured != "nonzero":
+            raise ValueError(f"captured: expected None, 'nonzero' or counts, found {captured!r}")
+        # The engine never writes an all-zero row where topk > 1 (experts are distinct).
+        row_width = routes.shape[2] * routes.shape[3]
+        written = routes.reshape(*routes.shape[:2], row_width).any(axis=2) & window
+        pos = np.arange(window.shape[1])
+        last = np.where(written, pos, -1).max(axis=1, initial=-1)
+        first = np.argmax(window, axis=1)
+        return np.where(last >= 0, last - first + 1, 0).astype(np.int64)
+    if captured is None and CAPTURED_KEY in non_tensor:
+        captured = non_tensor[CAPTURED_KEY]
+    if captured is None:  # verl replays every attended row but the last
+        rule: np.ndarray = np.maximum(attended - 1, 0).astype(np.int64)
+        return rule
+    counts = np.asarray(captured)
+    if counts.shape != attended.shape or counts.dtype.kind not in "iu":
+        raise ValueError(
+            f"captured: expected {attended.size} integer counts, found "
+            f"{counts.dtype} {list(counts.shape)}"
+        )
+    bad = np.flatnonzero((counts < 0) | (counts > attended))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"captured[{i}]: expected 0..{attended[i]} (attended), found {counts[i]}")
+    return counts.astype(np.int64)
+
+
+def _extras(
+    batch: Any,
+    non_tensor: Mapping[str, Any],
+    rows: int,
+    resp: np.ndarray,
+    rlen: np.ndarray,
+    skip: Collection[str | None],
+) -> tuple[dict[str, pa.Array[Any]], dict[str, dict[str, str]]]:
+    """Extra columns from the remaining keys, and how each travels back."""
+    cols: dict[str, pa.Array[Any]] = {}
+    meta: dict[str, dict[str, str]] = {}
+    for name in batch.keys():  # noqa: SIM118 - iterating a TensorDict walks its rows
+        if name in LAYOUT_KEYS or name in skip:
+            continue
+        tensor = batch[name]
+        arr = _np(tensor, name)
+        if arr.shape == (rows,):
+            cols[name] = pa.array(arr)
+            meta[name] = {"kind": "scalar", "dtype": str(tensor.dtype)}
+        elif arr.shape == resp.shape:
+            cols[name] = _ragged(arr[resp], rlen, pa.from_numpy_dtype(arr.dtype))
+            meta[name] = {"kind": "response", "dtype": str(tensor.dtype)}
+        else:
+            raise ValueError(
+                f"batch[{name!r}]: expected [{rows}] or {list(resp.shape)} for an extra column, "
+                f"found {list(arr.shape)} (pass ignore=[{name!r}] to leave it out)"
+            )
+    for name, value in non_tensor.items():
+        if name in skip:
+            continue
+        arr = np.asarray(value)
+        if arr.shape != (rows,):
+            raise ValueError(
+                f"non_tensor_batch[{name!r}]: expected [{rows}], found {list(arr.shape)} "
+                f"(pass ignore=[{name!r}] to leave it out)"
+            )
+        try:
+            cols[name] = pa.array(arr.tolist() if arr.dtype == object else arr)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise ValueError(
+                f"non_tensor_batch[{name!r}]: expected values Arrow can hold, found {exc} "
+                f"(pass ignore=[{name!r}] to leave it out)"
+            ) from exc
+        meta[name] = {"kind": "non_tensor", "dtype": arr.dtype.str if arr.dtype != object else "O"}
+    return cols, meta
+
+
+def from_dataproto(
+    data: Any,
+    spec: RouteSpec,
+    *,
+    captured: Sequence[int] | np.ndarray | str | None = None,
+    pad_token_id: int | None = None,
+    trajectory_key: str | None = TRAJECTORY_KEY,
+    group_key: str | None = GROUP_KEY,
+    ignore: Collection[str] = (),
+) -> pa.Table:
+    """Rollout table (one row per trajectory) from a ``DataProto`` in verl's layout.
+
+    ``data.batch`` must hold ``prompts``, ``responses``, ``attention_mask``,
+    ``response_mask``, ``rm_scores`` and ``routed_experts`` (``[b, S, L, K]`` with
+    ``(L, K) == spec.row_shape``); ``input_ids`` and ``position_ids``, where present, must
+    match verl's rules. Columns: ``prompt_ids``/``response_ids`` are the attended tokens;
+    ``loss_mask`` is ``response_mask`` over the response; ``reward`` is ``rm_scores``
+    summed (verl puts the score at the last response token; a score anywhere else raises);
+    ``trajectory_id`` comes from ``non_tensor_batch[trajectory_key]`` (else the row index),
+    ``group_id`` from ``non_tensor_batch[group_key]`` (``uid``; ``None`` or absent: the
+    trajectory id). ``routes`` holds the first ``captured[i]`` attended rows of
+    ``routed_experts``: ``captured`` counts per trajectory, ``"nonzero"`` (up to the last
+    row the engine wrote, for multi-turn loops that end on observation tokens), or ``None``:
+    `CAPTURED_KEY` if present, else verl's rule (every attended row but the last). A
+    nonzero route row outside the captured rows raises `RouteShapeError` (nothing is
+    dropped silently). Other batch keys of shape ``[b]`` or ``[b, R]`` (kept over the
+    response tokens) and 1-d non-tensor keys become extra columns; anything else raises
+    ``ValueError`` unless named in ``ignore``. Of ``meta_info`` only `SCHEMA_KEY` is read
+    (written by `to_dataproto`): it restores extra column types, order and user schema
+    metadata; the rest of ``meta_info`` is not carried.
+    With ``pad_token_id``, the padding of ``prompts``/``responses`` is checked to hold it.
+    """
+    batch = getattr(data, "batch", None)
+    non_tensor = getattr(data, "non_tensor_batch", None)
+    if batch is None or not isinstance(non_tensor, Mapping):
+        raise TypeError(f"data: expected a verl DataProto, found {type(data).__name__}")
+    keys = set(batch.keys())
+    need = ("prompts", "responses", "attention_mask", "response_mask", "rm_scores")
+    missing = [k for k in (*need, "routed_experts") if k not in keys]
+    if missing:
+        raise SchemaError(
+            f"batch: expected keys {list(need)} and 'routed_experts', missing {missing}"
+        )
+    prompts = _np(batch["prompts"], "prompts")
+    if prompts.ndim != 2:
+        raise SchemaError(f"batch['prompts']: expected [b, P], found {list(prompts.shape)}")
+    rows, plen_max = prompts.shape
+    responses = _np(batch["responses"], "responses")
+    if responses.ndim != 2 or responses.shape[0] != rows:
+        raise SchemaError(
+            f"batch['responses']: expected [{rows}, R], found {list(responses.shape)}"
+        )
+    rlen_max = responses.shape[1]
+    seq = plen_max + rlen_max
+    _shape(prompts, (rows, plen_max), "prompts", "iu")
+    _shape(responses, (rows, rlen_max), "responses", "iu")
+    att = _np(batch["attention_mask"], "attention_mask")
+    _shape(att, (rows, seq), "attention_mask", "iub")
+    rmask = _np(batch["response_mask"], "response_mask")
+    _shape(rmask, (rows, rlen_max), "response_mask", "iub")
+    scores = _np(batch["rm_scores"], "rm_scores")
+    _shape(scores, (rows, rlen_max), "rm_scores", "f")
+    routes = _np(batch["routed_experts"], "routed_experts")
+    _shape(routes, (rows, seq, *spec.row_shape), "routed_experts", "iu")
+
+    attended = _binary(att, "attention_mask")
+    prompt_att, resp_att = attended[:, :plen_max], attended[:, plen_max:]
+    _padding(prompt_att, "left", "prompts")
+    _padding(resp_att, "right", "responses")
+    loss = _binary(rmask, "response_mask")
+    if (loss & ~resp_att).any():
+        r, c = _first(loss & ~resp_att)
+        raise SchemaError(
+            f"batch['response_mask']: expected 0 on response padding, found 1 at row {r}, "
+            f"response token {c}",
+            row=r,
+        )
+    tokens = np.concatenate([prompts, responses], axis=1)
+    if "input_ids" in keys:
+        ids = _np(batch["input_ids"], "input_ids")
+        if ids.shape != tokens.shape or not np.array_equal(ids, tokens):
+            raise SchemaError("batch['input_ids']: expected the concatenation prompts + responses")
+    if "position_ids" in keys:
+        pos = _np(batch["position_ids"], "position_ids")
+        want = np.maximum(np.cumsum(att.astype(np.int64), axis=1) - 1, 0)
+        if pos.shape != want.shape:
+            raise SchemaError(
+                f"batch['position_ids']: expected [{rows}, {seq}] (text-only positions), "
+                f"found {list(pos.shape)}"
+            )
+        if not np.array_equal(pos, want):
+            raise SchemaError("batch['position_ids']: expected clip(cumsum(attention_mask) - 1, 0)")
+    if pad_token_id is not None:
+        bad = ~attended & (tokens != pad_token_id)
+        if bad.any():
+            r, c = _first(bad)
+            raise SchemaError(
+                f"padding: expected pad id {pad_token_id}, found {tokens[r, c]} at row {r}, "
+                f"token {c}",
+                row=r,
+            )
+    plen, rlen = prompt_att.sum(axis=1), resp_att.sum(axis=1)
+    # The score sits at the last response token (index rlen - 1, wrapping like verl's).
+    last = np.zeros_like(resp_att)
+    if rlen_max:
+        last[np.arange(rows), (rlen - 1) % rlen_max] = True
+    if (scores[~last] != 0).any():
+        r, c = _first((scores != 0) & ~last)
+        raise SchemaError(
+            f"batch['rm_scores']: expected the score at the last response token only, found "
+            f"{scores[r, c]} at row {r}, response token {c}",
+            row=r,
+        )
+    counts = _captured(captured, non_tensor, routes, attended)
+    pos_in_seq = np.arange(seq) - (plen_max - plen)[:, None]
+    window = attended & (pos_in_seq < counts[:, None])
+    stray = ~window & routes.reshape(rows, seq, routes.shape[2] * routes.shape[3]).any(axis=2)
+    if stray.any():
+        r, c = _first(stray)
+        raise RouteShapeError(
+            f"routed_experts: row {r} has a nonzero route at token {int(pos_in_seq[r, c])} "
+            f"outside its {counts[r]} captured rows (pass captured= to keep it)",
+            row=r,
+            token=int(pos_in_seq[r, c]),
+        )
+    flat = routes[window]
+    if spec.topk > 1 and flat.size:  # distinct experts: a real row is never all zero
+        blank = ~flat.reshape(flat.shape[0], -1).any(axis=1)
+        if blank.any():
+            k = int(np.flatnonzero(blank)[0])
+            r = int(np.searchsorted(np.cumsum(counts), k, side="right"))
+            token = k - int(np.cumsum(counts)[r] - counts[r])
+            raise RouteShapeError(
+                f"routed_experts: row {r} has no route at token {token}, inside its {counts[r]} "
+                f"captured rows (verl's rule replays all attended rows but the last; pass "
+                f"captured='nonzero' when the engine stopped earlier, e.g. on observations)",
+                row=r,
+                token=token,
+            )
+    parts = np.split(flat, np.cumsum(counts)[:-1]) if rows else []
+    # the keys the core columns came from are no extras
+    skip = {*ignore, CAPTURED_KEY, trajectory_key, group_key}
+    extra, meta = _extras(batch, non_tensor, rows, resp_att, rlen, skip - {None})
+    stored = _stored_schema(getattr(data, "meta_info", None))
+    extra, user_meta = _restore(extra, stored)
+    tid = _ids(non_tensor, trajectory_key, rows, pa.array(np.arange(rows).astype(str)))
+    gid = _ids(non_tensor, group_key, rows, tid)
+    table = rollout_table(
+        trajectory_id=tid,
+        group_id=gid,
+        prompt_ids=_ragged(prompts[prompt_att], plen, pa.int32()),
+        response_ids=_ragged(responses[resp_att], rlen, pa.int32()),
+        loss_mask=_ragged(loss[resp_att].astype(np.uint8), rlen, pa.uint8()),
+        reward=scores.sum(axis=1, dtype=np.float64),
+        routes=parts,
+        spec=spec,
+        **extra,
+    )
+    metadata = {**(table.schema.metadata or {}), **user_meta}
+    # The kinds travel only where they matter: a table whose extras were all non-tensor
+    # keys (built by rollout_table, say) reads back without them, exactly as it was.
+    tensor_kinds = any(how["kind"] != "non_tensor" for how in meta.values())
+    if meta and (tensor_kinds or stored is None or _META_KEY in (stored.metadata or {})):
+        metadata[_META_KEY] = orjson.dumps(meta)
+    if metadata == table.schema.metadata:
+        return table
+    out: pa.Table = mark_validated(table.replace_schema_metadata(metadata))
+    return out
+
+
+def _stored_schema(meta_info: Any) -> pa.Schema | None:
+    """The table schema `to_dataproto` left in ``meta_info`` (None if absent)."""
+    if not isinstance(meta_info, Mapping) or SCHEMA_KEY not in meta_info:
+        return None
+    raw = meta_info[SCHEMA_KEY]
+    if not isinstance(raw, bytes):
+        raise SchemaError(f"meta_info[{SCHEMA_KEY!r}]: expected bytes, found {type(raw).__name__}")
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(raw))
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SchemaError(
+            f"meta_info[{SCHEMA_KEY!r}]: expected an Arrow schema, found {exc}"
+        ) from exc
+
+
+def _restore(
+    extra: dict[str, pa.Array[Any]], stored: pa.Schema | None
+) -> tuple[dict[str, pa.Array[Any]], dict[bytes, bytes]]:
+    """Extras in the stored schema's order and types; its user metadata (``{}`` if none)."""
+    if stored is None:
+        return extra, {}
+    ordered: dict[str, pa.Array[Any]] = {}
+    for name in [n for n in stored.names if n in extra] + [
+        n for n in extra if n not in stored.names
+    ]:
+        arr = extra[name]
+        if name in stored.names and arr.type != stored.field(name).type:
+            # Arrow types numpy cannot tell apart (large_string vs string, ...); a column
+            # whose data changed since no longer casts: it keeps what it holds now
+            with contextlib.suppress(
+                pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError
+            ):
+                arr = arr.cast(stored.field(name).type)
+        ordered[name] = arr
+    # r3arrow's own keys (spec, schema version, key kinds) are rebuilt, not copied
+    user = {k: v for k, v in (stored.metadata or {}).items() if not k.startswith(b"r3arrow.")}
+    return ordered, user
+
+
+def _scatter(
+    col: pa.ChunkedArray[Any] | pa.Array[Any], shape: tuple[int, int], start: np.ndarray, fill: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ragged ``col`` into a ``shape`` array at row offsets ``start``: (dense, parent, pos)."""
+    values = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
+    parent = np.asarray(pc.list_parent_indices(col).to_numpy(zero_copy_only=False), np.int64)
+    lengths = list_lengths(col)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    pos = np.arange(values.size, dtype=np.int64) - offsets[parent] + start[parent]
+    dense = np.full(shape, fill, dtype=values.dtype if values.size else np.int64)
+    dense[parent, pos] = values
+    return dense, parent, pos
+
+
+def _width(lengths: np.ndarray, given: int | None, name: str) -> int:
+    longest = int(lengths.max(initial=0))
+    if given is None:
+        return longest
+    if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+        raise ValueError(f"{name}: expected a non-negative int or None, found {given!r}")
+    if longest > given:
+        i = int(np.argmax(lengths))
+        raise ValueError(f"{name}: row {i} has {longest} tokens, more than {name}={given}")
+    return given
+
+
+def to_dataproto(
+    table: pa.Table,
+    *,
+    pad_token_id: int,
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+) -> Any:
+    """A verl ``DataProto`` in the agent loop's layout (module docstring) from a rollout table.
+
+    Prompts are left-padded to ``max_prompt_length`` and responses right-padded to
+    ``max_response_length`` with ``pad_token_id`` (``None``: the longest; a longer row raises
+    ``ValueError``, never truncated). ``routed_experts`` is int16 ``[b, S, L, K]``, the
+    captured rows from the first attended token on, zeros elsewhere (ids must fit int16);
+    ``rm_scores`` float32 holds the reward (rounded to float32, verl's dtype) at the last
+    response token. ``non_tensor_batch`` holds ``uid`` (group ids), ``trajectory_id`` and
+    `CAPTURED_KEY`; extra columns return to the batch or non-tensor keys they came from
+    (`from_dataproto` records this), other extra columns become non-tensor arrays; an extra
+    column named like a key written here (``uid``, ...) raises ``ValueError``.
+    ``meta_info[SCHEMA_KEY]`` holds the table's schema (Arrow IPC bytes), so
+    ``from_dataproto(to_dataproto(t))`` equals ``t``; verl's ``DataProto.concat`` asserts
+    equal ``meta_info`` values, so concatenated batches must come from one schema.
+    Requires verl (and tensordict); the table is validated first unless r3arrow built it.
+    """
+    protocol = _verl_protocol()
+    tensordict = importlib.import_module("tensordict")
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+        raise TypeError(f"pad_token_id: expected an int, found {pad_token_id!r}")
+    if not is_validated(table):
+        validate_rollouts(table)
+    spec = route_spec(table)
+    if spec.num_experts is not None and spec.num_experts > torch.iinfo(_ROUTES_DTYPE).max + 1:
+        raise ValueError(f"spec: verl stores expert ids as int16, found {spec.num_experts} experts")
+    rows = table.num_rows
+    plen = list_lengths(table.column("prompt_ids"))
+    rlen = list_lengths(table.column("response_ids"))
+    width_p = _width(plen, max_prompt_length, "max_prompt_length")
+    width_r = _width(rlen, max_response_length, "max_response_length")
+    if width_r == 0 and rows:
+        raise ValueError("max_response_length: verl's rm_scores need at least one response column")
+    start = (width_p - plen).astype(np.int64)
+    zeros = np.zeros(rows, dtype=np.int64)
+    prompts, _, _ = _scatter(table.column("prompt_ids"), (rows, width_p), start, pad_token_id)
+    responses, _, _ = _scatter(table.column("response_ids"), (rows, width_r), zeros, pad_token_id)
+    rmask, _, _ = _scatter(table.column("loss_mask"), (rows, width_r), zeros, 0)
+    col = np.arange(width_r)
+    resp_att = col[None, :] < rlen[:, None]
+    prompt_att = np.arange(width_p)[None, :] >= start[:, None]
+    att = np.concatenate([prompt_att, resp_att], axis=1).astype(np.int64)
+    flat, offsets = flat_routes(table)
+    counts = np.diff(offsets)
+    routes = np.zeros((rows, width_p + width_r, *spec.row_shape), dtype=np.int16)
+    parent = np.repeat(np.arange(rows, dtype=np.int64), counts)
+    pos = np.arange(flat.shape[0], dtype=np.int64) - offsets[:-1][parent] + start[parent]
+    routes[parent, pos] = flat
+    scores = np.zeros((rows, width_r), dtype=np.float32)
+    if rows:
+        reward = table.column("reward").to_numpy().astype(np.float32)
+        scores[np.arange(rows), (rlen - 1) % width_r] = reward
+    tensors: dict[str, torch.Tensor] = {
+        "prompts": torch.from_numpy(prompts.astype(np.int64)),
+        "responses": torch.from_numpy(responses.astype(np.int64)),
+        "response_mask": torch.from_numpy(rmask.astype(np.int64)),
+        "input_ids": torch.from_numpy(np.concatenate([prompts, responses], 1).astype(np.int64)),
+        "attention_mask": torch.from_numpy(att),
+        "position_ids": torch.from_numpy(np.maximum(np.cumsum(att, axis=1) - 1, 0)),
+        "routed_experts": torch.from_numpy(routes),
+        "rm_scores": torch.from_numpy(scores),
+    }
+    non_tensor: dict[str, np.ndarray] = {
+        GROUP_KEY: _objects(table.column("group_id")),
+        TRAJECTORY_KEY: _objects(table.column("trajectory_id")),
+        CAPTURED_KEY: captured_lengths(table),
+    }
+    meta = orjson.loads((table.schema.metadata or {}).get(_META_KEY, b"{}"))
+    for name in table.schema.names:
+        if name in ROLLOUT_COLUMNS:
+            continue
+        if name in non_tensor:
+            raise ValueError(
+                f"extra column {name!r}: collides with the non-tensor key to_dataproto writes "
+                f"{'the group ids' if name == GROUP_KEY else 'its own ids'} to; rename it"
+            )
+        how = meta.get(name, {"kind": "non_tensor", "dtype": None})
+        column = table.column(name)
+        if how["kind"] == "non_tensor":
+            non_tensor[name] = _non_tensor(column, how["dtype"])
+            continue
+        dtype = getattr(torch, how["dtype"].removeprefix("torch."))
+        if how["kind"] == "scalar":
+            # a copy: Arrow's buffers are read-only and torch wants writable memory
+            tensors[name] = torch.from_numpy(np.array(column.to_numpy())).to(dtype)
+        else:
+            dense, _, _ = _scatter(column, (rows, width_r), zeros, 0)
+            tensors[name] = torch.from_numpy(dense).to(dtype)
+    batch = tensordict.TensorDict(tensors, batch_size=[rows])
+    # The schema rides in meta_info so from_dataproto restores extra column types and user
+    # metadata exactly (Arrow IPC schema bytes: no pickle).
+    schema = table.schema.serialize().to_pybytes()
+    return protocol.DataProto(
+        batch=batch, non_tensor_batch=non_tensor, meta_info={SCHEMA_KEY: schema}
+    )
+
+
+def _objects(column: pa.ChunkedArray[Any]) -> np.ndarray:
+    out = np.empty(len(column), dtype=object)
+    out[:] = column.to_pylist()
+    return out
+
+
+def _non_tensor(column: pa.ChunkedArray[Any], dtype: str | None) -> np.ndarray:
+    if dtype is None:  # a column r3arrow did not read from a DataProto
+        typ = column.type
+        numeric = pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_boolean(typ)
+        if numeric and not column.null_count:
+            return np.array(column.to_numpy())
+        return _objects(column)
+    if dtype == "O":
+        return _objects(column)
+    return np.array(column.to_numpy(), dtype=np.dtype(dtype))
+
+
+__all__ = [
+    "CAPTURED_KEY",
+    "GROUP_KEY",
+    "LAYOUT_KEYS",
+    "SCHEMA_KEY",
+    "TRAJECTORY_KEY",
+    "from_dataproto",
+    "to_dataproto",
+]
