@@ -52,6 +52,7 @@ from _common import (
 )
 
 from r3arrow import RouteSpec, RouteTrace, TurnStore, routes_to_numpy
+from r3arrow.testing import random_routes
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 SPEC = RouteSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
@@ -95,7 +96,7 @@ def plan(rng: np.random.Generator, tid: str, total: int, turns: int) -> Conversa
         rows = p - captured + g - 1
         out.append((p, g, rows, p + g - 1))
         seen, captured = p + g, captured + rows
-    routes = rng.integers(0, EXPERTS, size=(captured, LAYERS, TOPK), dtype=np.uint8)
+    routes = random_routes(rng, captured, SPEC)
     return Conversation(tid, out, routes)
 
 

@@ -39,7 +39,8 @@ Hierarchy::
     │   └── PayloadTooLargeError
     ├── SchemaError            (ValueError)  a table or file off the rollout schema
     ├── EngineError            (RuntimeError) an engine error or unusable response
-    │   └── EngineHTTPError    (status, body, url)
+    │   ├── EngineHTTPError    (status, body, url)
+    │   └── RouteQualityError  (layer; bugs) routes that look valid but match a known engine bug
     ├── EngineRequestError     (ValueError; param) a request the embedded engine refuses (HTTP 400)
     └── ReplayError            (ValueError)  targets that do not fit the routers
 """
@@ -169,6 +170,28 @@ class EngineHTTPError(EngineError):
         self.url = url
 
 
+class RouteQualityError(EngineError):
+    """An engine returned routes that are well-formed but match a known engine bug.
+
+    Examples: a router layer whose rows are all zero ("as if every token selected
+    expert 0": vLLM #44116, fixed by #44214; vllm-ascend #16314; SGLang NGRAM
+    speculative decoding, SGLang #37949), or every token of a response routed
+    identically. ``layer`` is the global layer id; ``bugs`` lists the upstream
+    reports the pattern matches (strings like ``"vLLM #44116"``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        layer: int | None = None,
+        bugs: tuple[str, ...] = (),
+        trajectory_id: str | None = None,
+    ) -> None:
+        super().__init__(message, layer=layer, trajectory_id=trajectory_id)
+        self.bugs = tuple(bugs)
+
+
 class EngineRequestError(R3ArrowError, ValueError):
     """A generation request is invalid; the embedded engine answers HTTP 400 with vLLM's error JSON.
 
@@ -207,6 +230,7 @@ __all__ = [
     "ReplayError",
     "ReplayRangeError",
     "RouteDTypeError",
+    "RouteQualityError",
     "RouteShapeError",
     "SchemaError",
     "TerminalGapError",

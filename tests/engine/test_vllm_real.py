@@ -5,6 +5,7 @@ Start a vLLM server with routed-expert capture (``--enable-return-routed-experts
 ``R3ARROW_VLLM_URL=http://127.0.0.1:8021 pytest -m vllm tests/engine/test_vllm_real.py -s``.
 Optional: ``R3ARROW_VLLM_VOCAB`` (default 512) bounds the token ids sent,
 ``R3ARROW_VLLM_NUM_EXPERTS`` (default: unknown, the trace widens as needed).
+``R3ARROW_REQUIRE_VLLM=1`` (set by ``.ci/run``) makes a missing server a failure.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ NUM_EXPERTS = (
     if os.environ.get("R3ARROW_VLLM_NUM_EXPERTS")
     else None
 )
+
+# CI (.ci/run) starts a real vLLM and sets R3ARROW_REQUIRE_VLLM=1: there a missing server is a
+# failure, never a skip.
+if os.environ.get("R3ARROW_REQUIRE_VLLM") == "1" and not URL:
+    pytest.fail(
+        "R3ARROW_REQUIRE_VLLM=1 but R3ARROW_VLLM_URL is not set: expected the URL of the vLLM "
+        "server that .ci/run starts",
+        pytrace=False,
+    )
 
 pytestmark = [
     pytest.mark.vllm,
