@@ -7,9 +7,9 @@ SkyRL's trainer batch (``to_training_inputs``) -> ``MegatronCollator`` -> replay
 megatron-core ``TopKRouters`` on this CPU.
 
 Needs the ``all`` extra (SkyRL itself is not imported: its types are plain dicts and lists).
-The replay stage reuses the demo's CPU router harness (``r3arrow.demo``'s private
-``_cpu_router_harness``/``_build_routers``/``_replay_check``: an example may lean on them,
-the library does not); without megatron-core it stops after collation. Prints one line per
+The replay stage runs real routers on this CPU with `r3arrow.megatron.cpu` (the harness
+for tests, demos and examples, not for training); without megatron-core it stops after
+collation. Prints one line per
 stage and exits 1 if a check fails::
 
     python examples/skyrl_loop.py --groups 3 --samples 2 --out /tmp/skyrl-loop
@@ -167,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import megatron.core  # noqa: F401
 
-            from r3arrow.demo import _build_routers, _cpu_router_harness, _replay_check
+            from r3arrow.megatron.cpu import build_routers, cpu_router_harness, replay_check
         except ImportError as exc:
             skipped = exc
         else:
-            with _cpu_router_harness():
-                routers = _build_routers(spec, first.layers)
+            with cpu_router_harness():
+                routers = build_routers(spec, first.layers)
                 for part, mb in zip(parts, batches, strict=True):
-                    n, d = _replay_check(routers, mb, spec, part)
+                    n, d = replay_check(routers, mb, part)
                     checked, differ = checked + n, differ + d
     if skipped is not None:
         _say(f"[8/8] collation: {len(batches)} packed microbatch(es); replay skipped ({skipped})")

@@ -5,10 +5,9 @@ verl's agent loop hands the trainer) -> back to a table -> Parquet -> routing st
 ``MegatronCollator`` -> replay into real megatron-core ``TopKRouters`` on this CPU.
 
 Needs the ``all`` extra plus verl (``pip install --no-deps verl==0.9.1`` and
-``-r ci/verl-requirements.txt``). The replay stage reuses the demo's CPU router harness
-(``r3arrow.demo``'s private ``_cpu_router_harness``/``_build_routers``/``_replay_check``:
-an example may lean on them, the library does not); without megatron-core it stops after
-collation. Prints one line per stage and
+``-r ci/verl-requirements.txt``). The replay stage runs real routers on this CPU
+with `r3arrow.megatron.cpu` (the harness for tests, demos and examples, not for training);
+without megatron-core it stops after collation. Prints one line per stage and
 exits 1 if a check fails::
 
     python examples/verl_loop.py --groups 3 --samples 2 --out /tmp/verl-loop
@@ -143,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import megatron.core  # noqa: F401
 
-            from r3arrow.demo import _build_routers, _cpu_router_harness, _replay_check
+            from r3arrow.megatron.cpu import build_routers, cpu_router_harness, replay_check
         except ImportError as exc:
             skipped = exc
         else:
-            with _cpu_router_harness():
-                routers = _build_routers(spec, first.layers)
+            with cpu_router_harness():
+                routers = build_routers(spec, first.layers)
                 for part, mb in zip(parts, batches, strict=True):
-                    n, d = _replay_check(routers, mb, spec, part)
+                    n, d = replay_check(routers, mb, part)
                     checked, differ = checked + n, differ + d
     if skipped is not None:
         _say(f"[7/7] replay: skipped ({skipped})")

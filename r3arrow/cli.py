@@ -56,18 +56,19 @@ def _is_ipc(path: Path) -> bool:
         return fh.read(len(_IPC_MAGIC)) == _IPC_MAGIC
 
 
-def _read_any(path: Path) -> pa.Table:
+def _read_any(path: Path, *, require_routes: bool = True) -> pa.Table:
     """Read a rollout Parquet file, a ``step=N`` directory or an Arrow IPC file.
 
     Raises `SchemaError` (``path`` set) for a non-regular file, an unreadable
-    file, or a rollout file without a ``routes`` column.
+    file, or (with ``require_routes``) a rollout file without a ``routes`` column
+    (R3 off).
     """
     from r3arrow.io import read_ipc, read_rollouts
 
     table = read_ipc(path) if _is_ipc(path) else read_rollouts(path)
-    if "routes" not in table.schema.names:
+    if require_routes and "routes" not in table.schema.names:
         raise SchemaError(
-            f"{path}: expected a 'routes' column in the rollout file, found columns "
+            f"{path}: expected a 'routes' column in the rollout file (R3 on), found columns "
             f"{table.schema.names}",
             path=path,
         )
@@ -105,22 +106,23 @@ def _temp_summary(path: Path) -> dict[str, int]:
 
 def inspect_summary(path: Path) -> dict[str, Any]:
     """Schema, spec, rows, tokens, captured fraction and size on disk of a rollout file or dir."""
-    from r3arrow.table import captured_lengths, route_spec, sequence_lengths
+    from r3arrow.table import captured_lengths, has_routes, route_spec, sequence_lengths
 
-    table = _read_any(path)
-    spec = route_spec(table)
+    table = _read_any(path, require_routes=False)
+    r3 = has_routes(table)
+    spec = route_spec(table) if r3 else None
     tokens = sequence_lengths(table)
-    captured = captured_lengths(table)
+    captured = captured_lengths(table) if r3 else np.zeros(table.num_rows, np.int64)
     total_tokens = int(tokens.sum())
     info: dict[str, Any] = {
         "path": str(path),
         "rows": table.num_rows,
         "columns": {f.name: str(f.type) for f in table.schema},
-        "spec": orjson.loads(spec.to_json()),
+        "spec": orjson.loads(spec.to_json()) if spec is not None else None,
         "tokens": total_tokens,
         "captured_rows": int(captured.sum()),
         "captured_fraction": float(captured.sum() / total_tokens) if total_tokens else 0.0,
-        "route_bytes": int(captured.sum()) * spec.row_nbytes,
+        "route_bytes": int(captured.sum()) * spec.row_nbytes if spec is not None else 0,
         "size_on_disk": _size_on_disk(path),
         **_temp_summary(path),
     }
@@ -140,11 +142,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"  tokens:              {info['tokens']}")
     fraction = f"{info['captured_fraction']:.1%} of tokens"
     print(f"  captured rows:       {info['captured_rows']} ({fraction})")
-    print(
-        f"  spec:                {spec['num_layers']} layers x top-{spec['topk']}, "
-        f"{spec['num_experts']} experts, ids {spec['dtype']}, router layers "
-        f"{spec['moe_layers'] if spec['moe_layers'] is not None else 'all'}"
-    )
+    if spec is None:
+        print("  spec:                none (R3 off: no routes column)")
+    else:
+        print(
+            f"  spec:                {spec['num_layers']} layers x top-{spec['topk']}, "
+            f"{spec['num_experts']} experts, ids {spec['dtype']}, router layers "
+            f"{spec['moe_layers'] if spec['moe_layers'] is not None else 'all'}"
+        )
     print(f"  route bytes:         {_human_bytes(info['route_bytes'])}")
     print(f"  size on disk:        {_human_bytes(info['size_on_disk'])}")
     if info["temp_files"]:

@@ -3,7 +3,10 @@
 engine → multi-turn rollouts with incremental route capture → rollout table →
 dynamic sampling → Parquet → routing statistics + heatmap → Megatron
 microbatches → (with megatron-core) replay into real routers, checked against
-what the engine routed.
+what the engine routed (`r3arrow.megatron.cpu`). Against an external engine without shape
+flags the spec is probed; vLLM does not report ``num_experts``, so the replay routers are
+then sized from the routes observed (`r3arrow.megatron.cpu.experts_from_routes`), and the
+demo says so.
 """
 
 from __future__ import annotations
@@ -148,105 +151,6 @@ def _megatron_available() -> bool:
     )
 
 
-@contextlib.contextmanager
-def _cpu_router_harness() -> Iterator[Any]:
-    """A gloo world of one with Megatron model parallel (1, 1), for routers on this CPU.
-
-    megatron-core 0.16.1's router calls ``torch.cuda.current_device()``; without a GPU
-    the demo points it at the CPU for the duration of this block only and restores it.
-    """
-    import socket
-
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    patched_cuda = not torch.cuda.is_available()
-    saved_device = torch.cuda.current_device
-    had_te = hasattr(moe_utils, "te_general_gemm")
-    if patched_cuda:
-        setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # noqa: B010
-    if not had_te:
-        moe_utils.te_general_gemm = None
-    started = not dist.is_initialized()
-    if started:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        yield RouterReplay
-    finally:
-        RouterReplay.clear_global_router_replay_instances()
-        parallel_state.destroy_model_parallel()
-        if started:
-            dist.destroy_process_group()
-        if patched_cuda:
-            setattr(torch.cuda, "current_device", saved_device)  # noqa: B010
-        if not had_te:
-            del moe_utils.te_general_gemm
-
-
-_HIDDEN = 16
-
-
-def _build_routers(spec: RouteSpec, layers: tuple[int, ...]) -> list[Any]:
-    """Real megatron-core TopKRouters (random weights) for the given global layers."""
-    import torch
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=spec.num_layers,
-        hidden_size=_HIDDEN,
-        num_attention_heads=2,
-        num_moe_experts=spec.num_experts,
-        moe_ffn_hidden_size=_HIDDEN,
-        moe_router_topk=spec.topk,
-        moe_enable_routing_replay=True,
-        moe_router_load_balancing_type="none",
-        use_cpu_initialization=True,
-    )
-    torch.manual_seed(0)
-    routers = []
-    for layer in layers:
-        router = TopKRouter(config, pg_collection=get_default_pg_collection())
-        router.set_layer_number(layer + 1)
-        routers.append(router)
-    return routers
-
-
-def _replay_check(routers: list[Any], mb: Any, spec: RouteSpec, table: pa.Table) -> tuple[int, int]:
-    """Replay ``mb`` into ``routers``; return (tokens checked, tokens whose experts differ).
-
-    The routers' own weights are random: every captured token must nevertheless select
-    exactly the engine's experts on every layer, because the targets are replayed.
-    """
-    import torch
-
-    from r3arrow.megatron import install_replay, replay_schedule
-    from r3arrow.table import flat_routes
-
-    assert spec.num_experts is not None
-    hidden = torch.randn(mb.num_tokens, 1, _HIDDEN)  # packed: [s = T, b = 1, h]
-    with replay_schedule(), torch.no_grad():
-        install_replay(mb)
-        maps = [router(hidden, padding_mask=mb.padding_mask.reshape(-1))[1] for router in routers]
-    chosen = torch.stack(maps, dim=1)  # [T, L_local, E] bool
-    captured = ~mb.padding_mask.reshape(-1)
-    got = chosen[captured]
-    engine_rows, _ = flat_routes(table)
-    want = np.zeros((engine_rows.shape[0], len(mb.layers), spec.num_experts), dtype=bool)
-    ids = engine_rows[:, list(mb.layers), :].astype(np.int64)
-    np.put_along_axis(want, ids, True, axis=-1)
-    differ = (got.numpy() != want).any(axis=(1, 2))
-    return int(got.shape[0]), int(differ.sum())
-
-
 def run_demo(cfg: DemoConfig) -> DemoResult:
     """Run the pipeline, printing what each stage did.
 
@@ -276,10 +180,11 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     timings["rollouts"] = time.perf_counter() - t0
     spec = route_spec(table)
     tokens, captured = sequence_lengths(table), captured_lengths(table)
+    experts = "an unreported number of" if spec.num_experts is None else str(spec.num_experts)
     _say(
         f"  {table.num_rows} trajectories, {int(tokens.sum())} tokens, "
         f"{int(captured.sum())} route rows ({spec.num_layers} layers x top-{spec.topk} of "
-        f"{spec.num_experts} experts, ids {spec.dtype}), "
+        f"{experts} experts, ids {spec.dtype}), "
         f"{table.nbytes / 1e3:.1f} kB in Arrow"
     )
 
@@ -367,16 +272,30 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     elif not _megatron_available():
         _say("[6/6] replay: skipped (megatron-core not installed: pip install 'r3arrow[megatron]')")
     else:
+        from r3arrow.megatron.cpu import (
+            build_routers,
+            cpu_router_harness,
+            experts_from_routes,
+            replay_check,
+        )
+
         t = time.perf_counter()
         checked = differ = 0
+        num_experts = spec.num_experts
+        if num_experts is None:  # probed from an engine that does not report it (vLLM)
+            num_experts = experts_from_routes(kept, spec)
+            _say(
+                f"  num_experts not reported by the engine: routers sized from the routes "
+                f"observed ({num_experts} = max id + 1 over the router layers, at least top-k)"
+            )
         with warnings.catch_warnings():
             warnings.simplefilter(
                 "ignore", UserWarning
             )  # megatron-core: TE/Apex absent, config notes
-            with _cpu_router_harness():
-                routers = _build_routers(spec, mb0.layers)
+            with cpu_router_harness():
+                routers = build_routers(spec, mb0.layers, num_experts=num_experts)
                 for part, mb in zip(parts, batches, strict=True):
-                    n, d = _replay_check(routers, mb, spec, part)
+                    n, d = replay_check(routers, mb, part)
                     checked, differ = checked + n, differ + d
         timings["replay"] = time.perf_counter() - t
         result.replay_tokens, result.replay_mismatches = checked, differ

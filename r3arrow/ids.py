@@ -11,8 +11,10 @@ The rules (see ``docs/design.md``, "Expert ids"):
 Every function here takes numpy arrays; :func:`check_router_ids` also takes torch
 tensors (CPU tensors are viewed through numpy, zero-copy; tensors on another
 device are checked there with the same operations), without importing torch.
-The common valid case costs one min/max and ``K - 1`` vector comparisons per
-cache-sized block; locating the offending token and layer runs only on failure.
+The common valid case costs, per cache-sized block, one min/max and the fast duplicate
+test of `_Scratch` (reused buffers, no allocation per block); the reference check, which
+locates the offending token and layer, runs only on a block that fails
+(``benchmarks/bench_validate.py`` measures both against a memory copy).
 """
 
 from __future__ import annotations
@@ -28,6 +30,59 @@ if TYPE_CHECKING:
     from r3arrow.spec import RouteSpec
 
 _BLOCK_IDS = 1 << 17  # ids per block: the transposed block stays in L2
+
+
+# K == 2 ids of <= 2 bytes fit one machine word: the word's two halves compare as integers
+# (bit patterns, so signed dtypes compare exactly too), no transposed copy needed.
+_WORD_OF: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32)}
+
+
+class _Scratch:
+    """Preallocated buffers and the fast duplicate test of `check_router_ids` (CPU, numpy).
+
+    ``has_duplicate(blk)`` answers exactly "does some row of ``blk`` ``[A, B, K]`` (any two
+    leading axes) repeat an id", without locating it (the reference `_check_block` does that
+    on failure). ``K == 2``: one vector comparison of the two ids (as the halves of one word
+    when the block is contiguous and the ids are 1 or 2 bytes). ``K >= 3``: one transposed
+    copy of the block into a reused ``[K, A * B]`` buffer, then for each distance ``r`` one
+    comparison of positions ``i`` and ``i + r`` into a reused bool buffer: ``K (K - 1) / 2``
+    id comparisons per row, each a contiguous vector operation. ``size`` is the most rows
+    (``A * B``) a block has.
+    """
+
+    def __init__(self, k: int, size: int, dtype: np.dtype[Any]) -> None:
+        self.k = k
+        word = _WORD_OF.get(dtype.itemsize) if k == 2 else None
+        self.word = word
+        self.eq = np.empty(size * max(1, k - 1), dtype=np.bool_)
+        self.xt = np.empty(size * k if k > 2 else 0, dtype=dtype)
+        self.lo = np.empty(size if word is not None else 0, dtype=word or dtype)
+        self.hi = np.empty(size if word is not None else 0, dtype=word or dtype)
+
+    def has_duplicate(self, blk: np.ndarray) -> bool:
+        k = self.k
+        n = blk.shape[0] * blk.shape[1]
+        if k == 2:
+            eq = self.eq[:n]
+            word = self.word
+            if word is not None and blk.flags.c_contiguous:
+                w = blk.reshape(-1).view(word)
+                bits = 8 * blk.dtype.itemsize
+                lo, hi = self.lo[:n], self.hi[:n]
+                np.bitwise_and(w, (1 << bits) - 1, out=lo)
+                np.right_shift(w, bits, out=hi)
+                np.equal(lo, hi, out=eq)
+            else:
+                np.equal(blk[..., 0], blk[..., 1], out=eq.reshape(blk.shape[:2]))
+            return bool(eq.any())
+        xt = self.xt[: k * n].reshape(k, n)
+        np.copyto(xt.reshape(k, blk.shape[0], blk.shape[1]), blk.transpose(2, 0, 1))
+        for r in range(1, k):
+            eq = self.eq[: (k - r) * n].reshape(k - r, n)
+            np.equal(xt[: k - r], xt[r:], out=eq)
+            if bool(eq.any()):
+                return True
+        return False
 
 
 def _first(mask: Any) -> list[int]:
@@ -91,36 +146,88 @@ def check_router_ids(
     on_cpu = numpy_in or arr.device.type == "cpu"
     data: Any = arr if numpy_in else (arr.numpy() if on_cpu else arr)
     step = max(1, _BLOCK_IDS // max(1, n_layers * k))
-    signed = bool(np.dtype(data.dtype).kind == "i") if on_cpu else True
+    where = _Where(
+        num_experts, layer_ids, layers_first, what, token_offset, range_error, duplicate_error
+    )
+    if not on_cpu:  # a tensor on an accelerator: the reference check, run there
+        for a in range(0, tokens, step):
+            _check_block(data[:, a : a + step] if layers_first else data[a : a + step], a, where)
+        return
+    signed = bool(np.dtype(data.dtype).kind == "i")
+    scratch = _Scratch(k, min(step, tokens) * n_layers, np.dtype(data.dtype))
     for a in range(0, tokens, step):
         blk = data[:, a : a + step] if layers_first else data[a : a + step]
-        # [K, layers, tokens_in_block], contiguous: every test below is a straight vector op.
-        perm = (2, 0, 1) if layers_first else (2, 1, 0)
-        xt = np.ascontiguousarray(blk.transpose(perm)) if on_cpu else blk.permute(perm).contiguous()
-        lo = int(xt.min()) if signed else 0
-        hi = int(xt.max())
-        if lo < 0 or (num_experts is not None and hi >= num_experts):
-            bad = xt < 0 if num_experts is None else (xt < 0) | (xt >= num_experts)
-            kk, layer, tok = _first(bad)
-            value = int(xt[kk, layer, tok])
-            bound = ">= 0" if value < 0 else f"< num_experts={num_experts}"
-            raise range_error(
-                f"{what}: expected expert ids {bound}, found {value} "
-                f"(token {token_offset + a + tok}, layer {layer_ids[layer]})",
-                token=token_offset + a + tok,
-                layer=layer_ids[layer],
+        # The common valid case: a min/max and the fast duplicate test on the block as it
+        # lies; a failing block is re-checked by the reference to name the first offender.
+        lo = int(blk.min()) if signed else 0
+        hi = int(blk.max())
+        bad_range = lo < 0 or (num_experts is not None and hi >= num_experts)
+        if bad_range or (k > 1 and scratch.has_duplicate(blk)):
+            _check_block(blk, a, where)
+            raise AssertionError(f"{what}: block at token {a} expected to fail")  # pragma: no cover
+
+
+class _Where:
+    """How `check_router_ids` was called: bound, layer ids, layout, names, offset, error types."""
+
+    def __init__(
+        self,
+        num_experts: int | None,
+        layer_ids: Sequence[int],
+        layers_first: bool,
+        what: str,
+        token_offset: int,
+        range_error: type[ExpertRangeError],
+        duplicate_error: type[DuplicateExpertError],
+    ) -> None:
+        self.num_experts = num_experts
+        self.layer_ids = layer_ids
+        self.layers_first = layers_first
+        self.what = what
+        self.token_offset = token_offset
+        self.range_error = range_error
+        self.duplicate_error = duplicate_error
+
+
+def _check_block(blk: Any, a: int, w: _Where) -> None:
+    """The reference check of one block (tokens ``a ..``), numpy or torch; raises on a violation.
+
+    It defines which offender is reported: within the first failing block (blocks of
+    ``_BLOCK_IDS // (layers * K)`` tokens), an out-of-range id first, the first in
+    ``(k, layer, token)`` order; otherwise a duplicate at the smallest distance ``r``
+    between the two positions, then the first in ``(k, layer, token)`` order.
+    """
+    k = int(blk.shape[2])
+    perm = (2, 0, 1) if w.layers_first else (2, 1, 0)
+    numpy_in = isinstance(blk, np.ndarray)
+    # [K, layers, tokens_in_block], contiguous: every test below is a straight vector op.
+    xt = np.ascontiguousarray(blk.transpose(perm)) if numpy_in else blk.permute(perm).contiguous()
+    signed = bool(np.dtype(xt.dtype).kind == "i") if numpy_in else True
+    lo = int(xt.min()) if signed else 0
+    hi = int(xt.max())
+    e = w.num_experts
+    if lo < 0 or (e is not None and hi >= e):
+        bad = xt < 0 if e is None else (xt < 0) | (xt >= e)
+        kk, layer, tok = _first(bad)
+        value = int(xt[kk, layer, tok])
+        bound = ">= 0" if value < 0 else f"< num_experts={e}"
+        raise w.range_error(
+            f"{w.what}: expected expert ids {bound}, found {value} "
+            f"(token {w.token_offset + a + tok}, layer {w.layer_ids[layer]})",
+            token=w.token_offset + a + tok,
+            layer=w.layer_ids[layer],
+        )
+    for r in range(1, k):
+        eq = xt[: k - r] == xt[r:]
+        if bool(eq.any()):
+            _, layer, tok = _first(eq)
+            row = xt[:, layer, tok].tolist()
+            raise w.duplicate_error(
+                f"{w.what}: expected {k} distinct experts per token and layer, found {row} "
+                f"(token {w.token_offset + a + tok}, layer {w.layer_ids[layer]})",
+                token=w.token_offset + a + tok,
+                layer=w.layer_ids[layer],
             )
-        for r in range(1, k):
-            eq = xt[: k - r] == xt[r:]
-            if bool(eq.any()):
-                _, layer, tok = _first(eq)
-                row = xt[:, layer, tok].tolist()
-                raise duplicate_error(
-                    f"{what}: expected {k} distinct experts per token and layer, found {row} "
-                    f"(token {token_offset + a + tok}, layer {layer_ids[layer]})",
-                    token=token_offset + a + tok,
-                    layer=layer_ids[layer],
-                )
 
 
 def storage_cap(spec: RouteSpec) -> int:

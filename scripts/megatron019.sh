@@ -28,4 +28,5 @@ fi
 "$venv/bin/pip" install -q -e ".[stats,dev]"
 "$venv/bin/python" -c 'import megatron.core, torch; print("megatron-core", megatron.core.__version__, "torch", torch.__version__)'
 "$venv/bin/pytest" -q -p no:cacheprovider tests/integrations/test_megatron.py \
-  tests/integrations/test_megatron_sp.py tests/integrations/test_collate.py tests/core/test_microbatch.py
+  tests/integrations/test_megatron_sp.py tests/integrations/test_megatron_mtp.py \
+  tests/integrations/test_collate.py tests/core/test_microbatch.py

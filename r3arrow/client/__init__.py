@@ -1,4 +1,7 @@
-"""Async engine client: vLLM's token-in/token-out generate API with incremental route capture.
+"""Async engine client: vLLM's and SGLang's generate APIs with incremental route capture.
+
+``EngineClient(urls, spec, protocol="vllm" | "sglang")``: the same `generate` call, trace
+semantics, retries and size caps over either wire protocol (SGLang: ``docs/sglang.md``).
 
 `EngineClient` sends a whole conversation as the prompt and, with a `RouteTrace`,
 ``routed_experts_prompt_start = trace.captured`` (``docs/design.md``, "Ragged routes and the
@@ -14,10 +17,11 @@ timeouts, retries with exponential backoff and jitter on connection errors, 429 
 
 Modules behind this package: ``_client`` (`EngineClient`: pooling, routing, the request
 loop), ``_protocol`` (request bodies, response parsing and route decoding; pure),
-``_retry`` (what is retried and how long to wait), ``_models`` (result types).
+``_sglang`` (SGLang's ``POST /generate``: bodies and parsing; pure), ``_retry`` (what is
+retried and how long to wait), ``_models`` (result types).
 """
 
-from r3arrow.client._client import EngineClient
+from r3arrow.client._client import PROTOCOLS, EngineClient, Protocol
 from r3arrow.client._models import GenerateOutput, ParsedResponse
 from r3arrow.client._protocol import ENDPOINT_PATHS, Endpoint, decode_routes, parse_response
 from r3arrow.client._retry import RetryPolicy
@@ -25,11 +29,13 @@ from r3arrow.errors import EngineHTTPError
 
 __all__ = [
     "ENDPOINT_PATHS",
+    "PROTOCOLS",
     "Endpoint",
     "EngineClient",
     "EngineHTTPError",
     "GenerateOutput",
     "ParsedResponse",
+    "Protocol",
     "RetryPolicy",
     "decode_routes",
     "parse_response",

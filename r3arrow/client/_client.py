@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import importlib
 import itertools
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import httpx
 import numpy as np
@@ -20,6 +22,7 @@ from r3arrow._checks import (
     check_optional_int,
     check_positive_int,
 )
+from r3arrow.client import _sglang
 from r3arrow.client._models import GenerateOutput, ParsedResponse
 from r3arrow.client._protocol import (
     ENDPOINT_PATHS,
@@ -41,12 +44,17 @@ from r3arrow.errors import (
     RouteShapeError,
     TraceStateError,
 )
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
 from r3arrow.trace import RouteTrace
 
 _OFFLOAD_BYTES = 1 << 20  # decode larger responses in a worker thread
 _BODY_SLACK_BYTES = 64 << 20  # JSON beside the route payload (token ids, logprobs)
 _NO_ROUTES_HINT = "(start vLLM with --enable-return-routed-experts)"
+
+Protocol = Literal["vllm", "sglang"]
+#: The wire protocols `EngineClient` speaks (``protocol=``).
+PROTOCOLS: tuple[Protocol, ...] = ("vllm", "sglang")
 
 
 def _score(session_id: str, url: str) -> int:
@@ -62,6 +70,27 @@ def _check_seconds(**values: float) -> None:
             raise ValueError(f"{name}: expected seconds >= 0, found {value!r}")
 
 
+def _check_quality(routes: np.ndarray, spec: RouteSpec, url: str) -> None:
+    """`r3arrow.quality.check_route_quality` on one response's rows (skipped if not installed).
+
+    The guard module belongs to another layer of the package and may be absent from a
+    trimmed install; without it there is nothing to check beyond the id rules.
+    """
+    guard = _quality_guard()
+    if guard is not None:
+        guard(routes, spec, what=f"routed_experts from {url}")
+
+
+@functools.cache
+def _quality_guard() -> Callable[..., None] | None:
+    try:
+        module = importlib.import_module("r3arrow.quality")
+    except ImportError:
+        return None
+    guard: Callable[..., None] = module.check_route_quality
+    return guard
+
+
 class EngineClient:
     """Async client for one set of engine servers (vLLM or the embedded reference engine).
 
@@ -73,8 +102,14 @@ class EngineClient:
         One ``http(s)://`` base URL or a sequence of distinct ones.
     spec:
         The route shape responses must have (None: learn it, see `probe_spec`).
+    protocol:
+        ``"vllm"`` (`r3arrow.client._protocol`) or ``"sglang"`` (SGLang's native ``POST
+        /generate``, `r3arrow.client._sglang`, ``docs/sglang.md``). Sampling parameters are
+        sent as given, in the protocol's own spelling (vLLM ``max_tokens``, SGLang
+        ``max_new_tokens``). SGLang's payload has no shape: give ``spec`` (or call
+        `probe_spec` with ``num_layers``/``topk``) before requests that return routes.
     endpoint:
-        ``"generate"`` (``POST /inference/v1/generate``) or ``"completions"``
+        vLLM only: ``"generate"`` (``POST /inference/v1/generate``) or ``"completions"``
         (``POST /v1/completions`` with token-id prompts).
     model, cache_salt, headers:
         Sent with every request (``cache_salt`` can be overridden per request).
@@ -93,6 +128,10 @@ class EngineClient:
         ``--skip-tokenizer-init`` does not check them, and its engine core dies on one).
     seed:
         Seed of the retry jitter.
+    route_quality:
+        Check every decoded response with `r3arrow.quality.check_route_quality` before
+        recording it (on by default); a failure is a data error: never retried, counted in
+        ``stats["data_errors"]``, the trace untouched.
     transport:
         An `httpx.AsyncBaseTransport` to use instead of the network (tests pass an
         `httpx.MockTransport`); the connection limits then do not apply.
@@ -106,6 +145,7 @@ class EngineClient:
         spec: RouteSpec | None = None,
         *,
         endpoint: Endpoint = "generate",
+        protocol: Protocol = "vllm",
         model: str | None = None,
         max_concurrency: int = 64,
         timeout: float | httpx.Timeout = 300.0,
@@ -120,6 +160,7 @@ class EngineClient:
         vocab_size: int | None = None,
         seed: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        route_quality: bool = True,
     ) -> None:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls or not all(
@@ -131,6 +172,14 @@ class EngineClient:
         if spec is not None and not isinstance(spec, RouteSpec):
             raise TypeError(f"spec: expected a RouteSpec or None, found {type(spec).__name__}")
         check_choice(endpoint, "endpoint", tuple(ENDPOINT_PATHS))
+        check_choice(protocol, "protocol", PROTOCOLS)
+        if protocol == "sglang" and endpoint != "generate":
+            raise ValueError(
+                f"endpoint: SGLang has one generate endpoint (POST {_sglang.GENERATE_PATH}); "
+                f"expected the default 'generate', found {endpoint!r}"
+            )
+        if not isinstance(route_quality, bool):
+            raise TypeError(f"route_quality: expected a bool, found {route_quality!r}")
         max_concurrency = check_positive_int(max_concurrency, "max_concurrency")
         max_retries = check_nonnegative_int(max_retries, "max_retries")
         max_payload_bytes = check_nonnegative_int(max_payload_bytes, "max_payload_bytes")
@@ -146,6 +195,15 @@ class EngineClient:
         self.base_urls: tuple[str, ...] = tuple(u.rstrip("/") for u in urls)
         self.spec = spec
         self.endpoint: Endpoint = endpoint
+        self.protocol: Protocol = protocol
+        self.route_quality = route_quality
+        #: Request path of this client's endpoint.
+        self.path = _sglang.GENERATE_PATH if protocol == "sglang" else ENDPOINT_PATHS[endpoint]
+        self._no_routes_hint = _sglang.NO_ROUTES_HINT if protocol == "sglang" else _NO_ROUTES_HINT
+        #: Client-set request fields a caller must not pass in ``sampling_params``.
+        self._reserved = (
+            (_sglang.START_KEY, _sglang.RETURN_KEY) if protocol == "sglang" else (PROMPT_START_KEY,)
+        )
         self.model = model
         self.max_concurrency = max_concurrency
         self.retry = RetryPolicy(
@@ -241,8 +299,16 @@ class EngineClient:
         num_experts: int | None = None,
         token_ids: Sequence[int] | None = None,
         infer_dense: bool = True,
+        num_layers: int | None = None,
+        topk: int | None = None,
     ) -> RouteSpec:
         """Ask the engine for the route spec: one 1-token request with prompt start 0.
+
+        SGLang's payload is raw int32 without a shape, so with ``protocol="sglang"`` the row
+        shape comes from ``num_layers`` and ``topk`` (default: the client's ``spec``; a
+        `ValueError` without either) and the probe checks the payload against it and infers
+        ``moe_layers``. With vLLM they are optional and checked against the response
+        (`RouteShapeError`).
 
         Returns ``RouteSpec(L, K, num_experts, moe_layers)`` from the returned ``[P, L, K]``
         rows (the engine does not report ``num_experts``; None lets traces widen the dtype as
@@ -260,12 +326,55 @@ class EngineClient:
         """
         if token_ids is None:
             token_ids = [i % (self.vocab_size or 33) for i in range(1, 33)]
-        out = await self.generate(token_ids, sampling_params={"max_tokens": 1, "ignore_eos": True})
-        routes = out.routed_experts
+        if self.protocol == "sglang":
+            known = self.spec
+            num_layers = check_optional_int(num_layers, "num_layers", minimum=1)
+            topk = check_optional_int(topk, "topk", minimum=1)
+            if num_layers is None or topk is None:
+                if known is None:
+                    raise ValueError(
+                        "probe_spec: SGLang's routes carry no shape; expected num_layers= and "
+                        "topk= (or a client spec), found neither"
+                    )
+                num_layers = known.num_layers if num_layers is None else num_layers
+                topk = known.topk if topk is None else topk
+            # Shape only: the probe learns moe_layers, so ids are range-checked, not deduplicated.
+            shape = RouteSpec(num_layers=num_layers, topk=topk, num_experts=num_experts)
+            prompt = self._prompt_list(token_ids)
+            body = orjson.dumps(
+                self.build_request(
+                    prompt, {"max_new_tokens": 1, "ignore_eos": True}, prompt_start=0
+                )
+            )
+            content, url, _ = await self._post(body, self.urls_for(None))
+            parsed = _sglang.parse_response(
+                content, spec=shape, max_payload_bytes=self.max_payload_bytes, check_ids=False
+            )
+            routes = parsed.routes
+            if routes is not None:
+                check_row_count(
+                    routes,
+                    prompt_tokens=len(prompt),
+                    generated_tokens=len(parsed.token_ids),
+                    prompt_start=0,
+                    url=url,
+                )
+        else:
+            out = await self.generate(
+                token_ids, sampling_params={"max_tokens": 1, "ignore_eos": True}
+            )
+            routes, url = out.routed_experts, out.base_url
+            found = None if routes is None else routes.shape[1:]
+            for name, want, got in (("num_layers", num_layers, 0), ("topk", topk, 1)):
+                if want is not None and found is not None and found[got] != want:
+                    raise RouteShapeError(
+                        f"engine {url}: expected routes of {name}={want}, found shape "
+                        f"{list(routes.shape) if routes is not None else None}"
+                    )
         if routes is None:
             raise EngineError(
-                f"engine {out.base_url} returned no routed_experts; expected [rows, L, K] "
-                + _NO_ROUTES_HINT
+                f"engine {url} returned no routed_experts; expected [rows, L, K] "
+                + self._no_routes_hint
             )
         _, layers, topk = routes.shape
         moe: tuple[int, ...] | None = None
@@ -273,7 +382,7 @@ class EngineClient:
             moe = tuple(int(i) for i in np.flatnonzero(routes.any(axis=(0, 2))))
             if not moe:
                 raise EngineError(
-                    f"engine {out.base_url}: expected a router layer (a nonzero expert id) in "
+                    f"engine {url}: expected a router layer (a nonzero expert id) in "
                     f"the probe's {routes.shape[0]} rows, found all {layers} layers all zeros"
                 )
         return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts, moe_layers=moe)
@@ -289,6 +398,15 @@ class EngineClient:
         cache_salt: str | None = None,
     ) -> dict[str, Any]:
         """The JSON body for ``prompt_token_ids`` on this client's endpoint."""
+        salt = cache_salt if cache_salt is not None else self.cache_salt
+        if self.protocol == "sglang":
+            return _sglang.build_request(
+                prompt_token_ids,
+                sampling_params,
+                prompt_start=prompt_start,
+                return_routes=return_routes,
+                cache_salt=salt,
+            )
         return build_request(
             self.endpoint,
             prompt_token_ids,
@@ -296,7 +414,7 @@ class EngineClient:
             prompt_start=prompt_start,
             return_routes=return_routes,
             model=self.model,
-            cache_salt=cache_salt if cache_salt is not None else self.cache_salt,
+            cache_salt=salt,
         )
 
     async def _read_capped(self, resp: httpx.Response, url: str) -> bytes:
@@ -324,7 +442,7 @@ class EngineClient:
         Raises `EngineHTTPError` (see `r3arrow.client._retry` for what is retried), or
         `PayloadTooLargeError` for a body past ``max_body_bytes`` (never retried).
         """
-        path = ENDPOINT_PATHS[self.endpoint]
+        path = self.path
         policy = self.retry
         failover = 0
         last = ""
@@ -445,18 +563,21 @@ class EngineClient:
         prompt_start: int,
     ) -> tuple[ParsedResponse, np.ndarray | None, int, int | None]:
         """Decode a 2xx body, check it, record it into ``trace``: (parsed, routes, rows, start)."""
+        parse: Any = _sglang.parse_response if self.protocol == "sglang" else parse_response
         parse_args: dict[str, Any] = {
-            "endpoint": self.endpoint,
             "spec": spec,
             "max_payload_bytes": self.max_payload_bytes,
             "want_routes": return_routes,
-            # One id check per response: here without a trace, in trace.record with one.
-            "check_ids": trace is None,
+            # Ids are checked after the quality guard (below): here without a trace, in
+            # trace.record with one. SGLang's codec range-checks ids as it decodes.
+            "check_ids": False,
         }
+        if self.protocol == "vllm":
+            parse_args["endpoint"] = self.endpoint
         if len(content) > _OFFLOAD_BYTES:  # keep the event loop responsive while decoding
-            parsed = await asyncio.to_thread(parse_response, content, **parse_args)
+            parsed = await asyncio.to_thread(parse, content, **parse_args)
         else:
-            parsed = parse_response(content, **parse_args)
+            parsed = parse(content, **parse_args)
         g = len(parsed.token_ids)
         routes = parsed.routes
         rows = 0
@@ -465,6 +586,13 @@ class EngineClient:
             rows = check_row_count(
                 routes, prompt_tokens=p, generated_tokens=g, prompt_start=prompt_start, url=url
             )
+            if spec is not None:
+                # The guard runs before the id rules: a zeroed router layer is also a
+                # duplicate, and the engine-bug message is the one that explains it.
+                if self.route_quality:
+                    _check_quality(routes, spec, url)
+                if trace is None:
+                    check_routes(routes, spec, what="routed_experts")
             if trace is not None:
                 token_start = trace.record(
                     routes,
@@ -477,7 +605,7 @@ class EngineClient:
         elif trace is not None:
             raise EngineError(
                 f"engine {url} returned no routed_experts; expected "
-                f"{p - prompt_start + g - 1} rows " + _NO_ROUTES_HINT
+                f"{p - prompt_start + g - 1} rows " + self._no_routes_hint
             )
         return parsed, routes, rows, token_start
 
@@ -519,11 +647,12 @@ class EngineClient:
                 f"sampling_params: expected one non-streamed sample per request (n=1, no stream), "
                 f"found n={sp.get('n', 1)!r}, stream={sp.get('stream')!r}"
             )
-        if PROMPT_START_KEY in sp:
-            raise ValueError(
-                f"sampling_params: {PROMPT_START_KEY} is set by the client "
-                "(from the trace, or the prompt_start argument); found it in sampling_params"
-            )
+        for key in self._reserved:
+            if key in sp:
+                raise ValueError(
+                    f"sampling_params: {key} is set by the client "
+                    "(from the trace, or the prompt_start argument); found it in sampling_params"
+                )
         spec = self.spec
         ids: np.ndarray | None = None
         if trace is not None:
@@ -580,4 +709,4 @@ class EngineClient:
         )
 
 
-__all__ = ["EngineClient"]
+__all__ = ["PROTOCOLS", "EngineClient", "Protocol"]

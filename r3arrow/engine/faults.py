@@ -38,6 +38,12 @@ Modes of ``malformed_routes`` (`corrupt_routes` applies them):
 ``truncated`` an ``.npy`` whose data is cut short of what its header declares
 ``shape``     a well-formed 2-D ``[rows, L*K]`` array
 ============  ======================================================================
+
+On SGLang's wire (``wire="sglang"``: base64 of raw int32, no header) the modes send:
+``base64`` not base64; ``not_npy`` the int32 bytes plus one stray byte (not whole rows);
+``object`` half a row; ``float`` the rows as float32 bits (ids far out of range);
+``truncated`` the last id cut off; ``shape`` the rows as int64 (twice the rows, each id
+followed by a zero). Every one is a data error; the rest of the faults apply unchanged.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ import numpy as np
 import pybase64
 
 from r3arrow._checks import check_choice, check_int, check_optional_int, check_positive_int
+from r3arrow.codec import encode_sglang
 from r3arrow.engine._protocol import COMPLETIONS_PATH, GENERATE_PATH, encode_npy_b64
+from r3arrow.engine._sglang import GENERATE_PATH as SGLANG_GENERATE_PATH
 
 FaultKind = Literal[
     "delay",
@@ -66,8 +74,11 @@ FaultKind = Literal[
 ]
 MalformedMode = Literal["base64", "not_npy", "object", "float", "truncated", "shape"]
 
-#: Paths whose requests consume faults (vLLM's generation endpoints).
-GENERATION_PATHS = (GENERATE_PATH, COMPLETIONS_PATH)
+#: Paths whose requests consume faults (vLLM's generation endpoints, SGLang's ``/generate``).
+GENERATION_PATHS = (GENERATE_PATH, COMPLETIONS_PATH, SGLANG_GENERATE_PATH)
+Wire = Literal["npy", "sglang"]
+#: Route payload encodings `corrupt_routes` writes: vLLM's base64 ``.npy``, SGLang's raw int32.
+WIRES: tuple[Wire, ...] = ("npy", "sglang")
 MALFORMED_MODES: tuple[MalformedMode, ...] = (
     "base64",
     "not_npy",
@@ -227,8 +238,10 @@ class FaultPlan:
             return sum(1 if e.remaining is None else e.remaining for e in self._queue)
 
 
-def corrupt_routes(arr: np.ndarray, fault: Fault) -> str | None:
+def corrupt_routes(arr: np.ndarray, fault: Fault, *, wire: Wire = "npy") -> str | None:
     """The ``routed_experts`` value a response carries under ``fault`` instead of ``arr``.
+
+    ``wire``: the payload encoding, ``"npy"`` (vLLM) or ``"sglang"`` (raw int32).
 
     ``arr`` is the engine's ``[rows, L, K]`` rows; returns the payload string (base64), or
     None for ``no_routes``. Only the route faults (``malformed_routes``, ``short_routes``,
@@ -236,20 +249,24 @@ def corrupt_routes(arr: np.ndarray, fault: Fault) -> str | None:
     here. Raises ``ValueError`` for another fault, or a corruption the rows cannot take
     (``duplicate_experts`` with ``K == 1``, a ``layer`` out of range, no router layer).
     """
+    check_choice(wire, "corrupt_routes: wire", WIRES)
+    encode = encode_sglang if wire == "sglang" else encode_npy_b64
     if fault.kind == "no_routes":
         return None
     if fault.kind in ("duplicate_experts", "zero_router_layer"):
-        return encode_npy_b64(_corrupt_layer(arr, fault))
+        return encode(_corrupt_layer(arr, fault))
     if fault.kind == "short_routes":
-        return encode_npy_b64(arr[: max(0, arr.shape[0] - fault.rows)])
+        return encode(arr[: max(0, arr.shape[0] - fault.rows)])
     if fault.kind == "extra_routes":
         extra = np.broadcast_to(
             np.arange(arr.shape[2], dtype=arr.dtype), (fault.rows, *arr.shape[1:])
         )
-        return encode_npy_b64(np.concatenate([arr, extra]))
+        return encode(np.concatenate([arr, extra]))
     if fault.kind != "malformed_routes":
         raise ValueError(f"corrupt_routes: expected a route fault, found {fault.kind!r}")
     mode = fault.mode
+    if wire == "sglang":
+        return _corrupt_sglang(arr, mode)
     if mode == "base64":
         return "!!not base64: routed experts lost in transit!!"
     if mode == "not_npy":
@@ -267,6 +284,25 @@ def corrupt_routes(arr: np.ndarray, fault: Fault) -> str | None:
         full = pybase64.b64decode(encode_npy_b64(arr))
         return pybase64.b64encode(full[: len(full) - max(1, arr.nbytes // 2)]).decode("ascii")
     return encode_npy_b64(arr.reshape(arr.shape[0], -1))  # "shape"
+
+
+def _corrupt_sglang(arr: np.ndarray, mode: MalformedMode) -> str:
+    """A corrupt SGLang payload (raw int32) of ``mode`` for the rows ``arr``."""
+    raw = np.ascontiguousarray(arr, dtype="<i4").tobytes()
+    row = arr.shape[1] * arr.shape[2] * 4
+    if mode == "base64":
+        return "!!not base64: routed experts lost in transit!!"
+    if mode == "not_npy":
+        data = raw + b"\x01"
+    elif mode == "object":
+        data = raw[: row // 2] if row > 4 else raw + b"\x01"
+    elif mode == "float":
+        data = np.ascontiguousarray(arr, dtype="<f4").tobytes()
+    elif mode == "truncated":
+        data = raw[:-4] if row > 4 else raw + b"\x01"
+    else:  # "shape"
+        data = np.ascontiguousarray(arr, dtype="<i8").tobytes()
+    return pybase64.b64encode(data).decode("ascii")
 
 
 def _corrupt_layer(arr: np.ndarray, fault: Fault) -> np.ndarray:
@@ -313,10 +349,12 @@ def drift_prompt(conversation: list[int], position: int, vocab_size: int) -> lis
 __all__ = [
     "GENERATION_PATHS",
     "MALFORMED_MODES",
+    "WIRES",
     "Fault",
     "FaultKind",
     "FaultPlan",
     "MalformedMode",
+    "Wire",
     "corrupt_routes",
     "drift_prompt",
 ]

@@ -1,9 +1,10 @@
-"""`EngineServer`: the reference engine over real HTTP on loopback, with vLLM's schema.
+"""`EngineServer`: the reference engine over real HTTP on loopback (vLLM's and SGLang's schemas).
 
 This module is the HTTP side only: a threaded HTTP/1.1 server (keep-alive, ``TCP_NODELAY``,
 bounded bodies), dispatch by path, fault injection at the HTTP level, and the request log.
-What the endpoints accept and answer (vLLM's request validation, error JSON and response
-shapes) lives in `r3arrow.engine._protocol`; the corrupt payloads of route faults in
+What the endpoints accept and answer lives in `r3arrow.engine._protocol` (vLLM's
+``/inference/v1/generate`` and ``/v1/completions``) and `r3arrow.engine._sglang` (SGLang's
+``/generate``, ``docs/sglang.md``); the corrupt payloads of route faults in
 `r3arrow.engine.faults`; the model in `r3arrow.engine.model`.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import socket
 import sys
 import threading
@@ -24,13 +26,16 @@ from urllib.parse import urlsplit
 import orjson
 
 from r3arrow._checks import check_int, check_optional_int, check_positive_int
+from r3arrow.codec import encode_sglang
 from r3arrow.engine import _protocol as proto
+from r3arrow.engine import _sglang as sgl
 from r3arrow.engine._protocol import ErrorResponse, error_body
 from r3arrow.engine.faults import Fault, FaultPlan, corrupt_routes
 from r3arrow.engine.model import GenerateResult, ReferenceEngine
 from r3arrow.errors import EngineRequestError
 
 _T = TypeVar("_T")
+_POST_PATHS = (*proto.POST_PATHS, sgl.GENERATE_PATH)
 
 
 class RequestLog:
@@ -189,9 +194,13 @@ class _Handler(BaseHTTPRequestHandler):
                     if fault.retry_after is not None
                     else None
                 )
-                self._send_json(
-                    code, error_body(code, f"injected fault: HTTP {code}", err_type=err_type), extra
+                message = f"injected fault: HTTP {code}"
+                err: dict[str, Any] = (
+                    sgl.value_error(message, code).payload
+                    if path == sgl.GENERATE_PATH
+                    else error_body(code, message, err_type=err_type)
                 )
+                self._send_json(code, err, extra)
                 return
             elif fault.kind == "drop_connection":
                 self.close_connection = True
@@ -200,7 +209,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         route_fault = fault if fault is not None and fault.kind != "delay" else None
 
-        if path in proto.GET_PATHS or path in proto.POST_PATHS:
+        if path in proto.GET_PATHS or path in _POST_PATHS:
             allowed = "GET" if path in proto.GET_PATHS else "POST"
             if method != allowed:
                 self._send_json(405, {"detail": "Method Not Allowed"}, {"allow": allowed})
@@ -213,6 +222,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if path == "/v1/models":
             self._send_json(200, app.models_payload())
+            return
+        if path == sgl.GENERATE_PATH:
+            self._dispatch_sglang(body, json_error, route_fault)
             return
         try:
             if not (self.headers.get("content-type") or "").lower().startswith("application/json"):
@@ -242,6 +254,27 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(
                 500, error_body(500, f"{type(exc).__name__}: {exc}", err_type="InternalServerError")
             )
+            return
+        self._send_json(200, payload)
+
+    def _dispatch_sglang(self, body: Any, json_error: str | None, fault: Fault | None) -> None:
+        """``POST /generate``: SGLang's answer, or its error JSON."""
+        try:
+            ctype = (self.headers.get("content-type") or "").lower()
+            if ctype and not ctype.startswith("application/json"):
+                raise sgl.validation_error(f"expected an application/json body, found {ctype!r}")
+            if json_error is not None:
+                raise sgl.validation_error(f"JSON decode error: {json_error}")
+            if not isinstance(body, dict):
+                raise sgl.contract_error(
+                    "invalid type: " + sgl.unexpected(body) + ", expected struct GenerateRequest"
+                )
+            payload = self.server.app.handle_sglang_generate(body, fault)
+        except sgl.SGLangError as exc:
+            self._send_json(exc.status, exc.payload)
+            return
+        except Exception as exc:  # a bug in the engine: an error answer, keep serving
+            self._send_json(500, sgl.value_error(f"{type(exc).__name__}: {exc}", 500).payload)
             return
         self._send_json(200, payload)
 
@@ -505,6 +538,65 @@ class EngineServer:
             choices=choices,
             completion_tokens=sum(len(r.token_ids) for r in results),
         )
+
+    def handle_sglang_generate(
+        self, body: dict[str, Any], fault: Fault | None
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """``POST /generate``: SGLang's native answer (a list for ``n > 1``).
+
+        Raises `r3arrow.engine._sglang.SGLangError` for a request SGLang would refuse (and
+        for what the reference engine does not implement, see that module).
+        """
+        began = time.perf_counter()
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise sgl.contract_error("invalid type: " + sgl.unexpected(rid) + ", expected a string")
+        prompt = sgl.prompt_ids(body)
+        sp = sgl.parse_request(body)
+        want = body.get("return_routed_experts", False)
+        if not isinstance(want, bool):
+            raise sgl.validation_error(
+                f"return_routed_experts: Input should be a valid boolean, found {want!r}"
+            )
+        try:
+            self.engine.check_token_ids(prompt, "input_ids")
+            self._check_limits(sp)
+        except EngineRequestError as exc:
+            raise sgl.value_error(str(exc)) from exc
+        except proto.ErrorResponse as exc:
+            raise sgl.value_error(exc.message) from exc
+        limit = self.engine.config.max_model_len
+        sp = dataclasses.replace(
+            sp, max_tokens=sgl.max_new_tokens(sp.max_tokens, len(prompt), limit)
+        )
+        if want:
+            sgl.check_start(sp.start, len(prompt))
+        else:  # SGLang ignores routed_experts_start_len unless routes are asked
+            sp = dataclasses.replace(sp, start=0)
+        try:
+            results = self._run(prompt, sp)
+        except proto.ErrorResponse as exc:
+            raise sgl.value_error(exc.message) from exc
+        out = []
+        for i, res in enumerate(results):
+            routes = None
+            if want and res.routed_experts is not None:
+                routes = (
+                    encode_sglang(res.routed_experts)
+                    if fault is None
+                    else corrupt_routes(res.routed_experts, fault, wire="sglang")
+                )
+            out.append(
+                sgl.response(
+                    rid=None if rid is None else (rid if len(results) == 1 else f"{rid}-{i}"),
+                    prompt_tokens=len(prompt),
+                    token_ids=res.token_ids,
+                    finish=sgl.finish_reason(res.finish_reason, res.token_ids, res.stop_reason),
+                    routes=routes,
+                    latency=time.perf_counter() - began,
+                )
+            )
+        return out[0] if len(out) == 1 else out
 
     def handle_completions(self, body: dict[str, Any], fault: Fault | None) -> dict[str, Any]:
         """``POST /v1/completions`` with token-id prompts.

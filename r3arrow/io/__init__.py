@@ -37,7 +37,14 @@ generic tools (`r3arrow.io._portable`). Argument misuse (a negative or non-int
 from __future__ import annotations
 
 from r3arrow.io._ipc import read_ipc, write_ipc
-from r3arrow.io._layout import iter_rollout_files, list_steps
+from r3arrow.io._layout import (
+    TempFile,
+    check_step,
+    find_temps,
+    iter_rollout_files,
+    list_steps,
+    remove_stale_temps,
+)
 from r3arrow.io._parquet import (
     RolloutFile,
     iter_rollout_tables,
@@ -49,10 +56,14 @@ from r3arrow.io._parquet import (
     scan_rollouts,
     write_rollouts,
 )
+from r3arrow.io._portable import to_portable
 from r3arrow.io._storage import from_storage, route_rows, to_storage
 
 __all__ = [
     "RolloutFile",
+    "TempFile",
+    "check_step",
+    "find_temps",
     "from_storage",
     "iter_rollout_files",
     "iter_rollout_tables",
@@ -62,9 +73,11 @@ __all__ = [
     "read_rollouts",
     "read_rollouts_dataset",
     "read_row_group",
+    "remove_stale_temps",
     "route_rows",
     "scan_rollout_files",
     "scan_rollouts",
+    "to_portable",
     "to_storage",
     "write_ipc",
     "write_rollouts",

@@ -15,7 +15,7 @@ from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated
 from r3arrow.errors import SchemaError
 from r3arrow.io._layout import atomic_path, check_regular
-from r3arrow.io._parquet import check_rollout_schema
+from r3arrow.io._verify import check_table, file_spec, reading
 from r3arrow.table import validate_rollouts
 
 
@@ -35,12 +35,17 @@ def write_ipc(table: pa.Table, path: PathLike) -> Path:
     return paths[-1]
 
 
-def read_ipc(path: PathLike, *, memory_map: bool = True) -> pa.Table:
+def read_ipc(path: PathLike, *, memory_map: bool = True, validate: bool = True) -> pa.Table:
     """Read an IPC rollout file; memory-mapped (zero-copy, lazy paging) by default.
 
-    Raises ``FileNotFoundError`` if ``path`` does not exist, `SchemaError`
-    (``path`` set) for a path that is not a regular file (a FIFO would block),
-    an unreadable file or one without the r3arrow spec.
+    The same trust boundary as the Parquet readers: the schema must carry r3arrow
+    metadata (a table without ``routes`` and without a spec is an R3-off file), and
+    with ``validate`` (default) the rows are checked like `read_rollouts` does
+    (columns, types, nulls, lengths, expert ids); ``validate=False`` keeps only the
+    schema checks. Raises ``FileNotFoundError`` if ``path`` does not exist,
+    `SchemaError` (``path`` set) for a path that is not a regular file (a FIFO would
+    block), an unreadable or foreign file, and the r3arrow error of the first bad row
+    (``path`` set).
     """
     p = Path(path)
     check_regular(p)
@@ -52,7 +57,10 @@ def read_ipc(path: PathLike, *, memory_map: bool = True) -> pa.Table:
             f"{p}: expected an r3arrow Arrow IPC rollout file, found an unreadable file ({exc})",
             path=p,
         ) from exc
-    check_rollout_schema(table.schema, p)
+    with reading(p):
+        spec = file_spec(table.schema, p)
+        if validate:
+            table = check_table(table, spec)
     return table
 
 

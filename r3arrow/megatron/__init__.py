@@ -5,6 +5,11 @@
 * `install_replay` checks every target (one per router instance, row count = tokens this
   rank's router sees, ids in ``[0, num_experts)``, no expert twice in a row) and only then
   calls ``RouterReplay.set_replay_data``: Megatron itself accepts wrong targets silently.
+  MTP policy (``mtp=``): Megatron registers multi-token-prediction routers as replay
+  instances too (Megatron-LM #7404); by default (``"exclude"``) they route natively while
+  the decoder replays; ``"replay"`` replays them from routes of their global layers,
+  ``"error"`` refuses them. A target count that does not match the instances raises
+  `ReplayError` naming MTP and the options, never Megatron's bare ``ValueError``.
 * `replay_backward` switches to ``REPLAY_BACKWARD`` for activation recomputation.
 * `model_inputs` passes the router padding mask (and ``PackedSeqParams``) to ``GPTModel``,
   pre-sliced to the TP rank's sequence-parallel share on pipeline stages that do not embed
@@ -15,6 +20,9 @@
   padding) microbatch at 0 instead of NaN.
 * `stage_router_layers` / `router_layers` give the global ids of a stage's routers;
   `collator_for` builds this rank's `r3arrow.collate.MegatronCollator`.
+* `r3arrow.megatron.cpu` (import it explicitly): real megatron-core routers on a CPU
+  machine for tests, demos and examples (`cpu_router_harness`, `build_routers`,
+  `replay_check`), not for training.
 
 megatron-core is imported inside the functions only (tested with 0.16.1; routers of 0.17+
 carry ``layer_number`` as 0.16 routers built inside a ``TransformerLayer`` already do).
@@ -22,14 +30,14 @@ This package imports `r3arrow.collate`, never the other way round.
 
 Modules: `_routers` (megatron access, routers of a model), `_schedule` (replay state
 scope), `_install` (target checks and installation), `_inputs` (model inputs), `_shim`
-(expert-bias shim), `_stages` (stage router layers, `collator_for`).
+(expert-bias shim), `_stages` (stage router layers, `collator_for`), `cpu` (CPU harness).
 """
 
 from __future__ import annotations
 
 from r3arrow.errors import ReplayDuplicateError, ReplayRangeError
 from r3arrow.megatron._inputs import model_inputs, packed_seq_params, stage_padding_mask
-from r3arrow.megatron._install import install_replay, validate_targets
+from r3arrow.megatron._install import MTP_POLICIES, install_replay, validate_targets
 from r3arrow.megatron._routers import router_layers
 from r3arrow.megatron._schedule import (
     clear_replay_state,
@@ -48,6 +56,7 @@ from r3arrow.megatron._shim import (
 from r3arrow.megatron._stages import collator_for, moe_layer_pattern, stage_router_layers
 
 __all__ = [
+    "MTP_POLICIES",
     "ReplayDuplicateError",
     "ReplayRangeError",
     "all_padding_aux_loss_fix_present",

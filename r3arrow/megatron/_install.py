@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
-from r3arrow._checks import check_nonnegative_int, check_optional_int
+from r3arrow._checks import check_choice, check_nonnegative_int, check_optional_int
 from r3arrow.collate import Microbatch
 from r3arrow.errors import ReplayDuplicateError, ReplayError, ReplayRangeError
 from r3arrow.ids import check_router_ids
 from r3arrow.megatron._routers import _is_mtp, _replay_of, _router_replay, _routers
+from r3arrow.megatron._schedule import _mark_native
 
 
 def _check_target_ids(arr: torch.Tensor, num_experts: int | None, layer_ids: Sequence[int]) -> None:
@@ -97,6 +98,13 @@ def validate_targets(
             _check_target_ids(t.unsqueeze(0), num_experts, [name])
 
 
+MTP_POLICIES = ("exclude", "replay", "error")
+_MTP_OPTIONS = (
+    "mtp='exclude' (default: MTP routers route natively, no targets), mtp='replay' (the "
+    "microbatch carries routes for their global layers, layer_number - 1) or mtp='error'"
+)
+
+
 def install_replay(
     mb: Microbatch | Sequence[torch.Tensor],
     routers: Any = None,
@@ -105,8 +113,9 @@ def install_replay(
     num_experts: int | None = None,
     layers: Sequence[int] | None = None,
     check: bool = True,
+    mtp: str = "exclude",
 ) -> list[torch.Tensor]:
-    """Validate replay targets, then hand them to ``RouterReplay.set_replay_data``; return them.
+    """Validate replay targets, then hand them to Megatron's ``RouterReplay``; return them.
 
     ``mb``: a `Microbatch` (targets, token count, layers and ``num_experts`` from it; one
     collated with R3 off raises `ReplayError`) or a list
@@ -117,10 +126,29 @@ def install_replay(
     number must equal the router instances of this process. ``check=False`` skips the id
     scan (shapes are always checked).
 
+    MTP policy (``docs/design.md``, "PP-local layers"). Megatron registers the routers of
+    multi-token-prediction layers as ``RouterReplay`` instances too (Megatron-LM #7404) and
+    ``set_replay_data`` wants one tensor per instance; an MTP router is one whose
+    ``layer_number`` exceeds ``config.num_layers`` (megatron-core numbers the router of MTP
+    depth ``d`` as ``num_layers + d``). Engines report decoder layers only, so:
+
+    * ``mtp="exclude"`` (default): MTP routers among ``routers`` get no target; their
+      instances are marked native for the schedule (action None, skipped by
+      `set_replay_action`/`replay_backward`), so they route with their own weights while
+      the decoder replays. The return value has one target per replayed instance.
+    * ``mtp="replay"``: MTP routers are replayed like decoder routers, by global layer
+      ``layer_number - 1``; the microbatch must carry routes for those layers.
+    * ``mtp="error"``: MTP routers among ``routers`` raise `ReplayError`.
+
+    Without ``routers`` MTP routers cannot be told apart: a target count that does not match
+    the instance count raises `ReplayError` naming MTP as a likely cause and the options.
+
     Raises `TypeError`/`ValueError` for argument misuse (raw targets without ``num_tokens``,
-    ``layers`` not one per target) and `ReplayError` (subclasses `ReplayRangeError`,
-    `ReplayDuplicateError`) for targets that do not fit, before anything reaches Megatron.
+    ``layers`` not one per target, an unknown ``mtp``) and `ReplayError` (subclasses
+    `ReplayRangeError`, `ReplayDuplicateError`) for targets that do not fit, before anything
+    reaches Megatron.
     """
+    mtp = check_choice(mtp, "mtp", MTP_POLICIES)
     if isinstance(mb, Microbatch) and (mb.spec is None or not mb.r3):
         raise ReplayError(
             "install_replay: expected a microbatch with routes, found one collated with R3 "
@@ -148,14 +176,17 @@ def install_replay(
     if len(ids) != len(targets):
         raise ValueError(f"layers: expected one layer id per target ({len(targets)}), found {ids}")
     ordered = targets
+    receivers = instances
+    native: list[Any] = []
     if routers is not None:
-        ordered, experts, topk = _order_by_routers(
-            targets, ids, _routers(routers), instances, experts, topk
-        )
+        plan = _order_by_routers(targets, ids, _routers(routers), instances, experts, topk, mtp)
+        ordered, receivers, native, experts, topk = plan
     elif len(targets) != len(instances):
         raise ReplayError(
             f"expected one target per RouterReplay instance of this process ({len(instances)} "
-            f"routers), found {len(targets)} targets for layers {ids}"
+            f"routers), found {len(targets)} targets for layers {ids}; if the extra instances "
+            f"are MTP routers (Megatron registers them too, Megatron-LM #7404), pass "
+            f"routers=<the model> so install_replay can tell them apart, with {_MTP_OPTIONS}"
         )
     # A microbatch's targets share one buffer: scan all its layers in one blockwise pass.
     fast = isinstance(mb, Microbatch)
@@ -169,8 +200,19 @@ def install_replay(
     )
     if check and isinstance(mb, Microbatch):
         _check_target_ids(mb.replay_tensor(), experts, mb.layers)
-    rr.set_replay_data(ordered)
+    if native:
+        # Megatron's set_replay_data wants a tensor for every instance: hand the replayed
+        # ones theirs the way it does (set_target_indices) and leave the native ones free.
+        pass  # MUTANT
+        for inst, t in zip(receivers, ordered, strict=True):
+            inst.set_target_indices(t)
+    else:
+        rr.set_replay_data(ordered)
     return ordered
+
+
+def _mtp_numbers(routers: list[Any]) -> list[int]:
+    return sorted(int(r.layer_number) for r in routers)
 
 
 def _order_by_routers(
@@ -180,27 +222,54 @@ def _order_by_routers(
     instances: list[Any],
     experts: int | None,
     topk: int | None,
-) -> tuple[list[torch.Tensor], int | None, int | None]:
-    """Targets in instance order, mapped through each router's ``layer_number``."""
-    decoder = [r for r in routers if not _is_mtp(r)]
-    if any(getattr(r, "layer_number", None) is None for r in decoder):
-        if len(decoder) != len(ids):
-            raise ReplayError(f"expected {len(ids)} routers for layers {ids}, found {len(decoder)}")
-        by_layer = dict(zip(ids, decoder, strict=True))
+    mtp: str,
+) -> tuple[list[torch.Tensor], list[Any], list[Any], int | None, int | None]:
+    """(targets in instance order, the instances that receive them, native MTP instances,
+    experts, top-k), mapped through each router's ``layer_number`` under the MTP policy."""
+    mtp_routers = [r for r in routers if _is_mtp(r)]
+    if mtp_routers and mtp == "error":
+        raise ReplayError(
+            f"expected no MTP routers (mtp='error'), found {len(mtp_routers)} with "
+            f"layer_number {_mtp_numbers(mtp_routers)} > num_layers "
+            f"{int(mtp_routers[0].config.num_layers)}; choose {_MTP_OPTIONS}"
+        )
+    replayed = routers if mtp == "replay" else [r for r in routers if not _is_mtp(r)]
+    if any(getattr(r, "layer_number", None) is None for r in replayed):
+        if len(replayed) != len(ids):
+            raise ReplayError(
+                f"expected {len(ids)} routers for layers {ids}, found {len(replayed)}"
+            )
+        by_layer = dict(zip(ids, replayed, strict=True))
     else:
-        by_layer = {int(r.layer_number) - 1: r for r in decoder}
+        by_layer = {int(r.layer_number) - 1: r for r in replayed}
     if sorted(by_layer) != sorted(ids):
+        hint = ""
+        if mtp == "replay" and mtp_routers:
+            hint = (
+                f"; MTP routers (layer_number {_mtp_numbers(mtp_routers)}) are replayed with "
+                f"mtp='replay', so the microbatch needs routes for their layers; or choose "
+                f"{_MTP_OPTIONS}"
+            )
+        elif mtp_routers and set(ids) & {int(r.layer_number) - 1 for r in mtp_routers}:
+            hint = f"; targets for MTP layers need mtp='replay' (found mtp={mtp!r})"
         raise ReplayError(
             f"expected routers for global layers {sorted(ids)}, found routers for "
-            f"{sorted(by_layer)}"
+            f"{sorted(by_layer)}{hint}"
         )
     target_of = {id(_replay_of(by_layer[g])): t for g, t in zip(ids, targets, strict=True)}
-    missing = [i for i, inst in enumerate(instances) if id(inst) not in target_of]
-    if missing or len(target_of) != len(instances):
+    native = [] if mtp == "replay" else [_replay_of(r) for r in mtp_routers]
+    native_ids = {id(inst) for inst in native}
+    covered = [i for i, inst in enumerate(instances) if id(inst) in target_of]
+    missing = [
+        i for i, inst in enumerate(instances) if id(inst) not in target_of.keys() | native_ids
+    ]
+    if missing or len(covered) != len(target_of):
         raise ReplayError(
             f"expected targets for every RouterReplay instance of this process "
-            f"({len(instances)}), found {len(instances) - len(missing)} covered by layers {ids} "
-            f"(uncovered instances {missing}, e.g. MTP or another model's routers)"
+            f"({len(instances)}), found {len(covered)} covered by layers {ids} and "
+            f"{len(native)} MTP routers left native (uncovered instances {missing}: routers "
+            f"not in `routers`, e.g. another model's, or MTP routers of a module not passed; "
+            f"pass the whole model)"
         )
     for g in ids:
         r = by_layer[g]
@@ -217,4 +286,5 @@ def _order_by_routers(
                 f"router of layer {g}: expected top-k {topk} (routes), found {k}", layer=g
             )
         topk = int(k) if k is not None and topk is None else topk
-    return [target_of[id(inst)] for inst in instances], experts, topk
+    receivers = [inst for inst in instances if id(inst) in target_of]
+    return [target_of[id(inst)] for inst in receivers], receivers, native, experts, topk

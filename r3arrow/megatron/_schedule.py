@@ -2,6 +2,12 @@
 
 See ``docs/design.md``, "Schedule scope": Megatron keeps replay targets in global
 ``RouterReplay`` state; a schedule that raises must not leave them for the next one.
+
+Native routers: `install_replay` with ``mtp="exclude"`` marks the ``RouterReplay`` instances
+of MTP routers native for the rest of the schedule (action None: they route with their own
+weights). `set_replay_action` on every instance and `replay_backward` skip native instances
+for the replay actions (they hold no targets: Megatron would fail on them);
+`clear_replay_state` drops the marks.
 """
 
 from __future__ import annotations
@@ -30,20 +36,42 @@ def _as_action(action: Any) -> Any:
 
 
 _scope = threading.local()
+_NATIVE = "_r3arrow_native"  # attribute on a RouterReplay instance: route natively
+
+
+def _mark_native(instances: Iterable[Any]) -> None:
+    """Mark instances native (no targets, no action) until the next `clear_replay_state`."""
+    for inst in instances:
+        setattr(inst, _NATIVE, True)
+        inst.clear_router_replay_action()
+
+
+def _is_native(inst: Any) -> bool:
+    return bool(getattr(inst, _NATIVE, False))
 
 
 def clear_replay_state() -> None:
-    """Drop every router's recorded/target indices, backward FIFO and action."""
+    """Drop every router's recorded/target indices, backward FIFO, action and native mark."""
     rr = _router_replay().RouterReplay
     rr.clear_global_indices()
     rr.clear_global_router_replay_action()
+    for inst in rr.global_router_replay_instances:
+        if hasattr(inst, _NATIVE):
+            delattr(inst, _NATIVE)
 
 
 def set_replay_action(action: Any, routers: Iterable[Any] | None = None) -> None:
     """Set ``action`` ("record", "replay_forward", "replay_backward", an enum or None) on every
-    router instance, or on the ``RouterReplay`` instances of ``routers`` only."""
+    router instance, or on the ``RouterReplay`` instances of ``routers`` only.
+
+    With ``routers=None`` the replay actions skip instances marked native (MTP routers
+    excluded by `install_replay`); naming routers sets them regardless."""
     act = _as_action(action)
-    targets = _instances() if routers is None else [_replay_of(r) for r in routers]
+    if routers is None:
+        replaying = act is not None and act.value.startswith("replay")
+        targets = [i for i in _instances() if not (replaying and _is_native(i))]
+    else:
+        targets = [_replay_of(r) for r in routers]
     for inst in targets:
         if act is None:
             inst.clear_router_replay_action()
@@ -76,7 +104,8 @@ def replay_schedule(action: Any = "replay_forward") -> Iterator[None]:
 @contextlib.contextmanager
 def replay_backward() -> Iterator[None]:
     """Switch every router to ``REPLAY_BACKWARD`` (recompute pops targets in install order),
-    restoring each router's previous action on exit."""
+    restoring each router's previous action on exit. Native (MTP-excluded) routers keep
+    routing natively."""
     insts = _instances()
     before = [inst.router_replay_action for inst in insts]
     set_replay_action("replay_backward")

@@ -46,6 +46,7 @@ from r3arrow.errors import (
     PrefixMismatchError,
     R3ArrowError,
     RouteDTypeError,
+    RouteQualityError,
     RouteShapeError,
     TraceStateError,
 )
@@ -408,13 +409,17 @@ def test_expert_ids_out_of_range_for_the_spec(with_trace: bool) -> None:
 @pytest.mark.parametrize("with_trace", [True, False])
 @pytest.mark.parametrize("fault", [Fault.duplicate_experts(), Fault.zero_router_layer()])
 def test_duplicate_experts_are_a_data_error_never_retried(fault: Fault, with_trace: bool) -> None:
-    """Checked once, by r3arrow.ids: in the trace's record, or at the client's decode."""
+    """Checked once, by r3arrow.ids: in the trace's record, or at the client's decode.
+
+    A zeroed router layer is the route-quality guard's (see the next test); without it, it
+    is a duplicate (K=2: each zero row repeats expert 0).
+    """
     fake = FakeVLLM(FaultPlan().then(fault))
     trace = r3arrow.RouteTrace(SPEC) if with_trace else None
     conv = list(range(1, 11))
 
     async def main() -> dict[str, int]:
-        async with client_for(fake, backoff_base=0.001) as client:
+        async with client_for(fake, backoff_base=0.001, route_quality=False) as client:
             with pytest.raises(DuplicateExpertError, match="distinct experts") as info:
                 await client.generate(conv, sampling_params=SP, trace=trace)
             assert info.value.layer == 1  # the first router layer (layer 0 is dense)
@@ -427,6 +432,24 @@ def test_duplicate_experts_are_a_data_error_never_retried(fault: Fault, with_tra
     assert fake.count() == 2 and stats["retries"] == 0 and stats["data_errors"] == 1
     assert stats["recorded"] == (1 if with_trace else 0)
     assert trace is None or trace.captured == 12
+
+
+@pytest.mark.parametrize("with_trace", [True, False])
+def test_zeroed_router_layer_is_a_route_quality_error(with_trace: bool) -> None:
+    """The guard runs before the id rules: the engine-bug message, not "distinct experts"."""
+    fake = FakeVLLM(FaultPlan().then(Fault.zero_router_layer()))
+    trace = r3arrow.RouteTrace(SPEC) if with_trace else None
+
+    async def main() -> dict[str, int]:
+        async with client_for(fake, backoff_base=0.001) as client:
+            with pytest.raises(RouteQualityError, match="all zeros") as info:
+                await client.generate(list(range(1, 11)), sampling_params=SP, trace=trace)
+            assert info.value.layer == 1 and info.value.bugs
+            return client.stats
+
+    stats = run(main())
+    assert fake.count() == 1 and stats["retries"] == 0 and stats["data_errors"] == 1
+    assert trace is None or snapshot(trace) == (0, 0, 0)
 
 
 def test_prefix_drift_is_refused_before_sending() -> None:

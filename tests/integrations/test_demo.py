@@ -136,3 +136,30 @@ def test_demo_against_an_engine_url_probes_the_route_shape(
     spec = r3arrow.route_spec(result.table)
     assert (spec.num_layers, spec.topk, spec.num_experts) == (3, 3, 8)
     assert spec.router_layers == (1, 2)  # layer 0 is dense: probed from its all-zero rows
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed")
+def test_demo_cli_against_an_engine_url_without_shape_flags_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`r3arrow demo --engine-url URL`, no shape flags: the probe gives num_experts=None (as
+    vLLM's does), and the replay stage sizes its routers from the routes observed."""
+    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
+
+    engine = ReferenceEngine(TinyMoEConfig(num_layers=3, topk=2, num_experts=8))
+    with EngineServer(engine) as server:
+        code = main(
+            [
+                "demo", "--engine-url", server.url, "--groups", "2", "--samples", "2",
+                "--turns", "1", "--max-tokens", "4", "--out", str(tmp_path), "--no-progress",
+            ]
+        )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == EXIT_OK, out
+    spec = r3arrow.route_spec(r3arrow.read_rollouts(tmp_path / "rollouts.parquet"))
+    assert spec.num_experts is None  # nothing told the demo the expert count
+    table = r3arrow.read_rollouts(tmp_path / "rollouts.parquet")
+    flat, _ = r3arrow.table.flat_routes(table)
+    sized = max(int(flat[:, list(spec.router_layers)].max()) + 1, spec.topk)
+    assert f"routers sized from the routes observed ({sized} = max id + 1" in out
+    assert "[6/6] replay into" in out and "routing identical to the engine's" in out

@@ -6,7 +6,6 @@ state, target validation, the expert-bias padding-mask shim, stage router layers
 
 from __future__ import annotations
 
-import socket
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -44,47 +43,17 @@ from r3arrow.megatron import (  # noqa: E402
     set_replay_action,
     stage_router_layers,
 )
+from r3arrow.megatron.cpu import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK = 16, 8, 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def megatron() -> Iterator[types.SimpleNamespace]:
-    """gloo world of one, Megatron model parallel (1, 1), CPU router detours (setup only)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-    with pytest.MonkeyPatch.context() as mp:
-        # megatron-core 0.16.1 hard-codes CUDA in the router and reads a Transformer Engine
-        # name that is undefined without TE; route both to the CPU here, never in library code.
-        mp.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
-        if not hasattr(moe_utils, "te_general_gemm"):
-            mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(_free_port()))
-        started = not dist.is_initialized()
-        if started:
-            dist.init_process_group("gloo", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        try:
-            yield types.SimpleNamespace(
-                TopKRouter=TopKRouter, RouterReplay=RouterReplay, Action=RouterReplayAction
-            )
-        finally:
-            RouterReplay.clear_global_router_replay_instances()
-            parallel_state.destroy_model_parallel()
-            if started:
-                dist.destroy_process_group()
+def megatron() -> Iterator[CpuMegatron]:
+    """gloo world of one, Megatron model parallel (1, 1), CPU router detours (scoped)."""
+    with cpu_router_harness() as meg:
+        yield meg
 
 
 def _config(**kw: Any) -> Any:
@@ -106,19 +75,10 @@ def _config(**kw: Any) -> Any:
     return TransformerConfig(**base)
 
 
-def _routers(meg: types.SimpleNamespace, layers: list[int], **kw: Any) -> list[Any]:
+def _routers(meg: CpuMegatron, layers: list[int], **kw: Any) -> list[Any]:
     """Fresh routers (the only RouterReplay instances of the process) for global ``layers``."""
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-
     meg.RouterReplay.clear_global_router_replay_instances()
-    cfg = _config(**kw)
-    torch.manual_seed(0)
-    out = []
-    for g in layers:
-        r = meg.TopKRouter(cfg, pg_collection=get_default_pg_collection())
-        r.set_layer_number(g + 1)
-        out.append(r)
-    return out
+    return build_routers(SPEC, layers, hidden=HIDDEN, **kw)
 
 
 def _forward(
@@ -138,7 +98,7 @@ MOE = [1, 2, 3]
 
 
 def _recorded_table(
-    meg: types.SimpleNamespace,
+    meg: CpuMegatron,
     routers: list[Any],
     lengths: list[int],
     captured: list[int],
@@ -208,9 +168,7 @@ def _token_positions(mb: Microbatch) -> list[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("align", [1, 4])
-def test_record_store_replay_round_trip(
-    megatron: types.SimpleNamespace, packed: bool, align: int
-) -> None:
+def test_record_store_replay_round_trip(megatron: CpuMegatron, packed: bool, align: int) -> None:
     routers = _routers(megatron, MOE)
     lengths, captured = [5, 9, 7], [4, 8, 5]  # ragged; trajectory 2 ends with a loss-free gap
     torch.manual_seed(1)
@@ -244,7 +202,7 @@ def test_record_store_replay_round_trip(
     )
 
 
-def test_replay_by_instance_order_and_stage_subset(megatron: types.SimpleNamespace) -> None:
+def test_replay_by_instance_order_and_stage_subset(megatron: CpuMegatron) -> None:
     """A PP stage holding layers 2 and 3 only: the collator selects them, instance order is used."""
     routers = _routers(megatron, MOE)
     lengths, captured = [6, 4], [5, 3]
@@ -270,7 +228,7 @@ def test_replay_by_instance_order_and_stage_subset(megatron: types.SimpleNamespa
         assert t.dtype == torch.int32 and t.is_contiguous()
 
 
-def test_schedule_clears_state_even_when_it_raises(megatron: types.SimpleNamespace) -> None:
+def test_schedule_clears_state_even_when_it_raises(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, MOE)
     table = _recorded_table(megatron, routers, [4, 3], [3, 2], torch.randn(4, 2, HIDDEN))
     mb = MegatronCollator(SPEC, layers=MOE)(table)
@@ -289,7 +247,7 @@ def test_schedule_clears_state_even_when_it_raises(megatron: types.SimpleNamespa
         pass
 
 
-def test_forward_only_then_training_does_not_leak(megatron: types.SimpleNamespace) -> None:
+def test_forward_only_then_training_does_not_leak(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, MOE)
     h1, h2 = torch.randn(5, 2, HIDDEN), torch.randn(6, 2, HIDDEN)
     mb1 = MegatronCollator(SPEC, layers=MOE)(_recorded_table(megatron, routers, [5, 4], [4, 3], h1))
@@ -310,12 +268,12 @@ def test_forward_only_then_training_does_not_leak(megatron: types.SimpleNamespac
             again = _forward(routers, h2, mb2.padding_mask)
         for inst in megatron.RouterReplay.global_router_replay_instances:
             assert inst.replay_backward_list == []
-            assert inst.router_replay_action == megatron.Action.REPLAY_FORWARD
+            assert inst.router_replay_action == megatron.RouterReplayAction.REPLAY_FORWARD
     for (_, a), (_, b) in zip(forward, again, strict=True):
         assert torch.equal(a, b)
 
 
-def _assert_untouched(meg: types.SimpleNamespace) -> None:
+def _assert_untouched(meg: CpuMegatron) -> None:
     for inst in meg.RouterReplay.global_router_replay_instances:
         assert inst.target_topk_idx is None and inst.replay_backward_list == []
 
@@ -325,7 +283,7 @@ DUPLICATE_ON_LAYER_2 = (
 )
 
 
-def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace) -> None:
+def test_wrong_targets_rejected_before_megatron(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, MOE)
     table = _recorded_table(megatron, routers, [5, 4], [4, 3], torch.randn(5, 2, HIDDEN))
     collate = MegatronCollator(SPEC, layers=MOE)
@@ -368,7 +326,7 @@ def test_wrong_targets_rejected_before_megatron(megatron: types.SimpleNamespace)
         assert isinstance(ReplayError("x"), ValueError)
 
 
-def test_shim_counts_padding_mask_like_a_hand_count(megatron: types.SimpleNamespace) -> None:
+def test_shim_counts_padding_mask_like_a_hand_count(megatron: CpuMegatron) -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
     remove_padding_mask_shim()
@@ -401,7 +359,7 @@ def test_shim_counts_padding_mask_like_a_hand_count(megatron: types.SimpleNamesp
     assert TopKRouter._apply_expert_bias is not patched
 
 
-def test_model_inputs_pass_padding_mask_and_packed_params(megatron: types.SimpleNamespace) -> None:
+def test_model_inputs_pass_padding_mask_and_packed_params(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, MOE)
     table = _recorded_table(megatron, routers, [5, 4], [4, 3], torch.randn(5, 2, HIDDEN))
     mb = MegatronCollator(SPEC, layers=MOE, packed=True, align=4)(table)
@@ -444,7 +402,7 @@ def test_model_inputs_pass_padding_mask_and_packed_params(megatron: types.Simple
     ],
 )
 def test_stage_router_layers_match_megatron(
-    megatron: types.SimpleNamespace, kw: dict[str, Any], expect: dict[int, list[int]]
+    megatron: CpuMegatron, kw: dict[str, Any], expect: dict[int, list[int]]
 ) -> None:
     extra = (
         {"pipeline_dtype": torch.float32} if kw.get("pipeline_model_parallel_size", 1) > 1 else {}
@@ -479,7 +437,7 @@ def test_stage_router_layers_pure_python_without_megatron_config() -> None:
         stage_router_layers(uneven, pp_rank=0, use_megatron=False)
 
 
-def test_router_layers_from_layer_number_and_collator_for(megatron: types.SimpleNamespace) -> None:
+def test_router_layers_from_layer_number_and_collator_for(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, [1, 3])
     model = torch.nn.ModuleList(routers)
     assert router_layers(model) == [1, 3]
@@ -489,3 +447,24 @@ def test_router_layers_from_layer_number_and_collator_for(megatron: types.Simple
     assert r3arrow.megatron.collator_for(SPEC, cfg).layers == (1, 2, 3)
     off = r3arrow.megatron.collator_for(None, cfg)  # R3 off: no layers, sizes from the config
     assert off.spec is None and off.layers == () and off.tp_size == 1
+
+
+def test_experts_from_routes_covers_router_layers_only() -> None:
+    """max id + 1 over the router layers, at least top-k; dense-layer rows do not count."""
+    from r3arrow.megatron.cpu import experts_from_routes
+
+    spec = RouteSpec(num_layers=3, topk=2, num_experts=None, moe_layers=(1, 2))
+    routes = np.zeros((4, 3, 2), dtype=np.uint8)
+    routes[:, 0] = [9, 10]  # a dense layer's rows (an engine may fill them): ignored
+    routes[:, 1:] = [0, 1]
+    routes[2, 2] = [5, 3]
+
+    def table(r: np.ndarray) -> Any:
+        return rollout_table(
+            trajectory_id=["t"], group_id=["g"], prompt_ids=[[1]], response_ids=[[2, 3, 4, 5]],
+            loss_mask=[[1, 1, 1, 1]], reward=[0.0], routes=[r], spec=spec,
+        )  # fmt: skip
+
+    assert experts_from_routes(table(routes)) == 6
+    routes[:, 1:] = [0, 1]
+    assert experts_from_routes(table(routes)) == 2  # ids 0 and 1 only: two experts suffice

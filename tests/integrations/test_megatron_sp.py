@@ -38,6 +38,7 @@ from r3arrow.megatron import (  # noqa: E402
     replay_schedule,
     stage_padding_mask,
 )
+from r3arrow.megatron.cpu import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 from r3arrow.microbatch import is_padding_table, split_microbatches  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 
@@ -53,67 +54,29 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def megatron() -> Iterator[types.SimpleNamespace]:
-    """gloo world of one, Megatron model parallel (1, 1), CPU router detours (setup only)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.router import TopKRouter
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    with pytest.MonkeyPatch.context() as mp:
-        # megatron-core 0.16.1 hard-codes CUDA in the router and reads a Transformer Engine
-        # name that is undefined without TE; route both to the CPU here, never in library code.
-        mp.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
-        if not hasattr(moe_utils, "te_general_gemm"):
-            mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
-        mp.setenv("MASTER_ADDR", "127.0.0.1")
-        mp.setenv("MASTER_PORT", str(_free_port()))
-        started = not dist.is_initialized()
-        if started:
-            dist.init_process_group("gloo", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
-        try:
-            yield types.SimpleNamespace(
-                TopKRouter=TopKRouter, RouterReplay=RouterReplay, moe_utils=moe_utils
-            )
-        finally:
-            RouterReplay.clear_global_router_replay_instances()
-            moe_utils.clear_aux_losses_tracker()
-            parallel_state.destroy_model_parallel()
-            if started:
-                dist.destroy_process_group()
+def megatron() -> Iterator[CpuMegatron]:
+    """gloo world of one, Megatron model parallel (1, 1), CPU router detours (scoped)."""
+    with cpu_router_harness() as meg:
+        yield meg
 
 
-def _routers(meg: types.SimpleNamespace) -> list[Any]:
+def _routers(meg: Any) -> list[Any]:
     """Training-mode routers with aux loss, built for TP 2 with sequence parallelism."""
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     meg.RouterReplay.clear_global_router_replay_instances()
-    cfg = TransformerConfig(
-        num_layers=SPEC.num_layers,
-        hidden_size=HIDDEN,
-        num_attention_heads=2,
-        num_moe_experts=EXPERTS,
+    out = build_routers(
+        SPEC,
+        MOE,
+        hidden=HIDDEN,
         ffn_hidden_size=2 * HIDDEN,
         moe_ffn_hidden_size=2 * HIDDEN,
-        moe_router_topk=TOPK,
-        moe_enable_routing_replay=True,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=COEFF,
         tensor_model_parallel_size=2,
         expert_tensor_parallel_size=1,
         sequence_parallel=True,
-        use_cpu_initialization=True,
     )
-    torch.manual_seed(0)
-    out = []
-    for g in MOE:
-        r = meg.TopKRouter(cfg, pg_collection=get_default_pg_collection())
-        r.set_layer_number(g + 1)
+    for r in out:
         r.train()
-        out.append(r)
     return out
 
 
@@ -162,7 +125,7 @@ def _hand_aux_loss(router: Any, hidden: torch.Tensor, padding_sb: torch.Tensor) 
     return float((probs * counts).sum() * EXPERTS * COEFF / (TOPK * tokens * tokens))
 
 
-def _tracked_aux_loss(meg: types.SimpleNamespace, layer: int) -> float:
+def _tracked_aux_loss(meg: CpuMegatron, layer: int) -> float:
     values = meg.moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
     return float(values[layer]) * COEFF
 
@@ -176,7 +139,7 @@ def _sp_slice(x: torch.Tensor, mb: Microbatch) -> torch.Tensor:
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("tp_rank", [0, 1])
 def test_later_stage_routers_get_the_sequence_parallel_slice(
-    megatron: types.SimpleNamespace, packed: bool, tp_rank: int
+    megatron: CpuMegatron, packed: bool, tp_rank: int
 ) -> None:
     routers = _routers(megatron)
     table = _table([5, 8, 3], [5, 6, 3])  # trajectory 1 has an uncaptured suffix
@@ -224,7 +187,7 @@ def test_later_stage_routers_get_the_sequence_parallel_slice(
 
 
 def test_stage_from_model_and_without_sequence_parallelism(
-    megatron: types.SimpleNamespace,
+    megatron: CpuMegatron,
 ) -> None:
     table = _table([5, 3], [5, 3])
     mb = MegatronCollator(SPEC, layers=MOE, tp_size=2, tp_rank=1, sequence_parallel=True)(table)
@@ -253,7 +216,7 @@ def test_stage_from_model_and_without_sequence_parallelism(
 
 
 def test_all_padding_microbatch_aux_loss_is_zero_with_the_shim(
-    megatron: types.SimpleNamespace,
+    megatron: CpuMegatron,
 ) -> None:
     """A DP padding microbatch (padding mask True everywhere) through aux-loss routers."""
     table = _table([5, 8, 3], [5, 6, 3])
@@ -296,7 +259,7 @@ def test_all_padding_microbatch_aux_loss_is_zero_with_the_shim(
 
 
 def test_stage_from_parallel_state_pipeline_and_virtual_ranks(
-    megatron: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+    megatron: CpuMegatron, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The stage from Megatron's parallel_state: pipeline rank, then model chunk under VPP
     (the world of one has no pipeline: its rank getters stand in for those of a larger one)."""
@@ -336,7 +299,8 @@ def _tp2_worker(rank: int, port: int, out: str) -> None:
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    # Child process only (spawned for this test): megatron-core 0.16.1 routers on the CPU.
+    # Child process only (spawned for this test): megatron-core 0.16.1 routers on the CPU in a
+    # world of two, which r3arrow.megatron.cpu.cpu_router_harness (a world of one) does not set up.
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
