@@ -85,7 +85,8 @@ def check_route_quality(
     RouteQualityError
         A router layer is all zeros on every row (with ``topk >= 2``, or at least
         ``min_rows`` rows), or routes every one of at least ``min_rows`` rows to the same
-        expert set. ``layer`` is the first such global layer id (all-zero layers first),
+        expert set (both only when ``num_experts > topk``, i.e. routing can vary).
+        ``layer`` is the first such global layer id (all-zero layers first),
         ``bugs`` the matching upstream reports.
     ValueError
         ``rows`` is not ``[rows, num_layers, topk]`` for ``spec`` or ``min_rows < 2``.
@@ -101,14 +102,17 @@ def check_route_quality(
     if n == 0:
         return
     layers = np.asarray(spec.router_layers, dtype=np.intp)
-    k = spec.topk
+    k, e = spec.topk, spec.num_experts
+    # With num_experts == topk every token uses every expert: one possible expert set, so
+    # neither identical routing nor (with K == 1) all zeros says anything about the engine.
+    varied = e is None or e > k
     # All zeros: row 0 names the candidate layers, the rest of the rows confirm them.
     zero = layers[~rows[0, layers].any(axis=-1)]
-    if zero.size and (k >= 2 or n >= min_rows):
+    if zero.size and (k >= 2 or (n >= min_rows and varied)):
         confirmed = zero[~rows[:, zero].any(axis=(0, 2))]
         if confirmed.size:
             _raise_zero(int(confirmed[0]), n, spec, what)
-    if n < min_rows:
+    if n < min_rows or not varied:
         return
     # Identical routing: the same sorted row on every row of a prefix, then on all rows.
     first = np.sort(rows[0, layers], axis=-1)  # [router layers, K]

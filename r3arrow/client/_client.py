@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
-import importlib
 import itertools
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -45,6 +43,7 @@ from r3arrow.errors import (
     TraceStateError,
 )
 from r3arrow.ids import check_routes
+from r3arrow.quality import check_route_quality
 from r3arrow.spec import RouteSpec
 from r3arrow.trace import RouteTrace
 
@@ -71,24 +70,8 @@ def _check_seconds(**values: float) -> None:
 
 
 def _check_quality(routes: np.ndarray, spec: RouteSpec, url: str) -> None:
-    """`r3arrow.quality.check_route_quality` on one response's rows (skipped if not installed).
-
-    The guard module belongs to another layer of the package and may be absent from a
-    trimmed install; without it there is nothing to check beyond the id rules.
-    """
-    guard = _quality_guard()
-    if guard is not None:
-        guard(routes, spec, what=f"routed_experts from {url}")
-
-
-@functools.cache
-def _quality_guard() -> Callable[..., None] | None:
-    try:
-        module = importlib.import_module("r3arrow.quality")
-    except ImportError:
-        return None
-    guard: Callable[..., None] = module.check_route_quality
-    return guard
+    """`r3arrow.quality.check_route_quality` on one response's rows (`RouteQualityError`)."""
+    check_route_quality(routes, spec, what=f"routed_experts from {url}")
 
 
 class EngineClient:
@@ -327,19 +310,7 @@ class EngineClient:
         if token_ids is None:
             token_ids = [i % (self.vocab_size or 33) for i in range(1, 33)]
         if self.protocol == "sglang":
-            known = self.spec
-            num_layers = check_optional_int(num_layers, "num_layers", minimum=1)
-            topk = check_optional_int(topk, "topk", minimum=1)
-            if num_layers is None or topk is None:
-                if known is None:
-                    raise ValueError(
-                        "probe_spec: SGLang's routes carry no shape; expected num_layers= and "
-                        "topk= (or a client spec), found neither"
-                    )
-                num_layers = known.num_layers if num_layers is None else num_layers
-                topk = known.topk if topk is None else topk
-            # Shape only: the probe learns moe_layers, so ids are range-checked, not deduplicated.
-            shape = RouteSpec(num_layers=num_layers, topk=topk, num_experts=num_experts)
+            shape = _sglang.probe_shape(num_layers, topk, num_experts, self.spec)
             prompt = self._prompt_list(token_ids)
             body = orjson.dumps(
                 self.build_request(
@@ -622,7 +593,8 @@ class EngineClient:
     ) -> GenerateOutput:
         """Generate after ``prompt_token_ids`` (the whole conversation so far, P tokens).
 
-        With ``trace``: sends ``routed_experts_prompt_start = trace.captured`` and records the
+        With ``trace``: sends ``routed_experts_prompt_start = trace.captured`` (SGLang:
+        ``routed_experts_start_len``, with ``return_routed_experts: true``) and records the
         ``P - captured + G - 1`` returned rows into it, once, after the response decoded and
         checked, together with the prompt and generated token ids (the trace's coverage);
         any error leaves the trace unchanged. The prompt must extend the tokens the trace
@@ -636,8 +608,9 @@ class EngineClient:
         5xx/429/connection errors after ``max_retries`` retries; timeouts), `EngineError`
         (unusable response), `PayloadError`/`RouteShapeError`/`ExpertRangeError`/
         `DuplicateExpertError` (bad routes: data errors, counted in ``stats["data_errors"]``,
-        never retried), `TraceStateError` (the trace is finalized or already has a request in
-        flight).
+        never retried), `RouteQualityError` (with ``route_quality``: routes matching a known
+        engine bug; a data error, never retried), `TraceStateError` (the trace is finalized or
+        already has a request in flight).
         """
         prompt = self._prompt_list(prompt_token_ids)
         p = len(prompt)

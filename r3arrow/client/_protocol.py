@@ -91,8 +91,9 @@ def error_message(body: bytes) -> str:
 
 
 _ROUTES_KEY = b'"routed_experts"'
-_LIFTED = "\x00r3arrow:lifted"
-_LIFTED_JSON = orjson.dumps(_LIFTED)
+#: The placeholder `lift_routes` leaves where the payload string was.
+LIFTED = "\x00r3arrow:lifted"
+_LIFTED_JSON = orjson.dumps(LIFTED)
 _JSON_SPACE = b" \t\r\n"
 
 
@@ -232,7 +233,7 @@ def parse_response(
     payload = 0
     raw = ch.get("routed_experts")
     if lifted is not None:
-        if raw != _LIFTED:
+        if raw != LIFTED:
             raise EngineError(
                 "engine response: expected routed_experts inside choices[0], found it elsewhere"
             )
@@ -288,6 +289,7 @@ def check_row_count(
 
 __all__ = [
     "ENDPOINT_PATHS",
+    "LIFTED",
     "PROMPT_START_KEY",
     "Endpoint",
     "build_request",

@@ -21,7 +21,8 @@ Every field name, the row rule and the error shapes are taken from SGLang's own 
   (``python/sglang/srt/managers/scheduler_components/batch_result_processor.py``,
   ``_maybe_collect_routed_experts``; ``python/sglang/srt/state_capturer/base.py``,
   ``get_topk``), i.e. ``P - start + G - 1``, vLLM's rule; ``start`` must lie in ``[0, P]``
-  (``python/sglang/srt/managers/scheduler.py``, else a 400).
+  (``python/sglang/srt/managers/scheduler.py``, ``Scheduler._handle_generate_request``,
+  else a 400).
 * errors: HTTP 400 ``{"error": "<text>"}`` for a body breaking the JSON contract
   (``generate_contract_error``), HTTP 400 ``{"error": {"message": "<text>"}}`` for a
   ``ValueError`` (``_create_error_response``; e.g. a bad ``routed_experts_start_len``).
@@ -38,7 +39,9 @@ from typing import Any
 import numpy as np
 import orjson
 
+from r3arrow._checks import check_optional_int
 from r3arrow.client._models import ParsedResponse
+from r3arrow.client._protocol import LIFTED, lift_routes
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_sglang
 from r3arrow.errors import EngineError, PayloadError
 from r3arrow.ids import check_routes
@@ -78,6 +81,27 @@ def build_request(
     return body
 
 
+def probe_shape(
+    num_layers: int | None, topk: int | None, num_experts: int | None, known: RouteSpec | None
+) -> RouteSpec:
+    """The row shape a probe decodes with: the arguments, else the client's ``known`` spec.
+
+    No ``moe_layers``: the probe learns them, so ids are range-checked, not deduplicated.
+    Raises `ValueError` when neither gives ``num_layers`` and ``topk``.
+    """
+    num_layers = check_optional_int(num_layers, "num_layers", minimum=1)
+    topk = check_optional_int(topk, "topk", minimum=1)
+    if num_layers is None or topk is None:
+        if known is None:
+            raise ValueError(
+                "probe_spec: SGLang's routes carry no shape; expected num_layers= and "
+                "topk= (or a client spec), found neither"
+            )
+        num_layers = known.num_layers if num_layers is None else num_layers
+        topk = known.topk if topk is None else topk
+    return RouteSpec(num_layers=num_layers, topk=topk, num_experts=num_experts)
+
+
 def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
     """(finish type, matched stop) of ``meta_info["finish_reason"]`` (a dict, or None)."""
     fr = meta.get("finish_reason")
@@ -96,14 +120,14 @@ def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
 
 
 def decode_routes(
-    value: Any, spec: RouteSpec, *, max_bytes: int = DEFAULT_MAX_BYTES, check_ids: bool = True
+    value: object, spec: RouteSpec, *, max_bytes: int = DEFAULT_MAX_BYTES, check_ids: bool = True
 ) -> tuple[np.ndarray, int]:
     """``meta_info["routed_experts"]`` as ``[rows, L, K]`` int32; returns (array, payload bytes).
 
     Raises `PayloadError` (not a string, not base64, not whole int32 rows), and with
     ``check_ids`` `ExpertRangeError`/`DuplicateExpertError` (`r3arrow.ids.check_routes`).
     """
-    if not isinstance(value, str):
+    if not isinstance(value, str | memoryview):
         raise PayloadError(
             "SGLang routed_experts: expected a base64 string of int32 rows, found "
             f"{type(value).__name__}"
@@ -127,8 +151,10 @@ def parse_response(
     ``spec`` gives the row shape (the payload has none); routes in a response without a spec
     are an `EngineError`. Raises `EngineError` for a body of the wrong shape (not a JSON
     object, a batch list, no ``output_ids``, no token generated, an abort) and the codec's
-    errors for a bad payload (see `decode_routes`).
+    errors for a bad payload (see `decode_routes`). The base64 payload is cut out of the body
+    before JSON parsing (`lift_routes`: parsing it into a str would cost ~10x its decode).
     """
+    body, lifted = lift_routes(body)
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -154,6 +180,12 @@ def parse_response(
     routes: np.ndarray | None = None
     payload = 0
     raw = meta.get("routed_experts")
+    if lifted is not None:
+        if raw != LIFTED:
+            raise EngineError(
+                "engine response: expected routed_experts inside meta_info, found it elsewhere"
+            )
+        raw = lifted
     if want_routes and raw is not None:
         if spec is None:
             raise EngineError(
@@ -193,4 +225,5 @@ __all__ = [
     "build_request",
     "decode_routes",
     "parse_response",
+    "probe_shape",
 ]

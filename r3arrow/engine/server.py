@@ -211,7 +211,9 @@ class _Handler(BaseHTTPRequestHandler):
 
         if path in proto.GET_PATHS or path in _POST_PATHS:
             allowed = "GET" if path in proto.GET_PATHS else "POST"
-            if method != allowed:
+            if path == sgl.GENERATE_PATH:
+                allowed = "POST, PUT"  # SGLang routes both methods to generate_request
+            if method not in allowed.split(", "):
                 self._send_json(405, {"detail": "Method Not Allowed"}, {"allow": allowed})
                 return
         else:

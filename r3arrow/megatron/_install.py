@@ -16,7 +16,13 @@ from r3arrow._checks import check_choice, check_nonnegative_int, check_optional_
 from r3arrow.collate import Microbatch
 from r3arrow.errors import ReplayDuplicateError, ReplayError, ReplayRangeError
 from r3arrow.ids import check_router_ids
-from r3arrow.megatron._routers import _is_mtp, _replay_of, _router_replay, _routers
+from r3arrow.megatron._routers import (
+    _global_layer,
+    _is_mtp,
+    _replay_of,
+    _router_replay,
+    _routers,
+)
 from r3arrow.megatron._schedule import _mark_native
 
 
@@ -203,7 +209,7 @@ def install_replay(
     if native:
         # Megatron's set_replay_data wants a tensor for every instance: hand the replayed
         # ones theirs the way it does (set_target_indices) and leave the native ones free.
-        pass  # MUTANT
+        _mark_native(native)
         for inst, t in zip(receivers, ordered, strict=True):
             inst.set_target_indices(t)
     else:
@@ -212,7 +218,8 @@ def install_replay(
 
 
 def _mtp_numbers(routers: list[Any]) -> list[int]:
-    return sorted(int(r.layer_number) for r in routers)
+    # 1-based global numbers (num_layers + depth for MTP), whatever numbering the release uses.
+    return sorted(_global_layer(r) + 1 for r in routers)
 
 
 def _order_by_routers(
@@ -241,7 +248,7 @@ def _order_by_routers(
             )
         by_layer = dict(zip(ids, replayed, strict=True))
     else:
-        by_layer = {int(r.layer_number) - 1: r for r in replayed}
+        by_layer = {_global_layer(r): r for r in replayed}
     if sorted(by_layer) != sorted(ids):
         hint = ""
         if mtp == "replay" and mtp_routers:
@@ -250,7 +257,7 @@ def _order_by_routers(
                 f"mtp='replay', so the microbatch needs routes for their layers; or choose "
                 f"{_MTP_OPTIONS}"
             )
-        elif mtp_routers and set(ids) & {int(r.layer_number) - 1 for r in mtp_routers}:
+        elif mtp_routers and set(ids) & {_global_layer(r) for r in mtp_routers}:
             hint = f"; targets for MTP layers need mtp='replay' (found mtp={mtp!r})"
         raise ReplayError(
             f"expected routers for global layers {sorted(ids)}, found routers for "

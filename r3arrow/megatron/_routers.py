@@ -64,8 +64,29 @@ def _routers(obj: Any) -> list[Any]:
 
 
 def _is_mtp(router: Any) -> bool:
+    """Whether a router belongs to a multi-token-prediction (MTP) layer.
+
+    megatron-core 0.19 flags such routers (``is_mtp_layer``); 0.16 numbers them past the
+    decoder (``layer_number > config.num_layers``).
+    """
+    if getattr(router, "is_mtp_layer", False):
+        return True
     number, cfg = getattr(router, "layer_number", None), getattr(router, "config", None)
     return number is not None and cfg is not None and int(number) > int(cfg.num_layers)
+
+
+def _global_layer(router: Any) -> int:
+    """0-based global layer id of a router: ``layer_number - 1``, MTP depth d -> ``L + d - 1``.
+
+    megatron-core 0.16 numbers the router at MTP depth d ``num_layers + d``; 0.19 numbers it
+    within the MTP block (``d``) and flags it ``is_mtp_layer``: both map to ``num_layers + d - 1``.
+    """
+    number = int(router.layer_number)
+    cfg = getattr(router, "config", None)
+    mtp_numbered_in_block = getattr(router, "is_mtp_layer", False) and cfg is not None
+    if mtp_numbered_in_block and number <= int(cfg.num_layers):
+        return int(cfg.num_layers) + number - 1
+    return number - 1
 
 
 def router_layers(model_or_routers: Any) -> list[int]:

@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import socket
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +45,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def aux_loss_tracker(moe_utils: Any) -> dict[str, Any]:
+    """megatron-core's per-layer aux-loss tracker dict (``"load_balancing_loss"`` -> values).
+
+    0.16 exposes it as ``get_moe_layer_wise_logging_tracker()``; later releases deprecate that
+    for ``get_moe_metrics_tracker().metrics``. Both return the same live dict.
+    """
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):
+        return cast("dict[str, Any]", moe_utils.get_moe_metrics_tracker().metrics)
+    return cast("dict[str, Any]", moe_utils.get_moe_layer_wise_logging_tracker())
+
+
+def aux_loss_values(moe_utils: Any, name: str = "load_balancing_loss") -> Any:
+    """The per-layer values tensor megatron-core tracked for aux loss ``name``.
+
+    0.16 keeps ``{"values": tensor, ...}`` dicts; 0.19 keeps ``MetricEntry`` objects.
+    Raises ``KeyError`` if nothing was tracked under ``name``.
+    """
+    entry = aux_loss_tracker(moe_utils)[name]
+    return entry["values"] if isinstance(entry, dict) else entry.values
 
 
 @contextlib.contextmanager
@@ -72,7 +93,7 @@ def cpu_router_harness() -> Iterator[CpuMegatron]:
             "initialised (the harness is for CPU tests and demos, not inside a trainer)"
         )
     saved_instances = list(RouterReplay.global_router_replay_instances)
-    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    tracker = aux_loss_tracker(moe_utils)
     saved_tracker = dict(tracker)
     patched_cuda = not torch.cuda.is_available()
     saved_device = torch.cuda.current_device
@@ -213,6 +234,8 @@ def replay_check(routers: Sequence[Any], mb: Any, table: pa.Table) -> tuple[int,
 
 __all__ = [
     "CpuMegatron",
+    "aux_loss_tracker",
+    "aux_loss_values",
     "build_routers",
     "cpu_router_harness",
     "experts_from_routes",

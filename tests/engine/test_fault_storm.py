@@ -4,9 +4,10 @@ Run once per wire protocol (vLLM's ``/inference/v1/generate``, SGLang's ``/gener
 faults apply to both, corrupt payloads in each protocol's own encoding.
 
 One `FaultPlan` mixes transient faults (5xx, 429, dropped connections, delays: retried)
-with corrupt payloads (malformed ``.npy``, short/extra rows, duplicate experts, a zeroed
-router layer: data errors, never retried; the zeroed layer is the route-quality guard's), and some conversations re-tokenize their
-history before the second turn (prefix drift, refused before sending). Every conversation
+with corrupt payloads (malformed payloads, short/extra rows, duplicate experts, a zeroed
+router layer: data errors, never retried; the zeroed layer is the route-quality guard's),
+and some conversations re-tokenize their history before the second turn (prefix drift,
+refused before sending). Every conversation
 captures through one `TurnStore`. Afterwards:
 
 * every conversation that completed holds exactly the engine's own routing of its whole

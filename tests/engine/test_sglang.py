@@ -17,9 +17,12 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import r3arrow
 from r3arrow.client import EngineClient, GenerateOutput, Protocol
+from r3arrow.client import _sglang as sglang_proto
 from r3arrow.codec import decode_sglang
 from r3arrow.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
 from r3arrow.engine._sglang import SAMPLING_FIELDS
@@ -328,4 +331,90 @@ def test_short_rows_name_the_sglang_server(
             await client.generate([1, 2, 3, 4], sampling_params=sp("sglang"))
 
     with pytest.raises(RouteShapeError, match=rf"from {server.url}: expected 6 rows .* found 4"):
+        run(main())
+
+
+# ------------------------------------------------------------- the row rule, at random
+@settings(max_examples=25)
+@given(
+    prompt=st.lists(st.integers(0, 511), min_size=1, max_size=12),
+    generated=st.integers(1, 4),
+    data=st.data(),
+)
+def test_rows_are_start_to_seqlen_minus_one(
+    engine: ReferenceEngine, prompt: list[int], generated: int, data: st.DataObject
+) -> None:
+    """``[start, P + G - 1)`` for every ``start`` in ``[0, P]``, the engine's own routing."""
+    start = data.draw(st.integers(0, len(prompt)), label="start")
+    with EngineServer(engine) as srv:
+        obj = post(
+            srv,
+            {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": generated, "temperature": 0},
+                "return_routed_experts": True,
+                "routed_experts_start_len": start,
+            },
+        ).json()
+    out = obj["output_ids"]
+    assert len(out) == generated
+    rows = decode_sglang(obj["meta_info"]["routed_experts"], engine.spec)
+    full = engine.routes_for(prompt + out)
+    np.testing.assert_array_equal(rows, full[start : len(prompt) + generated - 1])
+
+
+# --------------------------------------------------------------- client-side parsing
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"[]", "expected one JSON object"),
+        (b'{"meta_info": {}}', "expected output_ids as a list of ints"),
+        (b'{"output_ids": [], "meta_info": {}}', "at least one generated token"),
+        (b'{"output_ids": [1]}', "expected a meta_info object"),
+        (b'{"output_ids": [1], "meta_info": {"finish_reason": "length"}}', "finish_reason"),
+        (
+            b'{"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort", '
+            b'"message": "out of memory"}}}',
+            "aborted: 'out of memory'",
+        ),
+        (b'{"output_ids": [1], "meta_info": {"routed_experts": [[0]]}}', "base64 string"),
+        (b"not json", "expected JSON"),
+        (b'{"output_ids": [1], "meta_info": {}, "routed_experts": "AAAA"}', "found it elsewhere"),
+    ],
+)
+def test_sglang_parse_response_refuses_malformed_bodies(body: bytes, message: str) -> None:
+    spec = TinyMoEConfig().route_spec()
+    with pytest.raises(R3ArrowError, match=message):
+        sglang_proto.parse_response(body, spec=spec)
+
+
+def test_sglang_parse_response_reads_finish_and_logprobs() -> None:
+    spec = TinyMoEConfig().route_spec()
+    body = (
+        b'{"output_ids": [4, 2], "meta_info": {"finish_reason": {"type": "stop", "matched": 2},'
+        b' "output_token_logprobs": [[-0.5, 4, null], [-1.5, 2, null]]}}'
+    )
+    parsed = sglang_proto.parse_response(body, spec=spec)
+    assert parsed.token_ids == [4, 2] and parsed.finish_reason == "stop"
+    assert parsed.stop_reason == 2 and parsed.logprobs == [-0.5, -1.5] and parsed.routes is None
+
+
+def test_generate_answers_post_and_put_only(server: EngineServer) -> None:
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    put = httpx.put(server.url + GEN, json=body, timeout=30)
+    assert put.status_code == 200 and len(put.json()["output_ids"]) == 1
+    get = httpx.get(server.url + GEN, timeout=30)
+    assert get.status_code == 405 and get.headers["allow"] == "POST, PUT"
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_probe_with_a_wrong_shape_fails(server: EngineServer, protocol: Protocol) -> None:
+    """vLLM checks a given shape against its .npy header; SGLang's bytes do not divide into it."""
+
+    async def main() -> None:
+        async with EngineClient(server.url, protocol=protocol) as client:
+            await client.probe_spec(num_layers=3, topk=2)
+
+    want = r"expected routes of num_layers=3" if protocol == "vllm" else r"int32 rows of \[3, 2\]"
+    with pytest.raises(R3ArrowError, match=want):
         run(main())

@@ -432,7 +432,7 @@ def test_route_quality_failure_is_a_data_error(
     protocol: Protocol, enabled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(client_module, "_quality_guard", lambda: _failing_guard(calls))
+    monkeypatch.setattr(client_module, "check_route_quality", _failing_guard(calls))
     fake = FakeEngine()
     trace = r3arrow.RouteTrace(SPEC)
 
@@ -457,7 +457,7 @@ def test_route_quality_is_checked_without_a_trace(
     protocol: Protocol, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    monkeypatch.setattr(client_module, "_quality_guard", lambda: _failing_guard(calls))
+    monkeypatch.setattr(client_module, "check_route_quality", _failing_guard(calls))
     fake = FakeEngine()
 
     async def main() -> None:

@@ -35,6 +35,7 @@ from r3arrow.megatron import (  # noqa: E402
     router_layers,
     set_replay_action,
 )
+from r3arrow.megatron._routers import _global_layer  # noqa: E402
 from r3arrow.megatron.cpu import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 
@@ -224,7 +225,8 @@ def test_real_gpt_model_with_an_mtp_block(megatron: CpuMegatron) -> None:
     mtp = get_gpt_mtp_block_spec(cfg, decoder, use_transformer_engine=False)
     model = GPTModel(cfg, decoder, vocab_size=64, max_sequence_length=32, mtp_block_spec=mtp)
     routers = [m for m in model.modules() if getattr(m, "router_replay", None) is not None]
-    assert [r.layer_number for r in routers] == [1, 2, 3]
+    # 0.16 numbers the MTP router num_layers + 1; 0.19 numbers it 1 in its block and flags it.
+    assert [_global_layer(r) for r in routers] == [0, 1, 2]
     assert len(megatron.RouterReplay.global_router_replay_instances) == 3
     assert router_layers(model) == [0, 1]
     spec = RouteSpec(num_layers=2, topk=TOPK, num_experts=4)

@@ -38,13 +38,26 @@ from r3arrow.megatron import (  # noqa: E402
     replay_schedule,
     stage_padding_mask,
 )
-from r3arrow.megatron.cpu import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
+from r3arrow.megatron.cpu import (  # noqa: E402
+    CpuMegatron,
+    aux_loss_values,
+    build_routers,
+    cpu_router_harness,
+)
 from r3arrow.microbatch import is_padding_table, split_microbatches  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK, COEFF = 16, 8, 2, 0.01
 SPEC = RouteSpec(num_layers=3, topk=TOPK, num_experts=EXPERTS, moe_layers=(1, 2))
 MOE = [1, 2]
+
+
+def _clear_aux_tracker(moe_utils: Any) -> None:
+    """Clear megatron-core's aux-loss tracker (0.19 deprecates the 0.16 spelling)."""
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):
+        moe_utils.get_moe_metrics_tracker().clear()
+    else:
+        moe_utils.clear_aux_losses_tracker()
 
 
 def _free_port() -> int:
@@ -126,7 +139,7 @@ def _hand_aux_loss(router: Any, hidden: torch.Tensor, padding_sb: torch.Tensor) 
 
 
 def _tracked_aux_loss(meg: CpuMegatron, layer: int) -> float:
-    values = meg.moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    values = aux_loss_values(meg.moe_utils)
     return float(values[layer]) * COEFF
 
 
@@ -164,7 +177,7 @@ def test_later_stage_routers_get_the_sequence_parallel_slice(
         # Without the fix: the whole [b, S] mask against S/2 tokens crashes in aux-loss routing.
         with pytest.raises(RuntimeError, match="must match the size"):
             _route(routers[:1], hidden, first["padding_mask"])
-    megatron.moe_utils.clear_aux_losses_tracker()
+    _clear_aux_tracker(megatron.moe_utils)
     with replay_schedule():
         install_replay(mb, routers)
         out = _route(routers, hidden, later["padding_mask"])
@@ -183,7 +196,7 @@ def test_later_stage_routers_get_the_sequence_parallel_slice(
         aux = _tracked_aux_loss(megatron, MOE[layer])
         assert np.isfinite(aux) and aux > 0
         assert aux == pytest.approx(_hand_aux_loss(router, hidden, pad_sb), rel=1e-5)
-    megatron.moe_utils.clear_aux_losses_tracker()
+    _clear_aux_tracker(megatron.moe_utils)
 
 
 def test_stage_from_model_and_without_sequence_parallelism(
@@ -231,13 +244,13 @@ def test_all_padding_microbatch_aux_loss_is_zero_with_the_shim(
         b, s = mb.input_ids.shape
         torch.manual_seed(4)
         hidden = torch.randn(s // 2, b, HIDDEN)
-        megatron.moe_utils.clear_aux_losses_tracker()
+        _clear_aux_tracker(megatron.moe_utils)
         with replay_schedule():
             install_replay(mb, routers)
             out = _route(routers, hidden, model_inputs(mb, pre_process=False)["padding_mask"])
         sum(probs.sum() for probs, _ in out).backward()
         aux = [_tracked_aux_loss(megatron, g) for g in MOE]
-        megatron.moe_utils.clear_aux_losses_tracker()
+        _clear_aux_tracker(megatron.moe_utils)
         return aux, [r.weight.grad for r in routers]
 
     remove_all_padding_aux_loss_shim()
@@ -332,11 +345,11 @@ def _tp2_worker(rank: int, port: int, out: str) -> None:
                     _route(routers[:1], hidden, mb.padding_mask)
                 except RuntimeError as exc:
                     crashed = "must match the size" in str(exc)
-            moe_utils.clear_aux_losses_tracker()
+            _clear_aux_tracker(moe_utils)
             with replay_schedule():
                 install_replay(mb, routers)
                 outs = _route(routers, hidden, mask)
-            tracked = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]
+            tracked = aux_loss_values(moe_utils)
             followed = []
             for target, (_, routing_map) in zip(mb.replay_targets(), outs, strict=True):
                 replayed = torch.zeros_like(routing_map).scatter_(1, target.long(), True)
@@ -346,7 +359,7 @@ def _tp2_worker(rank: int, port: int, out: str) -> None:
                 "crashed_without_fix": crashed,
                 "mask_equal": bool(torch.equal(mask, scattered)),
                 "followed": followed,
-                "aux": [float(tracked["values"][g]) * COEFF for g in MOE],
+                "aux": [float(tracked[g]) * COEFF for g in MOE],
                 "full": [_hand_aux_loss(r, full_hidden, full_pad) for r in routers],
             }
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -1,0 +1,233 @@
+"""The fast id checks of r3arrow/ids.py against an independent reference.
+
+The fast path (`_Scratch.has_duplicate` per block, the reference check only on a failing
+block) must accept and reject exactly what ``np.sort`` + adjacent compare does, for every
+dtype, top-k 1..9, both layouts, non-contiguous inputs and router-layer subsets, and must
+report the same offender as before the fast path. "First" is, as before: the first failing
+block of ``_BLOCK_IDS // (layers * K)`` tokens; within it an out-of-range id first (the
+first in ``(k, layer, token)`` order), else the duplicate pair at the smallest distance
+``r`` between positions, first in ``(k, layer, token)`` order. `_reference_first` restates
+that rule independently; small ``_BLOCK_IDS`` values make multi-block cases small.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from r3arrow import ids
+from r3arrow.errors import DuplicateExpertError, ExpertRangeError
+from r3arrow.ids import check_distinct_experts, check_router_ids
+from r3arrow.spec import RouteSpec
+from r3arrow.testing import random_routes
+from r3arrow.testing.strategies import routes, specs
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "uint32", "int64", "uint64"]
+
+
+def _has_duplicate_reference(arr: np.ndarray) -> bool:
+    """Some row of ``arr`` ``[..., K]`` repeats an id: sort each row, compare neighbours."""
+    if arr.shape[-1] < 2 or arr.size == 0:
+        return False
+    s = np.sort(arr, axis=-1)
+    return bool((s[..., 1:] == s[..., :-1]).any())
+
+
+def _reference_first(
+    arr: np.ndarray, num_experts: int | None, block: int
+) -> tuple[str, int, int] | None:
+    """``(kind, token, layer index)`` of the offender ``check_router_ids`` reports, or None.
+
+    ``arr`` is ``[tokens, layers, K]``; written with plain loops over positions, not with the
+    library's vector code, so it is an independent statement of the rule.
+    """
+    tokens, n_layers, k = arr.shape
+    step = max(1, block // max(1, n_layers * k))
+    for a in range(0, tokens, step):
+        b = arr[a : a + step].astype(np.int64)
+        t_n = b.shape[0]
+        bad = [
+            (kk, layer, t)
+            for kk in range(k)
+            for layer in range(n_layers)
+            for t in range(t_n)
+            if b[t, layer, kk] < 0 or (num_experts is not None and b[t, layer, kk] >= num_experts)
+        ]
+        if bad:
+            _, layer, t = bad[0]
+            return "range", a + t, layer
+        for r in range(1, k):
+            dup = [
+                (kk, layer, t)
+                for kk in range(k - r)
+                for layer in range(n_layers)
+                for t in range(t_n)
+                if b[t, layer, kk] == b[t, layer, kk + r]
+            ]
+            if dup:
+                _, layer, t = dup[0]
+                return "duplicate", a + t, layer
+    return None
+
+
+@st.composite
+def id_arrays(draw: st.DrawFn) -> tuple[np.ndarray, int]:
+    """``([tokens, layers, K] ids, num_experts)``: distinct rows, then planted duplicates."""
+    dtype: np.dtype[Any] = np.dtype(draw(st.sampled_from(DTYPES)))
+    k = draw(st.integers(1, 9))
+    tokens = draw(st.integers(0, 40))
+    n_layers = draw(st.integers(1, 5))
+    cap = min(int(np.iinfo(dtype).max), 2**40)
+    e = draw(st.integers(k, min(cap, k + draw(st.sampled_from([0, 3, 200, cap])))))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if e <= 256:
+        keys = rng.random((tokens, n_layers, e))
+        arr = np.argsort(keys, axis=-1)[..., :k].astype(dtype)
+    else:  # wide id space: random draws (accidental duplicates are cases too)
+        arr = rng.integers(0, e, (tokens, n_layers, k), dtype=np.int64).astype(dtype)
+    if tokens and k > 1:
+        for _ in range(draw(st.integers(0, 3))):
+            t = draw(st.integers(0, tokens - 1))
+            layer = draw(st.integers(0, n_layers - 1))
+            i, j = draw(st.lists(st.integers(0, k - 1), min_size=2, max_size=2, unique=True))
+            arr[t, layer, j] = arr[t, layer, i]
+    return arr, e
+
+
+def _raised(fn: Any) -> tuple[str, int, int] | None:
+    try:
+        fn()
+    except ExpertRangeError as exc:
+        assert exc.token is not None and exc.layer is not None
+        return "range", exc.token, exc.layer
+    except DuplicateExpertError as exc:
+        assert exc.token is not None and exc.layer is not None
+        return "duplicate", exc.token, exc.layer
+    return None
+
+
+@FAST
+@given(case=id_arrays(), block=st.sampled_from([16, 64, 1 << 17]), bound=st.booleans())
+def test_fast_path_matches_reference(case: tuple[np.ndarray, int], block: int, bound: bool) -> None:
+    arr, e = case
+    num_experts = e if bound else None
+    layer_ids = [3 * i + 1 for i in range(arr.shape[1])]  # global ids differ from indices
+    with mock.patch.object(ids, "_BLOCK_IDS", block):
+        got = _raised(lambda: check_router_ids(arr, num_experts, layer_ids))
+        want = _reference_first(arr, num_experts, block)
+        if want is not None:
+            want = (want[0], want[1], layer_ids[want[2]])
+        assert got == want
+        out_of_range = _raised(lambda: _range_only(arr, num_experts)) is not None
+        assert (got is not None) == (_has_duplicate_reference(arr) or out_of_range)
+        # layers first, as the replay boundary passes them: the same offender (both layouts
+        # test [K, layers, tokens] per block of tokens)
+        lf = _raised(
+            lambda: check_router_ids(
+                np.ascontiguousarray(arr.transpose(1, 0, 2)),
+                num_experts,
+                layer_ids,
+                layers_first=True,
+            )
+        )
+        assert lf == got
+
+
+def _range_only(arr: np.ndarray, num_experts: int | None) -> None:
+    if num_experts is not None and arr.size and int(arr.max()) >= num_experts:
+        raise ExpertRangeError("out of range", token=0, layer=0)
+
+
+@FAST
+@given(case=id_arrays(), offset=st.integers(0, 3), stride=st.integers(1, 3))
+def test_has_duplicate_any_layout(case: tuple[np.ndarray, int], offset: int, stride: int) -> None:
+    """The block test itself, on contiguous, sliced, strided and layers-first blocks."""
+    arr, _ = case
+    if arr.shape[2] < 2 or arr.shape[0] == 0:
+        return
+    views = [
+        arr,
+        arr[offset::stride],
+        arr.transpose(1, 0, 2),
+        np.asfortranarray(arr),
+    ]
+    for v in views:
+        if v.shape[0] == 0:
+            continue
+        scratch = ids._Scratch(v.shape[2], v.shape[0] * v.shape[1], v.dtype)
+        assert scratch.has_duplicate(v) == _has_duplicate_reference(v)
+        assert scratch.has_duplicate(v) == _has_duplicate_reference(v)  # buffers reused
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_duplicate_in_last_block_only(dtype: str, k: int) -> None:
+    """A duplicate far from the start is found, in the right block, with the message as before."""
+    rng = np.random.default_rng(k)
+    arr = np.argsort(rng.random((300, 4, 16)), axis=-1)[..., :k].astype(dtype)
+    arr[297, 2, k - 1] = arr[297, 2, 0]
+    with mock.patch.object(ids, "_BLOCK_IDS", 64), pytest.raises(DuplicateExpertError) as info:
+        check_router_ids(arr, 16, [0, 1, 5, 7], what="replay target", token_offset=10)
+    row = arr[297, 2].tolist()
+    assert info.value.message == (
+        f"replay target: expected {k} distinct experts per token and layer, found {row} "
+        f"(token 307, layer 5)"
+    )
+    assert (info.value.token, info.value.layer) == (307, 5)
+
+
+def test_first_offender_is_today_rule_not_row_major() -> None:
+    """Two duplicates in one block: the smaller distance wins, then (k, layer, token) order."""
+    arr = np.tile(np.arange(4, dtype=np.uint8), (6, 3, 1))
+    arr[1, 2] = [0, 1, 2, 0]  # distance 3, earlier token
+    arr[4, 0] = [0, 0, 2, 3]  # distance 1, later token: reported first
+    with pytest.raises(DuplicateExpertError, match=r"found \[0, 0, 2, 3\] \(token 4, layer 0\)"):
+        check_router_ids(arr, None, [0, 1, 2])
+    arr[4, 0] = [0, 1, 2, 3]
+    arr[5, 1] = [3, 1, 2, 3]  # distance 3 as well, k position 0 like token 1: layer 1 < 2
+    with pytest.raises(DuplicateExpertError, match=r"\(token 5, layer 1\)"):
+        check_router_ids(arr, None, [0, 1, 2])
+
+
+def test_range_before_duplicate_in_a_block() -> None:
+    arr = np.tile(np.arange(3, dtype=np.int16), (5, 2, 1))
+    arr[0, 0] = [1, 1, 2]
+    arr[3, 1, 2] = -4
+    with pytest.raises(ExpertRangeError, match=r"found -4 \(token 3, layer 1\)"):
+        check_router_ids(arr, 8, [0, 1])
+
+
+@FAST
+@given(data=st.data(), spec=specs(max_layers=5, max_topk=9))
+def test_check_distinct_experts_on_router_layer_subsets(data: st.DataObject, spec: Any) -> None:
+    """Router-layer subsets: dense layers never count, planted router duplicates always do."""
+    arr = data.draw(routes(spec, min_rows=1, max_rows=20))
+    check_distinct_experts(arr, spec)
+    dense = spec.dense_layers
+    if dense and spec.topk > 1:
+        bad = arr.copy()
+        bad[:, dense[0]] = 0  # zeros on a dense layer: fine
+        check_distinct_experts(bad, spec)
+    if spec.topk > 1:
+        t = data.draw(st.integers(0, arr.shape[0] - 1))
+        layer = data.draw(st.sampled_from(spec.router_layers))
+        arr[t, layer, 1] = arr[t, layer, 0]
+        with pytest.raises(DuplicateExpertError) as info:
+            check_distinct_experts(arr, spec)
+        assert info.value.layer == layer and info.value.token == t
+
+
+def test_torch_cpu_tensor_same_as_numpy() -> None:
+    torch = pytest.importorskip("torch")
+    spec = RouteSpec(num_layers=3, topk=4, num_experts=32)
+    arr = random_routes(np.random.default_rng(0), 50, spec).astype(np.int64)
+    arr[17, 1, 3] = arr[17, 1, 1]
+    for x in (arr, torch.from_numpy(arr)):
+        with pytest.raises(DuplicateExpertError, match=r"\(token 17, layer 1\)"):
+            check_router_ids(x, 32, [0, 1, 2])
