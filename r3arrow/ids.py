@@ -132,6 +132,10 @@ def check_router_ids(
         ``token`` and ``layer`` fields locate it.
     DuplicateExpertError
         (or ``duplicate_error``) a row names the same expert twice.
+
+    Which offender an error names, when there are several, is defined by the reference
+    block check `_check_block` (unchanged by the fast path, which only decides whether a
+    block fails).
     """
     if arr.ndim != 3:
         raise ValueError(f"{what}: expected a 3-d id array, found shape {list(arr.shape)}")

@@ -83,9 +83,10 @@ def _global_layer(router: Any) -> int:
     """
     number = int(router.layer_number)
     cfg = getattr(router, "config", None)
-    mtp_numbered_in_block = getattr(router, "is_mtp_layer", False) and cfg is not None
-    if mtp_numbered_in_block and number <= int(cfg.num_layers):
-        return int(cfg.num_layers) + number - 1
+    decoder_layers = int(cfg.num_layers) if cfg is not None else None
+    in_block = getattr(router, "is_mtp_layer", False) and decoder_layers is not None
+    if in_block and decoder_layers is not None and number <= decoder_layers:
+        return decoder_layers + number - 1  # numbered within the MTP block (0.19)
     return number - 1
 
 
