@@ -17,43 +17,25 @@ stage and exits 1 if a check fails::
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import sys
 import time
-import warnings
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+# `python examples/skyrl_loop.py` puts examples/ on sys.path, so the shared stages import as _common
+from _common import (
+    collate_replay_stage,
+    done,
+    keep_varied_groups,
+    parquet_stage,
+    parse_args,
+    rollout_stage,
+    say,
+    stats_stage,
+)
+
 PAD = 0  # the embedded engine's vocabulary has no pad token; SkyRL pads with the tokenizer's
-
-
-def _say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-async def _rollouts(url: str, spec: Any, args: argparse.Namespace) -> pa.Table:
-    from r3arrow.client import EngineClient
-    from r3arrow.rollout import ArithmeticEnv, run_rollouts
-
-    rng = np.random.default_rng(args.seed)
-    prompts = [
-        rng.integers(1, 512, size=int(rng.integers(6, 17))).tolist() for _ in range(args.groups)
-    ]
-    async with EngineClient(url, spec, vocab_size=512) as client:
-        return await run_rollouts(
-            client,
-            ArithmeticEnv(vocab_size=512, turns=args.turns),
-            prompts,
-            group_size=args.samples,
-            max_turns=args.turns,
-            sampling_params={"max_tokens": args.max_tokens, "temperature": 0.7, "ignore_eos": True},
-            seed=args.seed,
-            reward_fn=lambda _conv, summed: float(summed >= args.turns),
-        )
 
 
 def _same(a: pa.Table, b: pa.Table) -> bool:
@@ -62,49 +44,24 @@ def _same(a: pa.Table, b: pa.Table) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=2)
-    parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("skyrl-loop"))
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, "skyrl-loop", argv)
 
     from r3arrow.adapters.skyrl import (
         from_generator_output,
         to_generator_output,
         to_training_inputs,
     )
-    from r3arrow.collate import MegatronCollator, split_microbatches
-    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
-    from r3arrow.io import read_rollouts, write_rollouts
-    from r3arrow.stats import expert_load, load_summary
-    from r3arrow.table import (
-        captured_lengths,
-        filter_groups,
-        flat_routes,
-        route_spec,
-        sequence_lengths,
-    )
+    from r3arrow.table import captured_lengths, flat_routes, sequence_lengths
 
     t0 = time.perf_counter()
     ok = True
-    engine = ReferenceEngine(TinyMoEConfig(seed=args.seed, vocab_size=512))
-    with EngineServer(engine) as server:
-        table = asyncio.run(_rollouts(server.url, engine.config.route_spec(), args))
-    spec = route_spec(table)
+    table, spec = rollout_stage(args, "1/8")
     captured = captured_lengths(table)
-    _say(
-        f"[1/8] rollouts: {table.num_rows} trajectories ({args.groups} groups x {args.samples}), "
-        f"{int(captured.sum())} route rows, {spec.num_layers} layers x "
-        f"top-{spec.topk} of {spec.num_experts} experts"
-    )
 
     # What a SkyRL generator with #1912's RoutedExpertTrace hands the trainer.
     out, cap, uids = to_generator_output(table, layout="compact")
     gap = int((sequence_lengths(table) - cap).sum())
-    _say(
+    say(
         f"[2/8] SkyRL GeneratorOutput: {len(out['response_ids'])} trajectories, "
         f"rollout_expert_indices {len(out['rollout_expert_indices'])} arrays [N, L, K] "
         f"{out['rollout_expert_indices'][0].dtype}, {gap} terminal-gap rows padded with dummies"
@@ -115,79 +72,36 @@ def main(argv: list[str] | None = None) -> int:
     blind = from_generator_output(out, spec, uids=uids)  # no captured: padding looks real
     lost = int((captured_lengths(blind) - captured).sum())
     ok = ok and exact and lost == gap
-    _say(
+    say(
         f"[3/8] back to a rollout table with captured=: exact: {exact}; without it {lost} "
         f"dummy rows would count as routes (cannot be undone)"
     )
 
-    kept = filter_groups(back)  # SkyRL's zero-variance filter (singleton groups are kept)
-    note = ""
-    if kept.num_rows == 0:
-        kept, note = back, "; every group was uniform: continuing with all"
-    _say(
+    # SkyRL's zero-variance filter (singleton groups are kept)
+    kept, note = keep_varied_groups(back)
+    say(
         f"[4/8] dynamic sampling: kept {kept.num_rows}/{back.num_rows} trajectories of groups "
         f"with varied rewards (routes travel with their rows){note}"
     )
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = write_rollouts(kept, args.out / "rollouts.parquet")
-    disk = read_rollouts(path)
-    same = bool(disk.equals(kept))
+    disk, same = parquet_stage(kept, args.out, "5/8")
     ok = ok and same
-    _say(f"[5/8] parquet: {path} ({path.stat().st_size / 1e3:.1f} kB), round trip exact: {same}")
 
-    summary = load_summary(expert_load(disk, tokens="loss"))
-    worst = summary.sort("max_over_mean", descending=True).row(0, named=True)
-    _say(
-        f"[6/8] routing stats: {summary.height} MoE layers, most imbalanced layer "
-        f"{worst['layer']} (max/mean {worst['max_over_mean']:.2f})"
-    )
+    stats_stage(disk, "6/8")
 
     batch = to_training_inputs(disk, pad_token_id=PAD, tensors="torch")
     rei, pad_mask = batch["rollout_expert_indices"], batch["router_padding_mask"]
     aligned = bool(np.array_equal(rei[~pad_mask].numpy(), flat_routes(disk)[0]))
     ok = ok and aligned
-    _say(
+    say(
         f"[7/8] SkyRL trainer batch: sequences {tuple(batch['sequences'].shape)} left-padded, "
         f"loss_mask {tuple(batch['loss_mask'].shape)} right-aligned, rollout_expert_indices "
         f"{tuple(rei.shape)} {str(rei.dtype).removeprefix('torch.')}; captured rows aligned: "
         f"{aligned}"
     )
 
-    collate = MegatronCollator(spec, layers=spec.router_layers, packed=True, align=8)
-    parts = split_microbatches(disk, max_tokens=1024, multiple=collate.multiple)
-    batches = [collate(part) for part in parts]
-    first = batches[0]
-    checked = differ = 0
-    skipped: ImportError | None = None
-    with warnings.catch_warnings():
-        # megatron-core's import and CPU routers warn (TE/Apex absent, torch.jit deprecations)
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            import megatron.core  # noqa: F401
-
-            from r3arrow.megatron.cpu import build_routers, cpu_router_harness, replay_check
-        except ImportError as exc:
-            skipped = exc
-        else:
-            with cpu_router_harness():
-                routers = build_routers(spec, first.layers)
-                for part, mb in zip(parts, batches, strict=True):
-                    n, d = replay_check(routers, mb, part)
-                    checked, differ = checked + n, differ + d
-    if skipped is not None:
-        _say(f"[8/8] collation: {len(batches)} packed microbatch(es); replay skipped ({skipped})")
-    else:
-        ok = ok and differ == 0
-        verdict = "identical" if differ == 0 else f"DIFFERENT on {differ} tokens"
-        _say(
-            f"[8/8] collation + replay: {len(batches)} packed microbatch(es) into "
-            f"{len(first.layers)} real megatron-core TopKRouters: {checked} tokens, routing "
-            f"{verdict} to the engine's"
-        )
-    _say(f"done in {time.perf_counter() - t0:.1f} s: {'ok' if ok else 'FAILED'}")
-    return 0 if ok else 1
+    ok = collate_replay_stage(spec, disk, "8/8") and ok
+    return done(t0, ok)
 
 
 if __name__ == "__main__":

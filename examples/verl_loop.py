@@ -15,79 +15,42 @@ exits 1 if a check fails::
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import sys
 import time
-import warnings
-from pathlib import Path
-from typing import Any
 
 import numpy as np
-import pyarrow as pa
+
+# `python examples/verl_loop.py` puts examples/ on sys.path, so the shared stages import as _common
+from _common import (
+    collate,
+    done,
+    parquet_stage,
+    parse_args,
+    replay,
+    rollout_stage,
+    say,
+    stats_stage,
+    verdict,
+)
 
 PAD = 0  # the embedded engine's vocabulary has no pad token; verl pads with the tokenizer's
 
 
-def _say(msg: str) -> None:
-    print(msg, flush=True)
-
-
-async def _rollouts(url: str, spec: Any, args: argparse.Namespace) -> pa.Table:
-    from r3arrow.client import EngineClient
-    from r3arrow.rollout import ArithmeticEnv, run_rollouts
-
-    rng = np.random.default_rng(args.seed)
-    prompts = [
-        rng.integers(1, 512, size=int(rng.integers(6, 17))).tolist() for _ in range(args.groups)
-    ]
-    async with EngineClient(url, spec, vocab_size=512) as client:
-        return await run_rollouts(
-            client,
-            ArithmeticEnv(vocab_size=512, turns=args.turns),
-            prompts,
-            group_size=args.samples,
-            max_turns=args.turns,
-            sampling_params={"max_tokens": args.max_tokens, "temperature": 0.7, "ignore_eos": True},
-            seed=args.seed,
-            reward_fn=lambda _conv, summed: float(summed >= args.turns),
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=2)
-    parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("verl-loop"))
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, "verl-loop", argv)
 
     from r3arrow.adapters.verl import CAPTURED_KEY, from_dataproto, to_dataproto
-    from r3arrow.collate import MegatronCollator, split_microbatches
-    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
-    from r3arrow.io import read_rollouts, write_rollouts
-    from r3arrow.stats import expert_load, load_summary
-    from r3arrow.table import captured_lengths, route_spec, sequence_lengths
+    from r3arrow.table import captured_lengths, sequence_lengths
     from r3arrow.testing import assert_rollouts_equal
 
     t0 = time.perf_counter()
     ok = True
-    engine = ReferenceEngine(TinyMoEConfig(seed=args.seed, vocab_size=512))
-    with EngineServer(engine) as server:
-        table = asyncio.run(_rollouts(server.url, engine.config.route_spec(), args))
-    spec = route_spec(table)
-    _say(
-        f"[1/7] rollouts: {table.num_rows} trajectories ({args.groups} groups x {args.samples}), "
-        f"{int(captured_lengths(table).sum())} route rows, {spec.num_layers} layers x "
-        f"top-{spec.topk} of {spec.num_experts} experts"
-    )
+    table, spec = rollout_stage(args, "1/7")
 
     data = to_dataproto(table, pad_token_id=PAD)
     b = data.batch
     routed = b["routed_experts"]
-    _say(
+    say(
         f"[2/7] verl DataProto: prompts {tuple(b['prompts'].shape)} left-padded, responses "
         f"{tuple(b['responses'].shape)} right-padded, routed_experts {tuple(routed.shape)} "
         f"{str(routed.dtype).removeprefix('torch.')}, uid + {CAPTURED_KEY} in non_tensor_batch"
@@ -98,70 +61,40 @@ def main(argv: list[str] | None = None) -> int:
         assert_rollouts_equal(back, table)
         exact = True
     except AssertionError as exc:
-        _say(f"  mismatch: {exc}")
+        say(f"  mismatch: {exc}")
         exact = False
     ok = ok and exact
     # verl keeps no captured count: its trainer replays every attended row but the last
     rule = bool(np.array_equal(captured_lengths(table), sequence_lengths(table) - 1))
-    _say(
+    say(
         f"[3/7] back to a rollout table: {back.num_rows} rows, round trip exact: {exact}; "
         f"verl's rule (all attended rows but the last) = the engine's rows: {rule}"
     )
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = write_rollouts(back, args.out / "rollouts.parquet")
-    disk = read_rollouts(path)
-    same = bool(disk.equals(back))
+    disk, same = parquet_stage(back, args.out, "4/7")
     ok = ok and same
-    _say(f"[4/7] parquet: {path} ({path.stat().st_size / 1e3:.1f} kB), round trip exact: {same}")
 
-    summary = load_summary(expert_load(disk, tokens="loss"))
-    worst = summary.sort("max_over_mean", descending=True).row(0, named=True)
-    _say(
-        f"[5/7] routing stats: {summary.height} MoE layers, most imbalanced layer "
-        f"{worst['layer']} (max/mean {worst['max_over_mean']:.2f})"
-    )
+    stats_stage(disk, "5/7")
 
-    collate = MegatronCollator(spec, layers=spec.router_layers, packed=True, align=8)
-    parts = split_microbatches(disk, max_tokens=1024, multiple=collate.multiple)
-    batches = [collate(part) for part in parts]
+    parts, batches = collate(spec, disk)
     first = batches[0]
     targets = first.replay_targets()
     assert first.routes is not None  # collated with a spec: R3 is on
-    _say(
+    say(
         f"[6/7] megatron collation: {len(batches)} packed microbatch(es), first routes "
         f"{tuple(first.routes.shape)}, {len(targets)} replay targets"
     )
 
-    checked = differ = 0
-    skipped: ImportError | None = None
-    with warnings.catch_warnings():
-        # megatron-core's import and CPU routers warn (TE/Apex absent, torch.jit deprecations)
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            import megatron.core  # noqa: F401
-
-            from r3arrow.megatron.cpu import build_routers, cpu_router_harness, replay_check
-        except ImportError as exc:
-            skipped = exc
-        else:
-            with cpu_router_harness():
-                routers = build_routers(spec, first.layers)
-                for part, mb in zip(parts, batches, strict=True):
-                    n, d = replay_check(routers, mb, part)
-                    checked, differ = checked + n, differ + d
+    checked, differ, skipped = replay(spec, parts, batches)
     if skipped is not None:
-        _say(f"[7/7] replay: skipped ({skipped})")
+        say(f"[7/7] replay: skipped ({skipped})")
     else:
         ok = ok and differ == 0
-        verdict = "identical" if differ == 0 else f"DIFFERENT on {differ} tokens"
-        _say(
+        say(
             f"[7/7] replay into {len(first.layers)} real megatron-core TopKRouters: "
-            f"{checked} tokens, routing {verdict} to the engine's"
+            f"{checked} tokens, routing {verdict(differ)} to the engine's"
         )
-    _say(f"done in {time.perf_counter() - t0:.1f} s: {'ok' if ok else 'FAILED'}")
-    return 0 if ok else 1
+    return done(t0, ok)
 
 
 if __name__ == "__main__":
