@@ -42,6 +42,7 @@ from _common import (
 import r3arrow
 from r3arrow.client import EngineClient, decode_routes, parse_response
 from r3arrow.codec import encode_vllm
+from r3arrow.testing import random_routes
 
 # A model with realistic route rows for its size: 12 layers (layer 0 dense), top-8 of 32.
 ENGINE_CONFIG: dict[str, Any] = {
@@ -189,10 +190,7 @@ def part2(
 ) -> tuple[list[list[Any]], float]:
     spec = r3arrow.RouteSpec(num_layers=layers, topk=topk, num_experts=experts)
     rng = np.random.default_rng(0)
-    routes = np.sort(rng.integers(0, experts, size=(rows, layers, topk), dtype=np.uint8), axis=-1)
-    routes[..., 1:] = (
-        routes[..., 1:] + np.arange(1, topk, dtype=np.uint8)
-    ) % experts  # mostly distinct
+    routes = random_routes(rng, rows, spec)  # valid: distinct experts per row (checked on decode)
     choice = {"index": 0, "finish_reason": "length", "token_ids": [1, 2, 3]}
     bodies = {
         "base64 .npy (vLLM)": orjson.dumps(
