@@ -8,8 +8,12 @@ drawn uniformly), so every check runs its full valid-case path. Per case, in one
 * ``distinct, before``: the algorithm `check_router_ids` used before the fast path (kept
   here as the baseline: a transposed copy of each block, then ``K - 1`` shifted
   comparisons), ``num_experts=None`` as `check_distinct_experts` calls it;
-* ``distinct, after``: `r3arrow.ids.check_router_ids` with the same arguments;
-* ``check_routes``: both id rules as table validation and capture run them;
+* ``distinct, after``: `r3arrow.ids.check_router_ids` with the same arguments, numpy backend
+  (`_Scratch` per block; what runs without numba or with ``R3ARROW_NO_NUMBA=1``);
+* ``distinct, numba``: the same call on the numba backend (`r3arrow._kernels_numba`; the
+  row is left out where numba is not installed). Kernels are compiled before timing;
+* ``check_routes``: both id rules as table validation and capture run them (the default
+  backend: numba where installed);
 * ``quality``: `r3arrow.quality.check_route_quality` on the same rows.
 
 GB/s counts route bytes; "x memcpy" is the case's time over the memcpy time (1.0 = as fast
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 from _common import best_of, machine_line, markdown_table, parser
 
+from r3arrow import ids
 from r3arrow.ids import check_router_ids, check_routes
 from r3arrow.quality import check_route_quality
 from r3arrow.spec import RouteSpec
@@ -55,6 +60,30 @@ def distinct_before(arr: np.ndarray, layer_ids: Sequence[int]) -> None:
             assert not bool((xt[: k - r] == xt[r:]).any())
 
 
+def on_backend(kernels: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with `r3arrow.ids` on one backend: the kernels module, or False (numpy)."""
+
+    def run() -> Any:
+        saved = ids._KERNELS
+        ids._KERNELS = kernels
+        try:
+            return fn()
+        finally:
+            ids._KERNELS = saved
+
+    return run
+
+
+def numba_kernels() -> Any:
+    """`r3arrow._kernels_numba`, compiled for the benchmark's dtypes, or None without numba."""
+    try:
+        from r3arrow import _kernels_numba
+    except ImportError:
+        return None
+    _kernels_numba.warm_up()
+    return _kernels_numba
+
+
 def valid_routes(tokens: int, spec: RouteSpec, seed: int = 0) -> np.ndarray:
     """``[tokens, L, K]`` ids, K distinct uniform experts per token and layer, storage dtype."""
     rng = np.random.default_rng(seed)
@@ -76,10 +105,20 @@ def run_case(tokens: int, k: int, experts: int, repeat: int) -> dict[str, Any]:
     fns: dict[str, Callable[[], Any]] = {
         "memcpy": lambda: np.copyto(dst, arr),
         "distinct, before": lambda: distinct_before(arr, layers),
-        "distinct, after": lambda: check_router_ids(arr, None, layers),
+        "distinct, after": on_backend(False, lambda: check_router_ids(arr, None, layers)),
         "check_routes": lambda: check_routes(arr, spec),
         "quality": lambda: check_route_quality(arr, spec),
     }
+    kernels = numba_kernels()
+    if kernels is not None:
+        numba_fn = on_backend(kernels, lambda: check_router_ids(arr, None, layers))
+        fns = {
+            **dict(list(fns.items())[:3]),
+            "distinct, numba": numba_fn,
+            **dict(list(fns.items())[3:]),
+        }
+    for fn in fns.values():  # compile (JIT) and first-touch outside the timing
+        fn()
     best = {name: float("inf") for name in fns}
     for _ in range(repeat):  # interleaved rounds: shared-machine noise spreads evenly
         for name, fn in fns.items():

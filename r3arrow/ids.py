@@ -11,15 +11,25 @@ The rules (see ``docs/design.md``, "Expert ids"):
 Every function here takes numpy arrays; :func:`check_router_ids` also takes torch
 tensors (CPU tensors are viewed through numpy, zero-copy; tensors on another
 device are checked there with the same operations), without importing torch.
-The common valid case costs, per cache-sized block, one min/max and the fast duplicate
-test of `_Scratch` (reused buffers, no allocation per block); the reference check, which
-locates the offending token and layer, runs only on a block that fails
-(``benchmarks/bench_validate.py`` measures both against a memory copy).
+The common valid case on CPU costs one min/max where a bound needs it (signed ids, or
+``num_experts`` given) and one fast duplicate test: with numba installed, a numba kernel
+(`r3arrow._kernels_numba`: each top-k row of 2, 4 or 8 bytes tested as one machine word)
+that returns the first failing token; without numba, or with the environment variable
+``R3ARROW_NO_NUMBA=1``, the numpy test of `_Scratch` per cache-sized block (reused buffers,
+no allocation per block). Either way the reference check `_check_block`, which locates the
+offending token and layer, runs only on the first block that fails, so both backends raise
+the same error (``benchmarks/bench_validate.py`` measures both against a memory copy).
+numba is imported on the first CPU check, never by ``import r3arrow``; the first call per
+(dtype, layout) in a fresh environment compiles for about 2-6 s, later processes load the
+cached machine code.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,6 +40,30 @@ if TYPE_CHECKING:
     from r3arrow.spec import RouteSpec
 
 _BLOCK_IDS = 1 << 17  # ids per block: the transposed block stays in L2
+
+
+_NO_NUMBA_ENV = "R3ARROW_NO_NUMBA"  # set (not "" or "0"): always the numpy duplicate test
+
+# The numba kernels module once chosen, False for "numpy" (no numba, or R3ARROW_NO_NUMBA set),
+# None before the first CPU check. Tests set it to run either backend.
+_KERNELS: ModuleType | bool | None = None
+
+
+def _numba_kernels() -> ModuleType | None:
+    """`r3arrow._kernels_numba` where numba imports and ``R3ARROW_NO_NUMBA`` is unset, else None.
+
+    Decided once per process, on the first CPU check (numba is never imported before).
+    """
+    global _KERNELS
+    if _KERNELS is None:
+        if os.environ.get(_NO_NUMBA_ENV, "") not in ("", "0"):
+            _KERNELS = False
+        else:
+            try:
+                _KERNELS = importlib.import_module("r3arrow._kernels_numba")
+            except ImportError:  # numba (or its llvmlite) not installed: numpy backend
+                _KERNELS = False
+    return _KERNELS if isinstance(_KERNELS, ModuleType) else None
 
 
 # K == 2 ids of <= 2 bytes fit one machine word: the word's two halves compare as integers
@@ -157,7 +191,12 @@ def check_router_ids(
         for a in range(0, tokens, step):
             _check_block(data[:, a : a + step] if layers_first else data[a : a + step], a, where)
         return
-    signed = bool(np.dtype(data.dtype).kind == "i")
+    dtype = np.dtype(data.dtype)
+    kernels = _numba_kernels() if dtype.kind in "iu" and dtype.isnative else None
+    if kernels is not None:
+        _check_cpu_numba(data, step, where, kernels)
+        return
+    signed = bool(dtype.kind == "i")
     scratch = _Scratch(k, min(step, tokens) * n_layers, np.dtype(data.dtype))
     for a in range(0, tokens, step):
         blk = data[:, a : a + step] if layers_first else data[a : a + step]
@@ -169,6 +208,31 @@ def check_router_ids(
         if bad_range or (k > 1 and scratch.has_duplicate(blk)):
             _check_block(blk, a, where)
             raise AssertionError(f"{what}: block at token {a} expected to fail")  # pragma: no cover
+
+
+def _check_cpu_numba(data: np.ndarray, step: int, w: _Where, kernels: ModuleType) -> None:
+    """`check_router_ids` on a numpy array with the numba backend.
+
+    Finds the first failing token (the smaller of the first out-of-range token and the first
+    token repeating an id), then runs the reference `_check_block` on the block of ``step``
+    tokens holding it: the same block, hence the same error, as the numpy backend's loop.
+    """
+    layers_first = w.layers_first
+    tokens = data.shape[1] if layers_first else data.shape[0]
+    e = w.num_experts
+    first = tokens
+    lo = int(data.min()) if data.dtype.kind == "i" else 0
+    if lo < 0 or (e is not None and int(data.max()) >= e):  # an error: allocating is fine
+        bad = data < 0 if e is None else (data < 0) | (data >= e)
+        per_token = bad.any(axis=(0, 2) if layers_first else (1, 2))
+        first = int(np.argmax(per_token))
+    dup = int(kernels.first_duplicate_token(data, layers_first))
+    if 0 <= dup < first:
+        first = dup
+    if first < tokens:
+        a = first - first % step
+        _check_block(data[:, a : a + step] if layers_first else data[a : a + step], a, w)
+        raise AssertionError(f"{w.what}: block at token {a} expected to fail")  # pragma: no cover
 
 
 class _Where:

@@ -1,8 +1,10 @@
 """The fast id checks of r3arrow/ids.py against an independent reference.
 
-The fast path (`_Scratch.has_duplicate` per block, the reference check only on a failing
-block) must accept and reject exactly what ``np.sort`` + adjacent compare does, for every
-dtype, top-k 1..9, both layouts, non-contiguous inputs and router-layer subsets, and must
+Both CPU backends run every property (the ``backend`` fixture): numba (the kernels of
+`r3arrow._kernels_numba` find the first failing token; skipped where numba is not installed)
+and numpy (`_Scratch.has_duplicate` per block). The fast path (the reference check only on
+the failing block) must accept and reject exactly what ``np.sort`` + adjacent compare does,
+for every dtype, top-k 1..9, both layouts, non-contiguous inputs and router-layer subsets, and must
 report the same offender as before the fast path. "First" is, as before: the first failing
 block of ``_BLOCK_IDS // (layers * K)`` tokens; within it an out-of-range id first (the
 first in ``(k, layer, token)`` order), else the duplicate pair at the smallest distance
@@ -12,6 +14,10 @@ that rule independently; small ``_BLOCK_IDS`` values make multi-block cases smal
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -27,8 +33,26 @@ from r3arrow.spec import RouteSpec
 from r3arrow.testing import random_routes
 from r3arrow.testing.strategies import routes, specs
 
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The backend fixture is function-scoped but constant across a test's examples.
+FAST = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "uint32", "int64", "uint64"]
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on one CPU backend of `check_router_ids` (``ids._KERNELS`` chosen)."""
+    if request.param == "numba":
+        kernels = pytest.importorskip("r3arrow._kernels_numba")
+        kernels.warm_up()  # compile (or load the cache) outside the examples
+        choice: Any = kernels
+    else:
+        choice = False
+    with mock.patch.object(ids, "_KERNELS", choice):
+        yield str(request.param)
 
 
 def _has_duplicate_reference(arr: np.ndarray) -> bool:
@@ -114,7 +138,9 @@ def _raised(fn: Any) -> tuple[str, int, int] | None:
 
 @FAST
 @given(case=id_arrays(), block=st.sampled_from([16, 64, 1 << 17]), bound=st.booleans())
-def test_fast_path_matches_reference(case: tuple[np.ndarray, int], block: int, bound: bool) -> None:
+def test_fast_path_matches_reference(
+    case: tuple[np.ndarray, int], block: int, bound: bool, backend: str
+) -> None:
     arr, e = case
     num_experts = e if bound else None
     layer_ids = [3 * i + 1 for i in range(arr.shape[1])]  # global ids differ from indices
@@ -137,6 +163,18 @@ def test_fast_path_matches_reference(case: tuple[np.ndarray, int], block: int, b
             )
         )
         assert lf == got
+        # read-only and strided inputs (Arrow buffers, sliced tensors): the same offender
+        ro = arr.copy()
+        ro.setflags(write=False)
+        assert _raised(lambda: check_router_ids(ro, num_experts, layer_ids)) == got
+        strided = np.repeat(arr, 2, axis=0)[::2]
+        assert _raised(lambda: check_router_ids(strided, num_experts, layer_ids)) == got
+        lf_view = _raised(
+            lambda: check_router_ids(
+                arr.transpose(1, 0, 2), num_experts, layer_ids, layers_first=True
+            )
+        )
+        assert lf_view == got
 
 
 def _range_only(arr: np.ndarray, num_experts: int | None) -> None:
@@ -165,9 +203,84 @@ def test_has_duplicate_any_layout(case: tuple[np.ndarray, int], offset: int, str
         assert scratch.has_duplicate(v) == _has_duplicate_reference(v)  # buffers reused
 
 
+def _first_duplicate_token_reference(arr: np.ndarray, layers_first: bool) -> int:
+    """Smallest token whose row repeats an id (sort + neighbours), -1 for none."""
+    s = np.sort(arr, axis=-1)
+    bad = (s[..., 1:] == s[..., :-1]).any(axis=-1)
+    per_token = bad.any(axis=0) if layers_first else bad.any(axis=1)
+    hits = np.flatnonzero(per_token)
+    return int(hits[0]) if hits.size else -1
+
+
+@FAST
+@given(case=id_arrays(), offset=st.integers(0, 3), stride=st.integers(1, 3))
+def test_numba_first_duplicate_token_any_layout(
+    case: tuple[np.ndarray, int], offset: int, stride: int
+) -> None:
+    """The numba kernel itself: word rows (2/4/8 bytes) and the general path, every layout."""
+    kernels = pytest.importorskip("r3arrow._kernels_numba")
+    arr, _ = case
+    if arr.shape[0] == 0:
+        return
+    views = [
+        (arr, False),
+        (arr[offset::stride], False),
+        (arr.transpose(1, 0, 2), True),
+        (np.ascontiguousarray(arr.transpose(1, 0, 2)), True),
+        (np.asfortranarray(arr), False),
+    ]
+    for v, layers_first in views:
+        if v.size == 0:
+            continue
+        want = _first_duplicate_token_reference(v, layers_first) if v.shape[2] > 1 else -1
+        assert kernels.first_duplicate_token(v, layers_first) == want
+
+
+@pytest.mark.parametrize("layers_first", [False, True])
+@pytest.mark.parametrize(("k", "dtype"), [(8, "uint8"), (4, "uint16"), (2, "int32"), (6, "uint8")])
+def test_numba_kernel_across_chunks(k: int, dtype: str, layers_first: bool) -> None:
+    """Many chunks of rows (1024 per chunk): the first duplicate in a late chunk, exactly."""
+    kernels = pytest.importorskip("r3arrow._kernels_numba")
+    rng = np.random.default_rng(k)
+    arr = np.argsort(rng.random((3000, 3, 16)), axis=-1)[..., :k].astype(dtype)
+    assert kernels.first_duplicate_token(arr, False) == -1
+    arr[2999, 0, 1] = arr[2999, 0, 0]
+    arr[2500, 2, k - 1] = arr[2500, 2, 0]
+    x = np.ascontiguousarray(arr.transpose(1, 0, 2)) if layers_first else arr
+    assert kernels.first_duplicate_token(x, layers_first) == 2500
+
+
+def test_backend_choice_env_and_missing_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``R3ARROW_NO_NUMBA=1`` forces numpy; without numba, numpy; else the numba kernels."""
+    monkeypatch.setattr(ids, "_KERNELS", None)
+    monkeypatch.setenv("R3ARROW_NO_NUMBA", "1")
+    assert ids._numba_kernels() is None
+    monkeypatch.setattr(ids, "_KERNELS", None)
+    monkeypatch.delenv("R3ARROW_NO_NUMBA")
+    monkeypatch.setitem(sys.modules, "r3arrow._kernels_numba", None)  # as if numba were absent
+    assert ids._numba_kernels() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(ids, "_KERNELS", None)
+    monkeypatch.delenv("R3ARROW_NO_NUMBA", raising=False)
+    pytest.importorskip("numba")
+    kernels = ids._numba_kernels()
+    assert kernels is not None and kernels.__name__ == "r3arrow._kernels_numba"
+
+
+def test_import_r3arrow_does_not_import_numba() -> None:
+    """numba loads on the first CPU check, not with ``import r3arrow`` (nor ``r3arrow.ids``)."""
+    code = "import sys, r3arrow, r3arrow.ids; print('numba' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "R3ARROW_NO_NUMBA"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [2, 3, 8])
-def test_duplicate_in_last_block_only(dtype: str, k: int) -> None:
+def test_duplicate_in_last_block_only(dtype: str, k: int, backend: str) -> None:
     """A duplicate far from the start is found, in the right block, with the message as before."""
     rng = np.random.default_rng(k)
     arr = np.argsort(rng.random((300, 4, 16)), axis=-1)[..., :k].astype(dtype)
@@ -182,7 +295,7 @@ def test_duplicate_in_last_block_only(dtype: str, k: int) -> None:
     assert (info.value.token, info.value.layer) == (307, 5)
 
 
-def test_first_offender_is_today_rule_not_row_major() -> None:
+def test_first_offender_is_today_rule_not_row_major(backend: str) -> None:
     """Two duplicates in one block: the smaller distance wins, then (k, layer, token) order."""
     arr = np.tile(np.arange(4, dtype=np.uint8), (6, 3, 1))
     arr[1, 2] = [0, 1, 2, 0]  # distance 3, earlier token
@@ -195,7 +308,7 @@ def test_first_offender_is_today_rule_not_row_major() -> None:
         check_router_ids(arr, None, [0, 1, 2])
 
 
-def test_range_before_duplicate_in_a_block() -> None:
+def test_range_before_duplicate_in_a_block(backend: str) -> None:
     arr = np.tile(np.arange(3, dtype=np.int16), (5, 2, 1))
     arr[0, 0] = [1, 1, 2]
     arr[3, 1, 2] = -4
@@ -205,7 +318,9 @@ def test_range_before_duplicate_in_a_block() -> None:
 
 @FAST
 @given(data=st.data(), spec=specs(max_layers=5, max_topk=9))
-def test_check_distinct_experts_on_router_layer_subsets(data: st.DataObject, spec: Any) -> None:
+def test_check_distinct_experts_on_router_layer_subsets(
+    data: st.DataObject, spec: Any, backend: str
+) -> None:
     """Router-layer subsets: dense layers never count, planted router duplicates always do."""
     arr = data.draw(routes(spec, min_rows=1, max_rows=20))
     check_distinct_experts(arr, spec)
@@ -223,7 +338,7 @@ def test_check_distinct_experts_on_router_layer_subsets(data: st.DataObject, spe
         assert info.value.layer == layer and info.value.token == t
 
 
-def test_torch_cpu_tensor_same_as_numpy() -> None:
+def test_torch_cpu_tensor_same_as_numpy(backend: str) -> None:
     torch = pytest.importorskip("torch")
     spec = RouteSpec(num_layers=3, topk=4, num_experts=32)
     arr = random_routes(np.random.default_rng(0), 50, spec).astype(np.int64)

@@ -1,0 +1,323 @@
+"""Numba kernels behind `r3arrow.ids`: the first token whose top-k row repeats an id.
+
+Private; `r3arrow.ids` imports this module lazily, on the first CPU check, and only when numba
+imports and ``R3ARROW_NO_NUMBA`` is not set (docs/design.md, "Expert ids"). The kernels only
+*find* the first failing token; `r3arrow.ids` then runs its reference block check on the block
+holding that token, so messages, error fields and the "first offender" rule are the reference
+check's.
+
+Three paths, all returning the smallest failing token index (``-1``: no duplicate), for
+``[tokens, layers, K]`` or, with ``layers_first``, ``[layers, tokens, K]`` ids:
+
+* words (C-contiguous, little-endian, a row of ``K * itemsize`` = 2, 4 or 8 bytes): the ids
+  are read as uint64 words of ``64 // (K * itemsize)`` whole rows, ``K`` lanes of 8, 16 or 32
+  bits each. For each rotation ``r = 1 .. K // 2`` by ``r`` lanes within every row,
+  ``x = w ^ rot(w, r)`` has a zero lane exactly when two ids at distance ``r`` (or ``K - r``)
+  in one row are equal, and ``(x - 0x01..01) & ~x & 0x80..80`` (per lane) is nonzero exactly
+  when ``x`` has a zero lane. The test is OR-accumulated over a chunk of words without
+  branches, which LLVM vectorises; a failing chunk is rescanned row by row. Rows outside the
+  whole words (head and tail of a range) are tested one by one.
+* elements (C-contiguous, any other row size): per row, the ``K // 2`` lane rotations compare
+  ``K`` ids each (every pair of positions at least once), unrolled for the usual ``K``.
+* general (any strides): a chunk of rows is transposed into a ``[K, chunk]`` buffer, then each
+  rotation and position is one contiguous vector comparison.
+
+Compilation: ``cache=True`` stores the machine code in ``__pycache__`` next to this file (or
+numba's user cache where that is not writable; ``NUMBA_CACHE_DIR`` overrides), so the first
+call in a fresh environment compiles for about 2-6 s per (dtype, layout, writable) signature
+(5.5 s for C-contiguous uint8 on a busy 2-core machine, then 0.1 s in a later process);
+`warm_up` compiles the common signatures outside any timed code. ``nogil=True``: the checks
+run in parallel with other Python threads.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numba
+import numpy as np
+
+_CHUNK = 1024  # rows per chunk: the chunk's words (or transposed ids) stay in L1
+
+_WORD: dict[int, np.dtype[Any]] = {
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
+
+
+@numba.njit(cache=True, nogil=True)
+def _lane_masks(k: int, bits: int, fields: int) -> tuple[Any, Any, Any]:
+    """``(ones, highs, rows)`` for ``fields`` rows of ``k`` lanes of ``bits`` in a uint64:
+    bit 0 of every lane, the top bit of every lane, and every row's bits (all ones)."""
+    kb = k * bits
+    one = np.uint64(1)
+    ones = np.uint64(0)
+    for q in range(k * fields):
+        ones |= one << np.uint64(q * bits)
+    field = np.uint64(0xFFFFFFFFFFFFFFFF) if kb == 64 else (one << np.uint64(kb)) - one
+    rows = np.uint64(0)
+    for q in range(fields):
+        rows |= field << np.uint64(q * kb)
+    return ones, ones << np.uint64(bits - 1), rows
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_fails(v: Any, k: int, bits: int) -> bool:
+    """Row ``v`` (``k`` lanes of ``bits`` in the low ``k * bits`` bits) has two equal lanes."""
+    kb = k * bits
+    ones, highs, field = _lane_masks(k, bits, 1)
+    for r in range(1, k // 2 + 1):
+        s = r * bits
+        x = v ^ (((v >> np.uint64(s)) | (v << np.uint64(kb - s))) & field)
+        if (x - ones) & ~x & highs:
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_row_fail(words: Any, rows: Any, start: int, stop: int, k: int, bits: int) -> int:
+    """First row in ``[start, stop)`` with two equal lanes, else -1.
+
+    ``rows``: one unsigned word per row (``k`` lanes of ``bits``); ``words``: the same bytes
+    as uint64, ``64 // (k * bits)`` rows each (the whole words only). Called with literal
+    ``k`` and ``bits`` (`_first_row`): LLVM inlines it and folds the masks and shifts into
+    constants (about twice the speed of runtime shift amounts). Words are tested in chunks,
+    OR-accumulating without branches (vectorised); a failing chunk is rescanned row by row.
+    """
+    kb = k * bits
+    per = 64 // kb  # rows per uint64
+    ones, highs, field = _lane_masks(k, bits, per)
+    lo_word = (start + per - 1) // per  # words wholly inside [start, stop)
+    hi_word = min(stop // per, words.shape[0])
+    head_end = min(stop, lo_word * per)
+    for j in range(start, head_end):
+        if _row_fails(np.uint64(rows[j]), k, bits):
+            return j
+    i = lo_word
+    while i < hi_word:
+        end = min(i + _CHUNK, hi_word)
+        acc = np.uint64(0)
+        for j in range(i, end):  # branch-free: vectorised across words
+            v = words[j]
+            for r in range(1, k // 2 + 1):
+                s = r * bits
+                low = np.uint64(0)  # per row: the bits that move down by s (rotation)
+                for q in range(per):
+                    low |= ((np.uint64(1) << np.uint64(kb - s)) - np.uint64(1)) << np.uint64(q * kb)
+                high = field & ~low
+                rot = ((v >> np.uint64(s)) & low) | ((v << np.uint64(kb - s)) & high)
+                x = v ^ rot
+                acc |= (x - ones) & ~x & highs
+        if acc != 0:
+            for j in range(i * per, end * per):  # this chunk fails: its first failing row
+                if _row_fails(np.uint64(rows[j]), k, bits):
+                    return j
+        i = end
+    for j in range(max(head_end, hi_word * per), stop):
+        if _row_fails(np.uint64(rows[j]), k, bits):
+            return j
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_row(words: Any, rows: Any, start: int, stop: int, k: int, bits: int) -> int:
+    """`_first_row_fail` with literal ``k`` and ``bits``, one branch per row width of ``rows``
+    (its itemsize is known when compiling: only the matching branches are kept)."""
+    width = rows.itemsize
+    if width == 8:
+        if k == 8:
+            return int(_first_row_fail(words, rows, start, stop, 8, 8))
+        if k == 4:
+            return int(_first_row_fail(words, rows, start, stop, 4, 16))
+        return int(_first_row_fail(words, rows, start, stop, 2, 32))
+    if width == 4:
+        if k == 4:
+            return int(_first_row_fail(words, rows, start, stop, 4, 8))
+        return int(_first_row_fail(words, rows, start, stop, 2, 16))
+    return int(_first_row_fail(words, rows, start, stop, 2, 8))
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_token_words(
+    words: Any, rows: Any, n_a: int, n_b: int, layers_first: bool, k: int, bits: int
+) -> int:
+    """`first_duplicate_token` on C-contiguous ``[A, B]`` rows (``rows``, one word each)."""
+    if not layers_first:
+        j = _first_row(words, rows, 0, n_a * n_b, k, bits)
+        return -1 if j < 0 else j // n_b
+    limit = n_b  # layers first: the smallest failing token over all layers
+    for a in range(n_a):
+        j = _first_row(words, rows, a * n_b, a * n_b + limit, k, bits)
+        if j >= 0:
+            limit = j - a * n_b
+    return limit if limit < n_b else -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_row_elems_fail(flat: Any, start: int, stop: int, k: int) -> int:
+    """First row in ``[start, stop)`` of C-contiguous ``flat`` (rows of ``k`` ids) repeating an
+    id, else -1. Called with a literal ``k`` (`_first_row_elems`): the ``K // 2`` lane
+    rotations unroll and LLVM vectorises across rows with interleaved loads."""
+    i = start
+    while i < stop:
+        end = min(i + _CHUNK, stop)
+        acc = False
+        for j in range(i, end):
+            b = j * k
+            for r in range(1, k // 2 + 1):
+                for q in range(k):
+                    acc |= flat[b + q] == flat[b + (q + r) % k]
+        if acc:
+            for j in range(i, end):
+                b = j * k
+                for r in range(1, k // 2 + 1):
+                    for q in range(k):
+                        if flat[b + q] == flat[b + (q + r) % k]:
+                            return j
+        i = end
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_row_elems(flat: Any, start: int, stop: int, k: int) -> int:
+    """`_first_row_elems_fail` with a literal ``k`` for the usual top-k (3 to 10)."""
+    if k == 8:
+        return int(_first_row_elems_fail(flat, start, stop, 8))
+    if k == 6:
+        return int(_first_row_elems_fail(flat, start, stop, 6))
+    if k == 4:
+        return int(_first_row_elems_fail(flat, start, stop, 4))
+    if k == 10:
+        return int(_first_row_elems_fail(flat, start, stop, 10))
+    if k == 3:
+        return int(_first_row_elems_fail(flat, start, stop, 3))
+    return int(_first_row_elems_fail(flat, start, stop, k))
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_token_elems(flat: Any, n_a: int, n_b: int, layers_first: bool, k: int) -> int:
+    """`first_duplicate_token` on C-contiguous ids ``flat`` (``[A, B, K]`` flattened)."""
+    if not layers_first:
+        j = _first_row_elems(flat, 0, n_a * n_b, k)
+        return -1 if j < 0 else j // n_b
+    limit = n_b
+    for a in range(n_a):
+        j = _first_row_elems(flat, a * n_b, a * n_b + limit, k)
+        if j >= 0:
+            limit = j - a * n_b
+    return limit if limit < n_b else -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _chunk_fail(xt: Any, m: int, k: int) -> int:
+    """First column ``< m`` of ``xt`` ``[K, chunk]`` holding two equal ids, else -1."""
+    acc = False
+    for r in range(1, k // 2 + 1):
+        for i in range(k):
+            i2 = (i + r) % k
+            for c in range(m):  # contiguous: vectorised
+                acc |= xt[i, c] == xt[i2, c]
+    if not acc:
+        return -1
+    for c in range(m):
+        for r in range(1, k // 2 + 1):
+            for i in range(k):
+                if xt[i, c] == xt[(i + r) % k, c]:
+                    return c
+    return -1  # pragma: no cover - acc said some column fails
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_token_general(x: Any, layers_first: bool) -> int:
+    """`first_duplicate_token` for any ``K``, dtype and strides (transposed chunks)."""
+    n_a, n_b, k = x.shape
+    xt = np.empty((k, _CHUNK), dtype=x.dtype)
+    if not layers_first and n_b > _CHUNK:  # tokens wider than a chunk: piece by piece
+        for a in range(n_a):
+            for b0 in range(0, n_b, _CHUNK):
+                m = min(_CHUNK, n_b - b0)
+                for q in range(m):
+                    for i in range(k):
+                        xt[i, q] = x[a, b0 + q, i]
+                if _chunk_fail(xt, m, k) >= 0:
+                    return a
+        return -1
+    if not layers_first:  # whole tokens per chunk, rows in (token, layer) order
+        per = _CHUNK // n_b
+        for a0 in range(0, n_a, per):
+            a1 = min(a0 + per, n_a)
+            m = 0
+            for a in range(a0, a1):
+                for b in range(n_b):
+                    for i in range(k):
+                        xt[i, m] = x[a, b, i]
+                    m += 1
+            c = _chunk_fail(xt, m, k)
+            if c >= 0:
+                return int(a0 + c // n_b)
+        return -1
+    limit = n_b  # layers first: tokens along axis 1, the smallest failing one over layers
+    for a in range(n_a):
+        t0 = 0
+        while t0 < limit:
+            m = min(_CHUNK, limit - t0)
+            for q in range(m):
+                for i in range(k):
+                    xt[i, q] = x[a, t0 + q, i]
+            c = _chunk_fail(xt, m, k)
+            if c >= 0:
+                limit = t0 + c
+                break
+            t0 += m
+    return limit if limit < n_b else -1
+
+
+def _word_views(x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``x`` ``[A, B, K]`` as (whole uint64 words, one word per row), or None where rows are
+    not 2, 4 or 8 bytes of a C-contiguous little-endian array."""
+    row = _WORD.get(x.shape[2] * x.dtype.itemsize)
+    if row is None or not x.flags.c_contiguous or sys.byteorder != "little":
+        return None
+    flat = x.reshape(-1).view(np.uint8)
+    n_words = flat.shape[0] // 8
+    return flat[: n_words * 8].view(np.uint64), flat.view(row)
+
+
+def first_duplicate_token(x: np.ndarray, layers_first: bool) -> int:
+    """The smallest token index whose row of ``x`` repeats an id, or -1 for none.
+
+    ``x``: integer ids ``[tokens, layers, K]`` (``[layers, tokens, K]`` with
+    ``layers_first``), any strides. Signed ids compare as bit patterns (exact).
+    """
+    if x.size == 0 or x.shape[2] < 2:
+        return -1
+    # Equality of bit patterns: signed ids as the unsigned type of their size (exact, and
+    # half as many compiled signatures).
+    x = x.view(np.dtype(f"u{x.dtype.itemsize}"))
+    n_a, n_b, k = (int(v) for v in x.shape)
+    views = _word_views(x)
+    if views is None and x.flags.c_contiguous:
+        return int(_first_token_elems(x.reshape(-1), n_a, n_b, layers_first, k))
+    if views is None:
+        return int(_first_token_general(x, layers_first))
+    words, rows = views
+    return int(_first_token_words(words, rows, n_a, n_b, layers_first, k, 8 * x.dtype.itemsize))
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) the kernels for the common route dtypes and layouts:
+    writable and read-only (Arrow buffers), C-contiguous and strided, both layouts."""
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        for k in (2, 8):
+            x = np.zeros((2, 3, k), dtype=dtype)
+            x[..., 1] = 1
+            ro = x.copy()
+            ro.setflags(write=False)
+            for layers_first in (False, True):
+                for v in (x, ro, x[:, ::2]):
+                    first_duplicate_token(v, layers_first)
+
+
+__all__ = ["first_duplicate_token", "warm_up"]
