@@ -108,7 +108,8 @@ def arrow_peak_mb() -> float:
     """Peak bytes held by pyarrow's default memory pool in this process, in MB."""
     import pyarrow as pa
 
-    return float(pa.default_memory_pool().max_memory()) / 2**20
+    peak = pa.default_memory_pool().max_memory()  # None where the pool does not track it
+    return float("nan") if peak is None else float(peak) / 2**20
 
 
 def run_isolated(
