@@ -185,15 +185,7 @@ def test_convert_payload_dumps_round_trip(
         str(src),
         "--out",
         str(out),
-        "--num-layers",
-        "4",
-        "--topk",
-        "2",
-        "--num-experts",
-        "8",
-        "--moe-layers",
-        "1",
-        "2",
+        *_SPEC_ARGS,
         "3",
         "--format",
         fmt,
@@ -225,12 +217,7 @@ def test_convert_bad_payload_names_the_line(
             str(src),
             "--out",
             str(out),
-            "--num-layers",
-            "4",
-            "--topk",
-            "2",
-            "--num-experts",
-            "8",
+            *_SHAPE_ARGS,
         ]
     )
     assert code == EXIT_ERROR
@@ -259,12 +246,7 @@ def test_convert_ids_out_of_range_rejected(
             str(src),
             "--out",
             str(tmp_path / "o.parquet"),
-            "--num-layers",
-            "4",
-            "--topk",
-            "2",
-            "--num-experts",
-            "8",
+            *_SHAPE_ARGS,
         ]
     )
     assert code == EXIT_ERROR
@@ -300,15 +282,7 @@ def test_convert_npy_paths_resolve_against_the_dump_not_the_cwd(
     )
     monkeypatch.chdir(tmp_path)  # a.npy is not in the cwd
     spec_args = [
-        "--num-layers",
-        "4",
-        "--topk",
-        "2",
-        "--num-experts",
-        "8",
-        "--moe-layers",
-        "1",
-        "2",
+        *_SPEC_ARGS,
         "3",
     ]
     convert = ["convert", "dumps/d.jsonl", "--out", "o.parquet", "--format", "npy", *spec_args]
@@ -358,12 +332,7 @@ def test_convert_table_errors_name_the_record(
             str(src),
             "--out",
             str(tmp_path / "o.parquet"),
-            "--num-layers",
-            "4",
-            "--topk",
-            "2",
-            "--num-experts",
-            "8",
+            *_SHAPE_ARGS,
         ]
     )
     assert code == EXIT_ERROR
@@ -393,7 +362,8 @@ def test_stats_exit_codes_and_ipc_input(
 
 
 # ----------------------------------------------------- files, gc, export, failures
-_SPEC_ARGS = ["--num-layers", "4", "--topk", "2", "--num-experts", "8", "--moe-layers", "1", "2"]
+_SHAPE_ARGS = ["--num-layers", "4", "--topk", "2", "--num-experts", "8"]
+_SPEC_ARGS = [*_SHAPE_ARGS, "--moe-layers", "1", "2"]
 
 
 def _dead_pid() -> int:
@@ -525,15 +495,7 @@ def test_convert_refuses_npy_outside_the_dump_folder(
     src.write_bytes(orjson.dumps(rec) + b"\n")
     argv = ["convert", str(src), "--out", str(tmp_path / "o.parquet"), "--format", "npy"]
     argv += [
-        "--num-layers",
-        "4",
-        "--topk",
-        "2",
-        "--num-experts",
-        "8",
-        "--moe-layers",
-        "1",
-        "2",
+        *_SPEC_ARGS,
         "3",
     ]
     assert main(argv) == EXIT_ERROR
