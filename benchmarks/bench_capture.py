@@ -1,26 +1,34 @@
-"""Multi-turn route capture: incremental prompt starts vs the O(N²) full-prefix baseline.
+"""Multi-turn route capture and table building, side by side with a SkyRL-style baseline.
 
 Shape: 48 layers, top-8, 128 experts (uint8, 384 B per token). Workloads: one 64-turn
-conversation of 32K tokens (each turn ~256 observation/prompt + ~256 generated tokens), and
-64 trajectories of 2K-8K tokens in 2-6 turns each. Per request the engine returns
-``P - start + G - 1`` rows: incremental capture sends ``start = captured``, the baseline sends
-``start = 0`` (all ``P + G - 1`` rows every turn) and keeps the latest full tensor.
+conversation of 25K tokens (each turn ~half observation/prompt, ~half generated tokens), and
+64 trajectories of 2K-8K tokens in 2-6 turns each. Each turn's new rows (the suffix the engine
+returns for ``prompt start = captured``) are delivered as a **writable** numpy array, as a
+decoder hands them over.
 
-Cases (each in its own subprocess, so peak memory is per case):
-  copy_warm     one copy of the final trace(s) into a warm buffer (this run's memcpy speed)
-  copy_fresh    one copy of the final trace(s) into a fresh array (allocation + first touch)
-  trace_ro      RouteTrace.record per turn + finalize; chunks read-only, as a decode returns them
-  trace_rw      same with writable chunks (the trace copies each: a reused buffer cannot corrupt it)
-  store_append  the capture path only: store.trace(tid).record per turn (validated once by the
-                trace, one record batch per turn into the store; no assembly)
-  store         the capture path + routes() for all trajectories
-  recv_incr     end to end: materialise each turn's new rows (decode into a fresh read-only array),
-                record, finalize
-  recv_full     baseline end to end: materialise every turn's full prefix into a fresh array, keep
-                the latest (what the reference did before prompt starts)
+Cases (each in its own subprocess, so peak memory is per case; ``--quick`` runs them in one):
+  copy_warm      one copy of the final routes into a warm buffer (this run's memcpy)
+  copy_fresh     one copy of the final routes into a fresh array (allocation + first touch)
+  baseline       an independent implementation of SkyRL's approach (RoutedExpertTrace-style):
+                 keep each turn's array, concatenate them at finalize; no id checks
+  trace_handover r3arrow: RouteTrace.record(..., copy=False) per turn (validated once) +
+                 finalize (one write of the trace's bytes)
+  trace_copy     r3arrow default, record(...) copies each writable turn (the caller may reuse
+                 its buffer), then finalize joins
+  store          the capture path: store.trace(tid).record(..., copy=False) + finalize (the
+                 store then holds slices of the finalized buffer)
+  table_traces   rollout_table from the finalized traces (routes referenced, not copied)
+  table_store    TurnStore.routes_chunked + rollout_table (routes referenced, not copied)
+  table_copy     for reference: TurnStore.routes (one gather copy) + rollout_table
+  recv_full      full-prefix capture (no prompt starts): every turn's whole prefix decoded into
+                 a fresh array, the latest kept (route bytes moved: the O(N^2) path)
 
-Targets: >= 20x fewer route bytes at 64 turns; assembly (trace_ro, store) within 2x one copy of
-the final trace (copy_fresh).
+Peak memory is what the case allocates (tracemalloc for numpy + the Arrow pool's peak), the
+caller's delivered arrays excluded (made before measuring); "x trace bytes" divides it by the
+final routes' bytes. Table cases time only the table build (their inputs are made before).
+
+Targets (issue 13): capture (trace_handover) <= 1.0x the baseline's time and <= 1.1x the
+trace's bytes at peak; table building (table_traces, table_store) <= 0.2x a memcpy.
 
     .venv/bin/python benchmarks/bench_capture.py            # full size (~1 min)
     .venv/bin/python benchmarks/bench_capture.py --quick    # small sizes, in one process (seconds)
@@ -29,9 +37,7 @@ the final trace (copy_fresh).
 from __future__ import annotations
 
 import gc
-import itertools
 import json
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -47,35 +53,27 @@ from _common import (
     markdown_table,
     memcpy_gbps,
     parser,
-    proc_status_mb,
     run_isolated,
 )
 
-from r3arrow import RouteSpec, RouteTrace, TurnStore, routes_to_numpy
+from r3arrow import RouteSpec, RouteTrace, TurnStore, rollout_table, routes_to_numpy
 from r3arrow.testing import random_routes
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 SPEC = RouteSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
-CASES = (
-    "copy_warm",
-    "copy_fresh",
-    "trace_ro",
-    "trace_rw",
-    "store_append",
-    "store",
-    "recv_incr",
-    "recv_full",
-)
+CAPTURE = ("baseline", "trace_handover", "trace_copy", "store")
+TABLES = ("table_traces", "table_store", "table_copy")
+CASES = ("copy_warm", "copy_fresh", *CAPTURE, *TABLES, "recv_full")
 
 
 # ---------------------------------------------------------------- workloads
 @dataclass
 class Conversation:
-    """One trajectory: per turn (P, G, incremental rows, full-prefix rows) and its final routes."""
+    """One trajectory: per turn (P, G, new rows, full-prefix rows) and its final routes."""
 
     tid: str
     turns: list[tuple[int, int, int, int]]
-    routes: np.ndarray  # [captured, L, K], the rows the engine reports over the whole conversation
+    routes: np.ndarray  # [captured, L, K], the rows the engine reports over the conversation
 
     @property
     def num_tokens(self) -> int:
@@ -96,14 +94,13 @@ def plan(rng: np.random.Generator, tid: str, total: int, turns: int) -> Conversa
         rows = p - captured + g - 1
         out.append((p, g, rows, p + g - 1))
         seen, captured = p + g, captured + rows
-    routes = random_routes(rng, captured, SPEC)
-    return Conversation(tid, out, routes)
+    return Conversation(tid, out, random_routes(rng, captured, SPEC))
 
 
 def workload(name: str, quick: bool) -> list[Conversation]:
     rng = np.random.default_rng(0 if name == "conv" else 1)
     if name == "conv":
-        total, turns = (4096, 16) if quick else (32768, 64)
+        total, turns = (4096, 16) if quick else (25000, 64)
         return [plan(rng, "conv", total, turns)]
     n, lo, hi = (8, 512, 2048) if quick else (64, 2048, 8192)
     return [
@@ -111,109 +108,144 @@ def workload(name: str, quick: bool) -> list[Conversation]:
     ]
 
 
-def chunks(conv: Conversation, *, writable: bool) -> list[np.ndarray]:
-    """Each turn's new rows as its own buffer (read-only: what decoding a bytes payload returns)."""
+def deliveries(conv: Conversation) -> list[np.ndarray]:
+    """Each turn's new rows as its own writable buffer (what a decoder hands over)."""
     out, start = [], 0
     for _, _, rows, _ in conv.turns:
-        part = conv.routes[start : start + rows]
+        out.append(conv.routes[start : start + rows].copy())
         start += rows
-        out.append(
-            part.copy() if writable else np.frombuffer(part.tobytes(), np.uint8).reshape(part.shape)
-        )
     return out
 
 
-# -------------------------------------------------------------------- cases
+# ------------------------------------------------------------------ baseline
+class ConcatTrace:
+    """SkyRL's approach, implemented independently: keep each turn's array, join at the end.
+
+    Per turn the delivered array is kept as is (no copy, no check); `finalize` concatenates
+    the turns once. What SkyRL's trainer would then hold is this one array.
+    """
+
+    def __init__(self) -> None:
+        self._turns: list[np.ndarray] = []
+
+    def record(self, rows: np.ndarray) -> None:
+        self._turns.append(np.asarray(rows))
+
+    def finalize(self) -> np.ndarray:
+        out = np.concatenate(self._turns, axis=0)
+        self._turns = []
+        return out
+
+
+# --------------------------------------------------------------------- cases
+def _capture(
+    convs: list[Conversation], parts: list[list[np.ndarray]], *, copy: bool
+) -> list[pa.Array[Any]]:
+    out = []
+    for conv, cs in zip(convs, parts, strict=True):
+        trace = RouteTrace(SPEC)
+        for (p, g, _, _), chunk in zip(conv.turns, cs, strict=True):
+            trace.record(chunk, prompt_tokens=p, generated_tokens=g, copy=copy)
+        mask = np.zeros(conv.num_tokens, dtype=np.uint8)
+        out.append(trace.finalize(num_tokens=conv.num_tokens, loss_mask=mask))
+    return out
+
+
+def _store_capture(convs: list[Conversation], parts: list[list[np.ndarray]]) -> TurnStore:
+    store = TurnStore(SPEC)
+    traces = [store.trace(c.tid) for c in convs]
+    order = [  # turn-major: the agent loops interleave their appends
+        (i, t)
+        for t in range(max(len(c.turns) for c in convs))
+        for i, c in enumerate(convs)
+        if t < len(c.turns)
+    ]
+    for i, t in order:
+        p, g, _, _ = convs[i].turns[t]
+        traces[i].record(parts[i][t], prompt_tokens=p, generated_tokens=g, copy=False)
+    for trace, conv in zip(traces, convs, strict=True):
+        mask = np.zeros(conv.num_tokens, dtype=np.uint8)
+        trace.finalize(num_tokens=conv.num_tokens, loss_mask=mask)
+    return store
+
+
+def _columns(convs: list[Conversation]) -> dict[str, Any]:
+    """The non-route columns over ``convs`` (prompt = first turn's prompt, the rest response),
+    made before timing: the table cases time the table build, not making token lists."""
+    prompts = [np.zeros(c.turns[0][0], dtype=np.int32) for c in convs]
+    responses = [np.zeros(c.num_tokens - c.turns[0][0], dtype=np.int32) for c in convs]
+    return {
+        "trajectory_id": [c.tid for c in convs],
+        "group_id": ["g"] * len(convs),
+        "prompt_ids": prompts,
+        "response_ids": responses,
+        "loss_mask": [np.zeros(r.size, dtype=np.uint8) for r in responses],
+        "reward": np.zeros(len(convs)),
+    }
+
+
+def _table(columns: dict[str, Any], routes: Any) -> pa.Table:
+    return rollout_table(**columns, routes=routes, spec=SPEC)
+
+
 def make_case(
     name: str, convs: list[Conversation]
-) -> tuple[Callable[[], Any], Callable[[Any], None]]:
-    """(fn to time, check of its result against the final routes)."""
+) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
+    """(fn to time, check of its result against the final routes, reset between runs)."""
     finals = [c.routes for c in convs]
-    masks = [np.zeros(c.num_tokens, dtype=np.uint8) for c in convs]
+    columns = _columns(convs)
 
-    def check_list(out: list[np.ndarray]) -> None:
+    def check_arrays(out: list[Any]) -> None:
         assert len(out) == len(finals)
         for got, want in zip(out, finals, strict=True):
+            got = got if isinstance(got, np.ndarray) else routes_to_numpy(got, SPEC)
             assert np.array_equal(got, want)
+
+    def check_table(table: pa.Table) -> None:
+        col: Any = table.column("routes")
+        check_arrays([routes_to_numpy(col.slice(i, 1).chunk(0).flatten()) for i in range(len(col))])
+
+    def nothing() -> None:
+        return None
 
     if name == "copy_warm":
         src = np.concatenate([f.reshape(-1) for f in finals])
         dst = np.empty_like(src)
         dst[:] = 0
-        return (lambda: np.copyto(dst, src)), (lambda _: None)
+        return (lambda: np.copyto(dst, src)), (lambda _: None), nothing
     if name == "copy_fresh":
-        return (lambda: [np.array(f) for f in finals]), check_list
-    if name in ("trace_ro", "trace_rw"):
-        parts = [chunks(c, writable=name == "trace_rw") for c in convs]
+        return (lambda: [np.array(f) for f in finals]), check_arrays, nothing
+    parts = [deliveries(c) for c in convs]
+    if name == "baseline":
 
-        def run_trace() -> list[pa.Array[Any]]:
+        def run_baseline() -> list[np.ndarray]:
             out = []
-            for conv, cs, mask in zip(convs, parts, masks, strict=True):
-                trace = RouteTrace(SPEC)
-                for (p, g, _, _), chunk in zip(conv.turns, cs, strict=True):
-                    trace.record(chunk, prompt_tokens=p, generated_tokens=g)
-                out.append(trace.finalize(num_tokens=conv.num_tokens, loss_mask=mask))
+            for cs in parts:
+                trace = ConcatTrace()
+                for chunk in cs:
+                    trace.record(chunk)
+                out.append(trace.finalize())
             return out
 
-        return run_trace, lambda out: check_list([routes_to_numpy(a, SPEC) for a in out])
-    if name in ("store", "store_append"):
-        parts = [chunks(c, writable=False) for c in convs]
+        return run_baseline, check_arrays, nothing
+    if name in ("trace_handover", "trace_copy"):
+        copy = name == "trace_copy"
+        return (lambda: _capture(convs, parts, copy=copy)), check_arrays, nothing
+    if name == "store":
+
+        def check_store(store: TurnStore) -> None:
+            check_table(_table(columns, store.routes_chunked([c.tid for c in convs])))
+
+        return (lambda: _store_capture(convs, parts)), check_store, nothing
+    if name == "table_traces":
+        traces = _capture(convs, parts, copy=False)
+        return (lambda: _table(columns, traces)), check_table, nothing
+    if name in ("table_store", "table_copy"):
+        store = _store_capture(convs, parts)
         ids = [c.tid for c in convs]
-        # Turn-major order: the agent loops interleave their appends.
-        order = [
-            (i, t)
-            for t in range(max(len(c.turns) for c in convs))
-            for i, c in enumerate(convs)
-            if t < len(c.turns)
-        ]
-        starts = [
-            np.concatenate([[0], np.cumsum([r for _, _, r, _ in c.turns])[:-1]]).tolist()
-            for c in convs
-        ]
-
-        def append_all() -> TurnStore:
-            # The one capture path: each trajectory's trace validates a turn once and hands it
-            # to the store (rollout.py does the same through the client).
-            store = TurnStore(SPEC)
-            traces = [store.trace(tid) for tid in ids]
-            for i, t in order:
-                p, g, _, _ = convs[i].turns[t]
-                start = traces[i].record(parts[i][t], prompt_tokens=p, generated_tokens=g)
-                assert start == starts[i][t]
-            return store
-
-        if name == "store_append":
-            return (
-                append_all,
-                lambda store: None if store.num_turns == len(order) else sys.exit("lost turns"),
-            )
-
-        def run_store() -> pa.Array[Any]:
-            return append_all().routes(ids)
-
-        def check_store(col: Any) -> None:
-            offsets = np.asarray(col.offsets)
-            flat = routes_to_numpy(col.values, SPEC)
-            check_list([flat[a:b] for a, b in itertools.pairwise(offsets)])
-
-        return run_store, check_store
-    if name == "recv_incr":
-
-        def run_recv_incr() -> list[pa.Array[Any]]:
-            out = []
-            for conv, mask in zip(convs, masks, strict=True):
-                trace = RouteTrace(SPEC)
-                for p, g, rows, _ in conv.turns:
-                    start = trace.captured
-                    chunk = np.array(
-                        conv.routes[start : start + rows]
-                    )  # decode of this turn's payload
-                    chunk.flags.writeable = False
-                    trace.record(chunk, prompt_tokens=p, generated_tokens=g)
-                out.append(trace.finalize(num_tokens=conv.num_tokens, loss_mask=mask))
-            return out
-
-        return run_recv_incr, lambda out: check_list([routes_to_numpy(a, SPEC) for a in out])
+        if name == "table_store":
+            return (lambda: _table(columns, store.routes_chunked(ids))), check_table, nothing
+        return (lambda: _table(columns, store.routes(ids))), check_table, nothing
     if name == "recv_full":
 
         def run_recv_full() -> list[np.ndarray]:
@@ -225,23 +257,24 @@ def make_case(
                 out.append(latest)
             return out
 
-        return run_recv_full, check_list
+        return run_recv_full, check_arrays, nothing
     raise ValueError(f"unknown case {name!r}")
 
 
 def run_case(name: str, wl: str, quick: bool) -> dict[str, Any]:
-    """Run one case in this process: memory of the first call, then best-of timing."""
+    """Run one case in this process: allocation peak of the first call, then best-of timing."""
     convs = workload(wl, quick)
-    fn, check = make_case(name, convs)
+    fn, check, _ = make_case(name, convs)
+    fn()  # warm: compiled kernels, first-call caches (not what capture allocates per trajectory)
     gc.collect()
-    rss_before = proc_status_mb("VmRSS")
-    arrow_before = pa.default_memory_pool().max_memory()
+    pool = pa.default_memory_pool()
+    arrow_before = pool.bytes_allocated()
     tracemalloc.start()
+    tracemalloc.reset_peak()
     out = fn()
     _, np_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    arrow_peak = max(0, (pa.default_memory_pool().max_memory() or 0) - (arrow_before or 0))
-    rss_delta = proc_status_mb("VmHWM") - rss_before  # NaN without /proc
+    arrow_peak = max(0, (pool.max_memory() or 0) - arrow_before)
     check(out)
     del out
     gc.collect()
@@ -250,11 +283,7 @@ def run_case(name: str, wl: str, quick: bool) -> dict[str, Any]:
     fn()
     once = time.perf_counter() - t0
     seconds = best_of(fn, int(min(50, max(5, (0.2 if quick else 1.0) / max(once, 1e-6)))), warmup=0)
-    return {
-        "seconds": seconds,
-        "alloc_peak_mb": (np_peak + arrow_peak) / 2**20,
-        "rss_peak_delta_mb": max(0.0, rss_delta) if rss_delta == rss_delta else rss_delta,
-    }
+    return {"seconds": seconds, "alloc_peak_bytes": np_peak + arrow_peak}
 
 
 # --------------------------------------------------------------------- main
@@ -268,52 +297,44 @@ def main() -> None:
         return
 
     print(f"# bench_capture {'(quick)' if args.quick else ''}\n\n{machine_line()}")
-    gbps = memcpy_gbps(64 << 20)
-    print(f"memcpy (warm, 64 MiB): {gbps:.1f} GB/s\n")
+    print(f"memcpy (warm, 64 MiB): {memcpy_gbps(64 << 20):.1f} GB/s\n")
     flags = ["--quick"] if args.quick else []
-    summary = []
+    targets = []
     for wl in ("conv", "batch"):
         convs = workload(wl, args.quick)
-        row_bytes = SPEC.row_nbytes
         final = sum(c.routes.nbytes for c in convs)
-        incr = sum(r for c in convs for _, _, r, _ in c.turns) * row_bytes
-        full = sum(f for c in convs for _, _, _, f in c.turns) * row_bytes
+        full = sum(f for c in convs for _, _, _, f in c.turns) * SPEC.row_nbytes
         tokens = sum(c.num_tokens for c in convs)
         turns = sorted({len(c.turns) for c in convs})
         ntraj = len(convs)
         del convs
-        if args.quick:  # in-process: seconds, not one interpreter start per case; no per-case RSS
-            res = {c: dict(run_case(c, wl, True), rss_peak_delta_mb="-") for c in CASES}
+        if args.quick:  # in-process: seconds, not one interpreter start per case
+            res = {c: run_case(c, wl, True) for c in CASES}
         else:
             res = {
                 c: run_isolated(__file__, ["--case", c, "--workload", wl, *flags]) for c in CASES
             }
-        one_copy = res["copy_fresh"]["seconds"]
         warm = res["copy_warm"]["seconds"]
-        moved = {"recv_full": full}
+        base = res["baseline"]["seconds"]
         rows = []
         for c in CASES:
             r = res[c]
             rows.append(
                 [
                     c,
-                    moved.get(c, final) / 2**20,
+                    (full if c == "recv_full" else final) / 2**20,
                     r["seconds"] * 1e3,
                     final / r["seconds"] / GB,
-                    r["seconds"] / one_copy,
+                    r["seconds"] / base,
                     r["seconds"] / warm,
-                    r["alloc_peak_mb"],
-                    r["rss_peak_delta_mb"],
+                    r["alloc_peak_bytes"] / 2**20,
+                    r["alloc_peak_bytes"] / final,
                 ]
             )
         desc = f"{turns[0]} turns" if len(turns) == 1 else f"{turns[0]}-{turns[-1]} turns each"
         print(
             f"## {wl}: {ntraj} trajectories, {tokens:,} tokens, {desc}; "
             f"final routes {final / 2**20:.1f} MiB\n"
-        )
-        print(
-            f"route bytes: incremental {incr / 2**20:.1f} MiB, full prefix {full / 2**20:.1f} MiB, "
-            f"ratio {full / incr:.1f}x\n"
         )
         print(
             markdown_table(
@@ -323,48 +344,41 @@ def main() -> None:
                     "route MiB in",
                     "time ms",
                     "GB/s of final",
-                    "x one copy",
-                    "x warm memcpy",
+                    "x baseline",
+                    "x memcpy",
                     "alloc peak MiB",
-                    "RSS peak Δ MiB",
+                    "x trace bytes",
                 ],
             )
         )
         print()
-        summary.append(
-            (
-                wl,
-                full / incr,
-                res["trace_ro"]["seconds"] / one_copy,
-                res["store"]["seconds"] / one_copy,
-                res["recv_full"]["seconds"] / res["recv_incr"]["seconds"],
-            )
-        )
-    print("## targets\n")
-    srows = []
-    for wl, ratio, tr, st, speed in summary:
-        verdict = "" if wl != "conv" or args.quick else " PASS" if ratio >= 20 else " FAIL"
-        srows.append(
+        cap = res["trace_handover"]
+        targets.append(
             [
                 wl,
-                f"{ratio:.1f}x{verdict}",
-                f"{tr:.2f}" + (" PASS" if tr <= 2 else " FAIL"),
-                f"{st:.2f}" + (" PASS" if st <= 2 else " FAIL"),
-                f"{speed:.1f}x",
+                _verdict(cap["seconds"] / base, 1.0),
+                _verdict(cap["alloc_peak_bytes"] / final, 1.1),
+                _verdict(res["table_traces"]["seconds"] / warm, 0.2),
+                _verdict(res["table_store"]["seconds"] / warm, 0.2),
             ]
         )
+    print("## targets\n")
     print(
         markdown_table(
-            srows,
+            targets,
             [
                 "workload",
-                "route bytes full/incremental (>=20x at 64 turns)",
-                "trace_ro / one copy (<=2)",
-                "store / one copy (<=2)",
-                "recv_full / recv_incr time",
+                "capture / baseline time (<=1.0)",
+                "capture peak / trace bytes (<=1.1)",
+                "table_traces / memcpy (<=0.2)",
+                "table_store / memcpy (<=0.2)",
             ],
         )
     )
+
+
+def _verdict(ratio: float, limit: float) -> str:
+    return f"{ratio:.2f} " + ("PASS" if ratio <= limit else "FAIL")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,14 @@ PP=4 stage 1 (router layers 12..23), packed. Reports, measured in this run:
 * R3 off (``MegatronCollator(spec=None)``, packed, the same table without routes): the model
   inputs only, its output being the token tensors (no target; shows what routes add).
 
+First, issue 13's chain, side by side (``benchmarks/_chain.py``; ``--chain-only`` for just
+this): 32 trajectories of 4K tokens (131K), PP=4 stage 1, packed, align 8; r3arrow's
+``rollout_table`` from finalized traces -> collate -> validated ``install_replay`` into real
+megatron-core ``RouterReplay`` instances vs an independent SkyRL-#1912-style baseline (dense
+left-padded ``[B, S_max, L, K]``, ``index_select``, aligned packing, per-layer int32 split,
+``set_replay_data``); ratios to the baseline and to a memcpy of the output, peak memory
+(targets: >= 10x faster than the baseline, <= 3x memcpy; ``docs/collation.md``).
+
 Run: ``.venv/bin/python benchmarks/bench_collate.py`` (``--quick`` for a small size).
 """
 
@@ -202,11 +210,30 @@ def main() -> None:
         "--no-validate", action="store_true", help="skip the rollout-table terminal-gap check"
     )
     p.add_argument(
-        "--case", choices=["packed", "unpacked", "dense", "r3off"], help=argparse_hidden()
+        "--chain-trajectories", type=int, default=32, help="chain: trajectories (issue 13)"
+    )
+    p.add_argument("--chain-tokens", type=int, default=4096, help="chain: tokens per trajectory")
+    p.add_argument("--chain-align", type=int, default=8, help="chain: packed alignment")
+    p.add_argument("--chain-only", action="store_true", help="only the chain table")
+    p.add_argument(
+        "--case",
+        choices=["packed", "unpacked", "dense", "r3off", "chain-r3arrow", "chain-baseline"],
+        help=argparse_hidden(),
     )
     args = p.parse_args()
     if args.quick:
         args.trajectories, args.min_tokens, args.max_tokens, args.repeat = 8, 256, 1024, 3
+        args.chain_trajectories, args.chain_tokens = 8, 512
+    if args.case and args.case.startswith("chain-"):
+        from _chain import run_chain
+
+        args.trajectories, args.tokens, args.align = (
+            args.chain_trajectories,
+            args.chain_tokens,
+            args.chain_align,
+        )
+        print(json.dumps(run_chain(args, args.case.removeprefix("chain-"))))
+        return
     if args.case:
         print(json.dumps(run_case(args)))
         return
@@ -214,6 +241,9 @@ def main() -> None:
     import subprocess
 
     forward = [a for a in sys.argv[1:]]
+    print_chain(args, forward)
+    if args.chain_only:
+        return
     results: dict[str, dict[str, Any]] = {}
     for case in ("packed", "unpacked", "dense", "r3off"):
         proc = subprocess.run(
@@ -283,6 +313,73 @@ def main() -> None:
         "command: .venv/bin/python benchmarks/bench_collate.py"
         + (" " + " ".join(forward) if forward else "")
     )
+
+
+def _case(forward: list[str], case: str) -> dict[str, Any]:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, __file__, *forward, "--case", case],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=dict(os.environ),
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"case {case} failed:\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def print_chain(args: Any, forward: list[str]) -> None:
+    """Issue 13's chain (table -> collate -> validated install) vs the SkyRL-style baseline."""
+    r3 = _case(forward, "chain-r3arrow")
+    base = _case(forward, "chain-baseline")
+    copy_s = min(r3["copy_s"], base["copy_s"])
+    rows = []
+    for name, r in (("r3arrow chain", r3), ("SkyRL-style baseline", base)):
+        rows.append(
+            [
+                name,
+                r["warm_s"] * 1e3,
+                r["cold_s"] * 1e3,
+                r["warm_s"] / copy_s,
+                base["warm_s"] / r["warm_s"],
+                r["out_bytes"] / 2**20,
+                r["peak_extra_mb"],
+            ]
+        )
+    print(
+        f"Chain (issue 13): {args.chain_trajectories} trajectories, {r3['tokens']:,} tokens, "
+        f"{args.layers} layers x top-{args.topk} of {args.experts} (uint8), PP={args.pp} stage "
+        f"{args.stage}, packed, align {args.chain_align}; threads={args.threads}; memcpy of "
+        f"the int32 targets {copy_s * 1e3:.2f} ms ({r3['out_bytes'] / copy_s / 1e9:.1f} GB/s)"
+    )
+    print(machine_line())
+    print()
+    print(
+        markdown_table(
+            rows,
+            [
+                "path",
+                "warm ms",
+                "cold ms",
+                "x memcpy of output",
+                "baseline / this (time)",
+                "output MiB",
+                "peak above input MiB",
+            ],
+        )
+    )
+    parts = (("rollout_table", "table_s"), ("collate", "collate_s"), ("install", "install_s"))
+    print()
+    print(
+        "r3arrow parts (warm): "
+        + ", ".join(f"{n} {r3[k] * 1e3:.2f} ms ({r3[k] / copy_s:.2f}x memcpy)" for n, k in parts)
+        + f"; collate + validated install {(r3['collate_s'] + r3['install_s']) / copy_s:.2f}x "
+        f"memcpy; r3arrow / baseline {r3['warm_s'] / base['warm_s']:.3f}"
+    )
+    print()
 
 
 def argparse_hidden() -> str:

@@ -1,4 +1,6 @@
-"""Numba kernels behind `r3arrow.ids`: the first token whose top-k row repeats an id.
+"""Numba kernels behind `r3arrow.ids`: the first token whose top-k row repeats an id, and
+the fused collation pass (`gather_widen`: gather, check while compact, widen to int32;
+``docs/collation.md``).
 
 Private; `r3arrow.ids` imports this module lazily, on the first CPU check, and only when numba
 imports and ``R3ARROW_NO_NUMBA`` is not set (docs/design.md, "Expert ids"). The kernels only
@@ -306,9 +308,266 @@ def first_duplicate_token(x: np.ndarray, layers_first: bool) -> int:
     return int(_first_token_words(words, rows, n_a, n_b, layers_first, k, 8 * x.dtype.itemsize))
 
 
+_GATHER_BLOCK = 256  # positions per block of the fused gather: the block's words stay in L1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _range_bits(w: Any, mode: int, c: Any, highs: Any) -> Any:
+    """Top bits of the lanes of ``w`` out of range (``mode`` 0: no bound; 1: lane ``>= b`` for
+    a bound ``b <= 2**(bits-1)``, negative signed lanes included; 2: lane ``>= b`` for a bound
+    above that), ``c`` the bound's lane constant (`range_constant`)."""
+    if mode == 0:
+        return np.uint64(0)
+    low = (w & ~highs) + c  # lanes of at most bits-1 bits plus c: no carry between lanes
+    if mode == 1:
+        return (w | low) & highs
+    return w & low & highs
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_words_fail(
+    words: Any,
+    n_layers: int,
+    layer_index: Any,
+    pos_row: Any,
+    out: Any,
+    span: Any,
+    dummy: Any,
+    mode: int,
+    c: Any,
+    check: bool,
+    k: int,
+    bits: int,
+) -> int:
+    """`gather_widen` for rows of one uint64 word (``k * bits == 64``), literal ``k``/``bits``.
+
+    Per block of positions: gather each position's local-layer words into ``buf`` (layer
+    major), test the whole block (range and duplicates, branch-free, SWAR as in
+    `_first_row_fail`), and only then widen it, layer by layer, into ``out``
+    ``[n_local, P * C * K]``
+    (contiguous runs: one per block when the span covers every column, else one per
+    position), a zero-extending loop LLVM vectorises.
+    """
+    n_c = pos_row.shape[1]
+    p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
+    width = c_hi - c_lo
+    n_local = layer_index.shape[0]
+    ones, highs, field = _lane_masks(k, bits, 1)
+    # Block words layer-major: buf[li * cap + j] for position j of the block.
+    cap = _GATHER_BLOCK * width
+    buf = np.empty(n_local * cap, dtype=np.uint64)
+    for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
+        p1 = min(p_hi, p0 + _GATHER_BLOCK)
+        m = (p1 - p0) * width
+        j = 0
+        for p in range(p0, p1):  # per position: its row's local layers, nearby in memory
+            for col in range(c_lo, c_hi):
+                r = pos_row[p, col]
+                if r < 0:
+                    for li in range(n_local):
+                        buf[li * cap + j] = dummy
+                else:
+                    base = r * n_layers
+                    for li in range(n_local):
+                        buf[li * cap + j] = words[base + layer_index[li]]
+                j += 1
+        if check:
+            acc = np.uint64(0)
+            for li in range(n_local):
+                row = li * cap
+                for j in range(row, row + m):  # branch-free: vectorised
+                    w = buf[j]
+                    bad = _range_bits(w, mode, c, highs)
+                    for rr in range(1, k // 2 + 1):
+                        s = rr * bits
+                        x = w ^ (((w >> np.uint64(s)) | (w << np.uint64(64 - s))) & field)
+                        bad |= (x - ones) & ~x & highs
+                    acc |= bad
+            if acc != 0:
+                first = m
+                for li in range(n_local):
+                    q = _first_bad_word(buf[li * cap : li * cap + m], m, mode, c, k, bits)
+                    first = min(first, q)
+                return int((p0 + first // width) * n_c + c_lo + first % width)
+        for li in range(n_local):
+            dst = out[li]
+            blk = buf[li * cap : li * cap + m]
+            if bits == 8:
+                _widen_runs(blk.view(np.uint8), dst, p0, p1, n_c, c_lo, width, k)
+            elif bits == 16:
+                _widen_runs(blk.view(np.uint16), dst, p0, p1, n_c, c_lo, width, k)
+            else:
+                _widen_runs(blk.view(np.uint32), dst, p0, p1, n_c, c_lo, width, k)
+    return -1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _widen_runs(
+    lanes: Any, dst: Any, p0: int, p1: int, n_c: int, c_lo: int, width: int, k: int
+) -> None:
+    """``dst`` (one layer's flat int32 output) at positions ``[p0, p1)`` x columns
+    ``[c_lo, c_lo + width)`` from the block's compact ``lanes`` (same order)."""
+    if width == n_c:
+        base = p0 * n_c * k
+        for j in range((p1 - p0) * width * k):  # one contiguous run: vectorised
+            dst[base + j] = lanes[j]
+        return
+    run = width * k
+    for p in range(p0, p1):
+        base = (p * n_c + c_lo) * k
+        src = (p - p0) * run
+        for j in range(run):
+            dst[base + j] = lanes[src + j]
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_bad_word(buf: Any, m: int, mode: int, c: Any, k: int, bits: int) -> int:
+    """First of ``buf[:m]`` failing the range or duplicate test (the block is known to fail)."""
+    _, highs, _ = _lane_masks(k, bits, 1)
+    for j in range(m):
+        w = buf[j]
+        if _range_bits(w, mode, c, highs) != 0 or _row_fails(w, k, bits):
+            return j
+    return m  # pragma: no cover - the block failed
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_elems(
+    src: Any,
+    layer_index: Any,
+    pos_row: Any,
+    out: Any,
+    span: Any,
+    bound: Any,
+    bounded: bool,
+    check: bool,
+) -> int:
+    """`gather_widen` for any row size: ``src`` ``[T, L, K]`` unsigned (bit patterns)."""
+    n_c = pos_row.shape[1]
+    p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
+    width = c_hi - c_lo
+    n_local = layer_index.shape[0]
+    k = src.shape[2]
+    buf = np.empty(_GATHER_BLOCK * width * k, dtype=src.dtype)
+    for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
+        p1 = min(p_hi, p0 + _GATHER_BLOCK)
+        m = (p1 - p0) * width
+        for li in range(n_local):
+            layer = layer_index[li]
+            j = 0
+            for p in range(p0, p1):
+                for col in range(c_lo, c_hi):
+                    r = pos_row[p, col]
+                    for q in range(k):
+                        buf[j * k + q] = q if r < 0 else src[r, layer, q]
+                    j += 1
+            if check:
+                for j in range(m):
+                    for q in range(k):
+                        v = buf[j * k + q]
+                        bad = bounded and np.uint64(v) >= bound
+                        for q2 in range(q + 1, k):
+                            bad = bad or v == buf[j * k + q2]
+                        if bad:
+                            return int((p0 + j // width) * n_c + c_lo + j % width)
+            _widen_runs(buf, out[li], p0, p1, n_c, c_lo, width, k)
+    return -1
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_words(
+    words: Any,
+    n_layers: int,
+    layer_index: Any,
+    pos_row: Any,
+    out: Any,
+    span: Any,
+    dummy: Any,
+    mode: int,
+    c: Any,
+    check: bool,
+    k: int,
+) -> int:
+    """`_gather_words_fail` with literal ``k`` and ``bits`` (one word per row)."""
+    args = (words, n_layers, layer_index, pos_row, out, span, dummy, mode, c, check)
+    if k == 8:
+        return int(_gather_words_fail(*args, 8, 8))
+    if k == 4:
+        return int(_gather_words_fail(*args, 4, 16))
+    return int(_gather_words_fail(*args, 2, 32))
+
+
+def range_constant(bits: int, bound: int | None, signed: bool) -> tuple[int, int]:
+    """``(mode, lane constant)`` of `_range_bits` for ids of ``bits`` bits and an exclusive
+    ``bound`` (None: only signed ids need a test, ``>= 0``)."""
+    half = 1 << (bits - 1)
+    if signed:  # negative ids have the top bit set: a bound of at most half catches them
+        bound = half if bound is None else min(bound, half)
+    if bound is None or (not signed and bound >= 1 << bits):
+        return 0, 0
+    per = half - bound if bound <= half else (1 << bits) - bound
+    lanes = 64 // bits
+    return (1 if bound <= half else 2), sum(per << (q * bits) for q in range(lanes))
+
+
+def gather_widen(
+    src: np.ndarray,
+    layer_index: np.ndarray,
+    pos_row: np.ndarray,
+    out: np.ndarray,
+    span: tuple[int, int, int, int],
+    bound: int | None,
+    check: bool,
+) -> int:
+    """Fused gather + id check + int32 widening; the first failing position, or -1.
+
+    ``src`` ``[T, L, K]`` integer ids (C-contiguous); ``layer_index`` int64 ``[n_local]``;
+    ``pos_row`` int64 ``[P, C]`` (C-contiguous): the source row of each output position, -1
+    for the dummy row ``[0 .. K-1]``; ``out`` int32 (or ``src``'s dtype) ``[n_local, P, C,
+    K]``, C-contiguous; only positions ``[p_lo, p_hi)`` x columns ``[c_lo, c_hi)`` of ``span``
+    are read and written. With ``check``, every block is tested (ids below ``bound``,
+    ``>= 0`` when signed, no id twice in a row) before it is widened; the return value is the
+    flat index ``p * C + c`` of the first failing position of the first failing block
+    (``out`` then partly written), -1 if none.
+    """
+    signed = src.dtype.kind == "i"
+    bits = 8 * src.dtype.itemsize
+    u = src.view(np.dtype(f"u{src.dtype.itemsize}"))
+    k = int(src.shape[2])
+    flat = out.reshape(out.shape[0], -1)
+    where = np.asarray(span, dtype=np.int64)
+    if k * src.dtype.itemsize == 8 and sys.byteorder == "little":
+        mode, c = range_constant(bits, bound, signed)
+        dummy = sum(q << (q * bits) for q in range(k))
+        words = u.reshape(-1).view(np.uint64)
+        return int(
+            _gather_words(
+                words,
+                int(src.shape[1]),
+                layer_index,
+                pos_row,
+                flat,
+                where,
+                np.uint64(dummy),
+                mode,
+                np.uint64(c),
+                check,
+                k,
+            )
+        )
+    half = 1 << (bits - 1)
+    lim = (half if bound is None else min(bound, half)) if signed else bound
+    return int(
+        _gather_elems(
+            u, layer_index, pos_row, flat, where, np.uint64(lim or 0), lim is not None, check
+        )
+    )
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) the kernels for the common route dtypes and layouts:
-    writable and read-only (Arrow buffers), C-contiguous and strided, both layouts."""
+    writable and read-only (Arrow buffers), C-contiguous and strided, both layouts. The fused
+    gather (`gather_widen`) compiles on its first call (a collator's warm-up call)."""
     for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
         for k in (2, 8):
             x = np.zeros((2, 3, k), dtype=dtype)
@@ -320,4 +579,4 @@ def warm_up() -> None:
                     first_duplicate_token(v, layers_first)
 
 
-__all__ = ["first_duplicate_token", "warm_up"]
+__all__ = ["first_duplicate_token", "gather_widen", "range_constant", "warm_up"]

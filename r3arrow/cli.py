@@ -1,4 +1,4 @@
-"""The ``r3arrow`` command line: demo, inspect, stats, convert, export, gc, bench.
+"""The ``r3arrow`` command line: demo, inspect, stats, diagnose, convert, export, gc, bench.
 
 Exit codes a script can rely on: 0 success, 1 data or runtime error (one line on
 stderr, starting with ``r3arrow: error:``), 2 usage error (argparse's message,
@@ -21,39 +21,24 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import orjson
 import pyarrow as pa
 
 from r3arrow._cli_convert import convert_jsonl
+from r3arrow._cli_inspect import check_input, human_bytes, inspect_summary, is_ipc
 from r3arrow.errors import R3ArrowError, SchemaError
 from r3arrow.spec import RouteSpec
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
-_IPC_MAGIC = b"ARROW1"
-
-
 def _check_input(path: Path) -> None:
-    """``path`` exists and is a directory or a regular file (`SchemaError` for a FIFO etc.)."""
-    from r3arrow.io._layout import check_regular
-
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such rollout file or directory")
-    if not path.is_dir():
-        check_regular(path)
+    check_input(path)
 
 
 def _is_ipc(path: Path) -> bool:
-    """An Arrow IPC (Feather v2) file, by its magic bytes (any suffix)."""
-    _check_input(path)
-    if path.is_dir():
-        return False
-    with open(path, "rb") as fh:
-        return fh.read(len(_IPC_MAGIC)) == _IPC_MAGIC
+    return is_ipc(path)
 
 
 def _read_any(path: Path, *, require_routes: bool = True) -> pa.Table:
@@ -75,62 +60,7 @@ def _read_any(path: Path, *, require_routes: bool = True) -> pa.Table:
     return table
 
 
-def _size_on_disk(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(
-        p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-    )
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
 # --------------------------------------------------------------------- inspect
-def _temp_summary(path: Path) -> dict[str, int]:
-    """Leftover writers' temp files beside or under ``path``: count and bytes (all, dead)."""
-    from r3arrow.io._layout import find_temps
-
-    temps = find_temps(path)
-    return {
-        "temp_files": len(temps),
-        "temp_bytes": sum(t.size for t in temps),
-        "stale_temp_bytes": sum(t.size for t in temps if t.stale),
-    }
-
-
-def inspect_summary(path: Path) -> dict[str, Any]:
-    """Schema, spec, rows, tokens, captured fraction and size on disk of a rollout file or dir."""
-    from r3arrow.table import captured_lengths, has_routes, route_spec, sequence_lengths
-
-    table = _read_any(path, require_routes=False)
-    r3 = has_routes(table)
-    spec = route_spec(table) if r3 else None
-    tokens = sequence_lengths(table)
-    captured = captured_lengths(table) if r3 else np.zeros(table.num_rows, np.int64)
-    total_tokens = int(tokens.sum())
-    info: dict[str, Any] = {
-        "path": str(path),
-        "rows": table.num_rows,
-        "columns": {f.name: str(f.type) for f in table.schema},
-        "spec": orjson.loads(spec.to_json()) if spec is not None else None,
-        "tokens": total_tokens,
-        "captured_rows": int(captured.sum()),
-        "captured_fraction": float(captured.sum() / total_tokens) if total_tokens else 0.0,
-        "route_bytes": int(captured.sum()) * spec.row_nbytes if spec is not None else 0,
-        "size_on_disk": _size_on_disk(path),
-        **_temp_summary(path),
-    }
-    if "step" in table.schema.names:
-        info["steps"] = [int(s) for s in np.unique(table.column("step").to_numpy())]
-    return info
-
-
 def _cmd_inspect(args: argparse.Namespace) -> int:
     info = inspect_summary(Path(args.path))
     if args.json:
@@ -150,13 +80,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             f"{spec['num_experts']} experts, ids {spec['dtype']}, router layers "
             f"{spec['moe_layers'] if spec['moe_layers'] is not None else 'all'}"
         )
-    print(f"  route bytes:         {_human_bytes(info['route_bytes'])}")
-    print(f"  size on disk:        {_human_bytes(info['size_on_disk'])}")
+    print(f"  route bytes:         {human_bytes(info['route_bytes'])}")
+    print(f"  size on disk:        {human_bytes(info['size_on_disk'])}")
     if info["temp_files"]:
         print(
             f"  leftover temps:      {info['temp_files']} files, "
-            f"{_human_bytes(info['temp_bytes'])} "
-            f"({_human_bytes(info['stale_temp_bytes'])} of dead writers: r3arrow gc)"
+            f"{human_bytes(info['temp_bytes'])} "
+            f"({human_bytes(info['stale_temp_bytes'])} of dead writers: r3arrow gc)"
         )
     if "steps" in info:
         print(f"  steps:               {info['steps']}")
@@ -189,6 +119,25 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         print(summary)
     if args.plot:
         print(f"heatmap written to {args.plot}")
+    return EXIT_OK
+
+
+# -------------------------------------------------------------------- diagnose
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from r3arrow import _cli_diagnose as diag
+
+    path = Path(args.path)
+    _check_input(path)
+    source, per_step = diag.load_agreements(path, args.source)
+    info = diag.report(source, per_step)
+    png = diag.plot(path, per_step, args.png) if args.png else None
+    if args.json:
+        out = {**info, "png": str(png) if png is not None else None}
+        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return EXIT_OK
+    diag.print_report(path, info)
+    if png is not None:
+        print(f"plot written to {png}")
     return EXIT_OK
 
 
@@ -262,14 +211,14 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     removed = remove_stale_temps(path, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for p, size in removed:
-        print(f"{verb} {p} ({_human_bytes(size)})")
+        print(f"{verb} {p} ({human_bytes(size)})")
     kept = [t for t in find_temps(path) if not t.stale]
     total = sum(size for _, size in removed)
-    print(f"{verb} {len(removed)} temp files of dead writers, {_human_bytes(total)} ({total} B)")
+    print(f"{verb} {len(removed)} temp files of dead writers, {human_bytes(total)} ({total} B)")
     if kept:
         print(
             f"kept {len(kept)} temp files of live, unknown or other-host writers "
-            f"({_human_bytes(sum(t.size for t in kept))})"
+            f"({human_bytes(sum(t.size for t in kept))})"
         )
     return EXIT_OK
 
@@ -394,6 +343,7 @@ examples:
   r3arrow demo --out ./demo
   r3arrow inspect rollouts/ --json
   r3arrow stats rollouts/step=3/part-0.parquet --tokens loss --plot load.png
+  r3arrow diagnose rollouts/ --png disagreement.png
   r3arrow convert dump.jsonl --out r.parquet --num-layers 48 --topk 8 --num-experts 128
   r3arrow export r.parquet r-portable.parquet --portable
   r3arrow gc rollouts/ --dry-run
@@ -418,8 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the whole pipeline end to end on an embedded engine (or a vLLM URL)",
         description="Start the embedded MoE engine (or use --engine-url), run multi-turn rollouts "
         "with incremental route capture, then dynamic sampling, Parquet round trip, routing "
-        "stats and heatmap, Megatron collation and (with megatron-core) replay into real routers. "
-        "Writes rollouts.parquet and expert_load.png to --out. --num-layers, --topk, "
+        "stats and heatmap, Megatron collation and (with megatron-core) replay into real routers, "
+        "then replay diagnostics (bfloat16 routers with the engine's weights vs the replayed "
+        "routes; r3arrow diagnose --out reads them). Writes rollouts.parquet, expert_load.png "
+        "and _diagnostics/ to --out. --num-layers, --topk, "
         "--num-experts and --moe-layers set the embedded engine's shape; with --engine-url they "
         "describe the server's routes (probed from it when omitted).",
     )
@@ -488,6 +440,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="which route rows to count; loss = rows whose next token is trained (default all)",
     )
     st.set_defaults(func=_cmd_stats)
+
+    dg = sub.add_parser(
+        "diagnose",
+        help="routing disagreement (R3 paper's quantities) of a run's diagnostics",
+        description="Print the fraction of router decisions that differ (1 - overlap / "
+        "(tokens * K)), the fraction of tokens differing on at least one layer and a per-layer "
+        "table, from the replay diagnostics under PATH/_diagnostics (r3arrow.io."
+        "write_diagnostics: a trainer's measure_agreement probe, the demo) or, without them, "
+        "from rollouts with a 'train_routes' column (streamed by step). docs/diagnostics.md.",
+    )
+    dg.add_argument(
+        "path", metavar="PATH", help="rollout root or demo output directory, or a rollout file"
+    )
+    dg.add_argument(
+        "--png",
+        metavar="OUT",
+        type=_png_path,
+        help="write per-layer disagreement (and over steps when there are several)",
+    )
+    dg.add_argument(
+        "--source",
+        metavar="NAME",
+        help="diagnostics source when PATH has several (default: native_vs_replay)",
+    )
+    dg.add_argument("--json", action="store_true", help="machine-readable output")
+    dg.set_defaults(func=_cmd_diagnose)
 
     conv = sub.add_parser(
         "convert",

@@ -3,10 +3,22 @@
 engine → multi-turn rollouts with incremental route capture → rollout table →
 dynamic sampling → Parquet → routing statistics + heatmap → Megatron
 microbatches → (with megatron-core) replay into real routers, checked against
-what the engine routed (`r3arrow.megatron.cpu`). Against an external engine without shape
-flags the spec is probed; vLLM does not report ``num_experts``, so the replay routers are
-then sized from the routes observed (`r3arrow.megatron.cpu.experts_from_routes`), and the
-demo says so.
+what the engine routed (`r3arrow.megatron.cpu`) → replay diagnostics. Against an external
+engine without shape flags the spec is probed; vLLM does not report ``num_experts``, so the
+replay routers are then sized from the routes observed
+(`r3arrow.megatron.cpu.experts_from_routes`), and the demo says so.
+
+Replay diagnostics (stage 7, embedded engine and megatron-core only; ``docs/diagnostics.md``):
+real megatron-core routers get the *engine's* router weights but run in bfloat16 (the
+engine computes in float64) on the very hidden states the engine's routers scored
+(`r3arrow.engine.ReferenceEngine.router_inputs`). Their native top-k therefore differs from
+the engine's at a few tokens, as a trainer's does from an inference engine's. The rollout
+routes are replayed under ``replay_schedule(measure_agreement=True)``: the probe's
+`RouteAgreement` (native vs replayed) is printed as the R3 paper's table, the replayed
+routing is checked identical to the engine's, the probe is checked against an independent
+native pass, and a float32 control shows the disagreement comes from the precision. The
+agreements are persisted with `r3arrow.io.write_diagnostics` into the output directory, so
+``r3arrow diagnose OUT`` reads them.
 """
 
 from __future__ import annotations
@@ -62,6 +74,12 @@ class DemoResult:
     microbatches: int
     replay_tokens: int | None = None
     replay_mismatches: int | None = None
+    #: Stage 7: bfloat16 routers' native routing vs the replayed (engine) routes.
+    native_agreement: Any = None
+    #: Stage 7: the float32 control (same weights and inputs).
+    control_agreement: Any = None
+    #: Stage 7: the diagnostics file written under ``out_dir``.
+    diagnostics: Path | None = None
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -91,19 +109,20 @@ def _shape(cfg: DemoConfig) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _engine(cfg: DemoConfig) -> Iterator[tuple[str, RouteSpec | None]]:
-    """Yield (url, spec): the embedded engine on 127.0.0.1, or the external URL."""
+def _engine(cfg: DemoConfig) -> Iterator[tuple[str, RouteSpec | None, Any]]:
+    """Yield (url, spec, engine): the embedded engine on 127.0.0.1, or the external URL
+    (engine None)."""
     if cfg.engine_url is not None:
         spec = None
         if cfg.num_layers is not None and cfg.topk is not None:
             spec = RouteSpec(cfg.num_layers, cfg.topk, cfg.num_experts, moe_layers=cfg.moe_layers)
-        yield cfg.engine_url, spec
+        yield cfg.engine_url, spec, None
         return
     from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
 
     engine = ReferenceEngine(TinyMoEConfig(seed=cfg.seed, vocab_size=cfg.vocab_size, **_shape(cfg)))
     with EngineServer(engine) as server:
-        yield server.url, engine.config.route_spec()
+        yield server.url, engine.config.route_spec(), engine
 
 
 async def _rollouts(cfg: DemoConfig, url: str, spec: RouteSpec | None) -> pa.Table:
@@ -170,10 +189,10 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     timings: dict[str, float] = {}
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with _engine(cfg) as (url, spec):
+    with _engine(cfg) as (url, spec, engine):
         where = "embedded engine" if cfg.engine_url is None else "external engine"
         _say(
-            f"[1/6] rollouts: {cfg.groups} groups x {cfg.samples} samples, "
+            f"[1/7] rollouts: {cfg.groups} groups x {cfg.samples} samples, "
             f"up to {cfg.turns} turns, {where} at {url}"
         )
         table = asyncio.run(_rollouts(cfg, url, spec))
@@ -194,7 +213,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     groups = pc.count_distinct(table.column("group_id")).as_py()
     kept_groups = pc.count_distinct(kept.column("group_id")).as_py()
     _say(
-        f"[2/6] dynamic sampling: kept {kept_groups}/{groups} groups with varied rewards "
+        f"[2/7] dynamic sampling: kept {kept_groups}/{groups} groups with varied rewards "
         f"({kept.num_rows} trajectories, routes travel with their rows)"
     )
     if kept.num_rows == 0:
@@ -213,7 +232,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     timings["parquet"] = time.perf_counter() - t
     exact = bool(back.equals(kept)) and back.schema.metadata == kept.schema.metadata
     _say(
-        f"[3/6] parquet: {parquet} ({parquet.stat().st_size / 1e3:.1f} kB), "
+        f"[3/7] parquet: {parquet} ({parquet.stat().st_size / 1e3:.1f} kB), "
         f"round trip exact: {exact}"
     )
 
@@ -225,7 +244,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     summary = stats.load_summary(load)
     worst = summary.sort("max_over_mean", descending=True).row(0, named=True)
     _say(
-        f"[4/6] routing stats: {summary.height} MoE layers; most imbalanced layer {worst['layer']} "
+        f"[4/7] routing stats: {summary.height} MoE layers; most imbalanced layer {worst['layer']} "
         f"(max/mean {worst['max_over_mean']:.2f}, entropy {worst['entropy_norm']:.2f} of uniform, "
         f"{worst['dead']} dead experts)"
     )
@@ -251,7 +270,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     if routes is None:  # collated with R3 on: the collator always carries targets here
         raise RuntimeError("demo: expected replay targets in the collated microbatch")
     _say(
-        f"[5/6] megatron collation: {len(batches)} packed "
+        f"[5/7] megatron collation: {len(batches)} packed "
         f"microbatch{'' if len(batches) == 1 else 'es'} (<= {cfg.microbatch_tokens} tokens); "
         f"first: routes {tuple(routes.shape)} int32, "
         f"{int(mb0.padding_mask.sum())} padded positions, "
@@ -268,9 +287,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         timings=timings,
     )
     if not cfg.replay:
-        _say("[6/6] replay: skipped (--no-replay)")
+        _say("[6/7] replay: skipped (--no-replay)")
     elif not _megatron_available():
-        _say("[6/6] replay: skipped (megatron-core not installed: pip install 'r3arrow[megatron]')")
+        _say("[6/7] replay: skipped (megatron-core not installed: pip install 'r3arrow[megatron]')")
     else:
         from r3arrow.megatron.cpu import (
             build_routers,
@@ -302,9 +321,26 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         result.ok = result.ok and differ == 0
         verdict = "identical" if differ == 0 else f"DIFFERENT on {differ} tokens"
         _say(
-            f"[6/6] replay into {len(mb0.layers)} real megatron-core TopKRouters: "
+            f"[6/7] replay into {len(mb0.layers)} real megatron-core TopKRouters: "
             f"{checked} tokens, routing {verdict} to the engine's"
         )
+    if not cfg.replay:
+        _say("[7/7] replay diagnostics: skipped (--no-replay)")
+    elif not _megatron_available():
+        _say("[7/7] replay diagnostics: skipped (megatron-core not installed)")
+    elif engine is None:
+        _say("[7/7] replay diagnostics: skipped (needs the embedded engine's router weights)")
+    else:
+        from r3arrow._demo_diagnostics import diagnose_replay
+
+        t = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # megatron-core: TE/Apex absent
+            found = diagnose_replay(engine, parts, batches, cfg.out_dir, say=_say)
+        timings["diagnostics"] = time.perf_counter() - t
+        result.native_agreement, result.control_agreement = found.native, found.control
+        result.diagnostics = found.path
+        result.ok = result.ok and found.ok
     total = sum(timings.values())
     _say(f"done in {total:.1f} s: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     if not result.ok:

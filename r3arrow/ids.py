@@ -298,6 +298,191 @@ def _check_block(blk: Any, a: int, w: _Where) -> None:
             )
 
 
+_ROW_OF: dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
+
+
+def gather_router_ids(
+    src: np.ndarray,
+    layer_index: np.ndarray,
+    pos_row: np.ndarray,
+    out: np.ndarray,
+    num_experts: int | None,
+    layer_ids: Sequence[int],
+    *,
+    span: tuple[int, int, int, int] | None = None,
+    check: bool = True,
+    what: str = "routes",
+) -> None:
+    """The fused collation pass: gather router layers, check their ids, widen to int32.
+
+    One cache-blocked pass over the compact ids (``docs/collation.md``): for every block of
+    output positions and every local layer, the block's compact rows are gathered, checked
+    with the router-layer rules (ids in ``[0, num_experts)``, no expert twice in a row; the
+    rules of `check_router_ids`) while still compact, and only then widened into ``out``.
+    Backends as for `check_router_ids`: a numba kernel (`r3arrow._kernels_numba.gather_widen`)
+    or, without numba or with ``R3ARROW_NO_NUMBA=1``, numpy per block; both raise the same
+    error for the same input.
+
+    Parameters
+    ----------
+    src:
+        Compact ids ``[T, L, K]`` (any integer dtype; C-contiguous, e.g. an Arrow buffer).
+    layer_index:
+        int64 ``[n_local]``: the layer (index into ``src``'s axis 1) of each output layer.
+    pos_row:
+        int64 ``[P, C]``: the row of ``src`` each output position takes; -1 for the dummy
+        row ``[0, 1, .., K-1]`` (padding, uncaptured tokens).
+    out:
+        ``[n_local, P, C, K]``, C-contiguous, written in place: int32, or ``src``'s dtype
+        (gather and check only, the ids stay compact: widened later, e.g. on a device).
+    num_experts:
+        Exclusive bound of the ids (None: only ``>= 0``).
+    layer_ids:
+        The global layer id of each output layer (messages and error fields).
+    span:
+        ``(p_lo, p_hi, c_lo, c_hi)``: only positions ``[p_lo, p_hi)`` x columns
+        ``[c_lo, c_hi)`` are read from ``pos_row`` and written (default: all).
+    check:
+        False: gather and widen only (no id test).
+    what:
+        What the ids are, for messages.
+
+    Raises
+    ------
+    ExpertRangeError, DuplicateExpertError
+        As `check_router_ids` on the first failing source row (``token`` = that row of
+        ``src``; ``layer`` its global layer); ``out`` is then partly written.
+    ValueError
+        Shapes or dtypes that do not fit each other.
+    """
+    n_local = int(layer_index.shape[0])
+    if src.ndim != 3 or pos_row.ndim != 2 or out.ndim != 4:
+        raise ValueError(
+            f"gather_router_ids: expected src [T, L, K], pos_row [P, C], out [n_local, P, C, K]; "
+            f"found {list(src.shape)}, {list(pos_row.shape)}, {list(out.shape)}"
+        )
+    k = int(src.shape[2])
+    if (
+        tuple(out.shape) != (n_local, *pos_row.shape, k)
+        or out.dtype not in (np.dtype(np.int32), src.dtype)
+        or not out.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"gather_router_ids: expected a C-contiguous out of int32 or {src.dtype}, shape "
+            f"{[n_local, *pos_row.shape, k]}; found {out.dtype} {list(out.shape)}"
+        )
+    n_p, n_c = (int(v) for v in pos_row.shape)
+    where = (0, n_p, 0, n_c) if span is None else tuple(int(v) for v in span)
+    if len(where) != 4 or not (
+        0 <= where[0] <= where[1] <= n_p and 0 <= where[2] <= where[3] <= n_c
+    ):
+        raise ValueError(
+            f"span: expected (p_lo, p_hi, c_lo, c_hi) within [0, {n_p}] x [0, {n_c}], found {span}"
+        )
+    if len(layer_ids) != n_local:
+        raise ValueError(f"layer_ids: expected {n_local} ids, found {len(layer_ids)}")
+    if out.size == 0 or where[0] == where[1] or where[2] == where[3]:
+        return
+    src = np.ascontiguousarray(src)
+    pos_row = np.ascontiguousarray(pos_row, dtype=np.int64)
+    layer_index = np.ascontiguousarray(layer_index, dtype=np.int64)
+    dtype = np.dtype(src.dtype)
+    kernels = _numba_kernels() if dtype.kind in "iu" and dtype.isnative else None
+    if kernels is not None:
+        bad = int(kernels.gather_widen(src, layer_index, pos_row, out, where, num_experts, check))
+    else:
+        p_lo, p_hi, c_lo, c_hi = where
+        sub = pos_row[p_lo:p_hi, c_lo:c_hi]
+        q = _gather_numpy(src, layer_index, sub, out[:, p_lo:p_hi, c_lo:c_hi], num_experts, check)
+        w = c_hi - c_lo
+        bad = -1 if q < 0 else (p_lo + q // w) * n_c + c_lo + q % w
+    if bad >= 0:
+        _raise_at(src, layer_index, int(pos_row.reshape(-1)[bad]), num_experts, layer_ids, what)
+
+
+def _raise_at(
+    src: np.ndarray,
+    layer_index: np.ndarray,
+    row: int,
+    num_experts: int | None,
+    layer_ids: Sequence[int],
+    what: str,
+) -> None:
+    """Raise the reference error of source row ``row`` (-1: the dummy row)."""
+    k = int(src.shape[2])
+    if row < 0:
+        raise ExpertRangeError(
+            f"{what}: expected top-k {k} <= num_experts={num_experts} (padding positions get "
+            f"the dummy row [0 .. {k - 1}]), found num_experts={num_experts}"
+        )
+    check_router_ids(
+        src[row : row + 1][:, layer_index], num_experts, layer_ids, token_offset=row, what=what
+    )
+    raise AssertionError(f"{what}: row {row} expected to fail")  # pragma: no cover
+
+
+def _gather_numpy(
+    src: np.ndarray,
+    layer_index: np.ndarray,
+    pos_row: np.ndarray,
+    out: np.ndarray,
+    num_experts: int | None,
+    check: bool,
+) -> int:
+    """`gather_router_ids` with numpy: per block, one ``take`` of the rows' local layers, the
+    min/max and `_Scratch` duplicate test on the compact block, then a transpose in cache and
+    the widening copy (``pos_row``/``out``: views, any strides). Returns the first failing
+    position (flat ``p * C + c`` of the views) or -1."""
+    tokens, layers, k = (int(v) for v in src.shape)
+    n_local = int(layer_index.shape[0])
+    n_p, n_c = (int(v) for v in pos_row.shape)
+    row_bytes = k * src.dtype.itemsize
+    row_dtype = _ROW_OF.get(row_bytes, np.dtype((np.void, row_bytes)))
+    rows = src.reshape(tokens, layers * k).view(row_dtype)
+    dummy = np.frombuffer(np.arange(k, dtype=src.dtype).tobytes(), dtype=row_dtype)[0]
+    step = max(1, _BLOCK_IDS // max(1, n_c * n_local * k))
+    scratch = _Scratch(k, step * n_c * n_local, np.dtype(src.dtype)) if check and k > 1 else None
+    signed = src.dtype.kind == "i"
+    tmp = np.empty((n_local, step * n_c), dtype=row_dtype)
+    for p0 in range(0, n_p, step):
+        p1 = min(n_p, p0 + step)
+        idx = pos_row[p0:p1].reshape(-1)
+        m = idx.shape[0]
+        pad = idx < 0
+        if tokens == 0:
+            stage = np.empty((m, n_local), dtype=row_dtype)
+            stage[:] = dummy
+        else:
+            stage = rows[np.where(pad, 0, idx)[:, None], layer_index[None, :]]
+            stage[pad] = dummy
+        if check:
+            ids = stage.view(src.dtype).reshape(m, n_local, k)
+            lo = int(ids.min()) if signed else 0
+            hi = int(ids.max())
+            bad_range = lo < 0 or (num_experts is not None and hi >= num_experts)
+            if bad_range or (scratch is not None and scratch.has_duplicate(ids)):
+                return p0 * n_c + _first_bad_row(ids, num_experts)
+        t = tmp[:, :m]
+        np.copyto(t, stage.T)
+        np.copyto(out[:, p0:p1], t.view(src.dtype).reshape(n_local, p1 - p0, n_c, k))
+    return -1
+
+
+def _first_bad_row(ids: np.ndarray, num_experts: int | None) -> int:
+    """First row (axis 0) of a failing block ``[m, layers, K]`` breaking a rule."""
+    bad = ids < 0 if num_experts is None else (ids < 0) | (ids >= num_experts)
+    per_row = bad.any(axis=(1, 2))
+    k = ids.shape[2]
+    for r in range(1, k):
+        per_row |= (ids[..., : k - r] == ids[..., r:]).any(axis=(1, 2))
+    return int(np.argmax(per_row))
+
+
 def storage_cap(spec: RouteSpec) -> int:
     """Largest value the spec's storage holds (int32's when ``num_experts`` is unknown)."""
     return int(np.iinfo(spec.dtype if spec.num_experts is not None else np.int32).max)
@@ -381,5 +566,6 @@ __all__ = [
     "check_route_ids",
     "check_router_ids",
     "check_routes",
+    "gather_router_ids",
     "storage_cap",
 ]

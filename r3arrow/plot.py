@@ -3,6 +3,8 @@
 - `plot_expert_load`: layer × expert heatmap of load relative to the layer mean.
 - `plot_imbalance`: load imbalance per layer over training steps.
 - `plot_agreement`: route agreement (rollout vs trainer router) over steps.
+- `plot_disagreement`: the R3 paper's disagreement per layer (one step: bars; several
+  steps: lines over steps and a layer × step heatmap), what ``r3arrow diagnose`` draws.
 
 Inputs are the Polars frames of `r3arrow.stats`; each function writes one PNG
 and returns its path. Needs the ``plot`` extra (matplotlib).
@@ -317,4 +319,71 @@ def plot_agreement(
     )
 
 
-__all__ = ["plot_agreement", "plot_expert_load", "plot_imbalance"]
+def plot_disagreement(
+    agreement: Mapping[int, RouteAgreement],
+    path: PathLike,
+    *,
+    title: str | None = None,
+) -> Path:
+    """Disagreement per router layer: the R3 paper's quantities, ``r3arrow diagnose``'s PNG.
+
+    ``agreement``: step -> `RouteAgreement` (one entry at least). One step: bars per layer
+    of the fraction of router decisions that differ (``1 - overlap / (tokens * K)``) and of
+    tokens whose top-k set differs (``1 - identical / tokens``), with the fraction of
+    tokens differing on at least one layer in the title. Several steps: those fractions
+    over steps (mean over layers, worst layer, tokens differing anywhere) and a layer ×
+    step heatmap of decision disagreement. Raises ``ValueError`` for an empty mapping or
+    a non-``.png`` path.
+    """
+    out = _png(path)
+    if not agreement:
+        raise ValueError("agreement: expected at least one step, found none")
+    steps = sorted(agreement)
+    first = agreement[steps[0]]
+    layers = list(first.layers)
+    with np.errstate(all="ignore"):
+        decisions = np.stack([1.0 - agreement[s].mean_overlap for s in steps], axis=1)
+        tokens = np.stack([1.0 - agreement[s].identical_fraction for s in steps], axis=1)
+    anywhere = np.array([agreement[s].differing_fraction for s in steps])
+    if len(steps) > 1:
+        with np.errstate(all="ignore"):
+            lines = {
+                "router decisions that differ (mean over layers)": np.nanmean(decisions, axis=0),
+                "router decisions that differ (worst layer)": np.nanmax(decisions, axis=0),
+                "tokens differing on ≥ 1 layer": anywhere,
+            }
+        top = np.nanmax(np.concatenate([decisions.ravel(), anywhere, [0.01]]))
+        return _lines_and_heatmap(
+            steps,
+            layers,
+            decisions,
+            lines,
+            ylabel="fraction",
+            bar_label="fraction of router decisions that differ",
+            title=title or f"Routing disagreement over {len(steps)} steps",
+            cmap="magma_r",
+            vmin=0.0,
+            vmax=None,
+            ylim=(0.0, float(min(1.02, top * 1.1 + 0.01))),
+            path=out,
+        )
+    fig = _figure(_clamp(3.5 + 0.3 * len(layers), 6.0, 16), 4.2)
+    ax = fig.subplots()
+    x = np.arange(len(layers))
+    width = 0.4
+    ax.bar(x - width / 2, decisions[:, 0], width, label="router decisions that differ")
+    ax.bar(x + width / 2, tokens[:, 0], width, label="tokens whose top-k set differs")
+    _ticks(ax, layers, "x", 32)
+    ax.set_xlabel("MoE layer (global id)")
+    from matplotlib.ticker import PercentFormatter
+
+    ax.set_ylabel("fraction")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    head = title or f"Routing disagreement (step {steps[0]}, {first.tokens} tokens)"
+    ax.set_title(f"{head}\ntokens differing on ≥ 1 layer: {anywhere[0]:.1%}", fontsize=10)
+    return _save(fig, out)
+
+
+__all__ = ["plot_agreement", "plot_disagreement", "plot_expert_load", "plot_imbalance"]

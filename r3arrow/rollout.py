@@ -8,12 +8,12 @@ each turn sends the whole conversation with the trajectory's trace,
 into that trace, which validates it once and appends it to the `TurnStore` as one record
 batch at ``token_start = captured before the turn``: the one capture path. Generated tokens
 get loss mask 1, observation tokens 0. `run_rollouts` runs many trajectories concurrently
-and builds the rollout table from the store with one gather (`r3arrow.table.rollout_table`).
+and builds the rollout table from the store without copying the routes.
 
-Routes come from the store; the trace's captured count checks the terminal gap at the end
-(`r3arrow.trace.check_terminal_gap`). Traces are never finalized here, and the trace and the
-store's batch share each decoded response buffer, so the route bytes exist once until the
-table is built.
+At the end of a trajectory its trace is finalized: that checks the terminal gap
+(``docs/design.md``) and joins the turns once into one read-only buffer, which the store
+then holds in place of the per-turn arrays; `TurnStore.routes_chunked` references each
+such buffer as one chunk of the table's routes column (``docs/capture.md``).
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from r3arrow.client import EngineClient, GenerateOutput
 from r3arrow.errors import EngineError, RouteShapeError
 from r3arrow.spec import RouteSpec
 from r3arrow.store import TurnStore
-from r3arrow.table import rollout_table
-from r3arrow.trace import check_terminal_gap
+from r3arrow.table import list_lengths, rollout_table
 
 
 @dataclasses.dataclass
@@ -223,9 +222,9 @@ async def run_trajectory(
     full_mask = np.concatenate(
         [np.zeros(len(conv.prompt_ids), np.uint8), np.asarray(conv.loss_mask, np.uint8)]
     )
-    check_terminal_gap(
-        trace.captured, full_mask, num_tokens=conv.num_tokens, trajectory_id=trajectory_id
-    )
+    # The terminal-gap check; finalizing also joins the turns once, and the store then
+    # references that buffer (`TurnStore.routes_chunked`), so the table costs no copy.
+    trace.finalize(num_tokens=conv.num_tokens, loss_mask=full_mask)
     return Trajectory(
         trajectory_id=trajectory_id,
         group_id=group_id,
@@ -251,8 +250,8 @@ def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> 
     together (another store, or turns appended to the store from outside).
     """
     ids = [t.trajectory_id for t in trajectories]
-    routes = store.routes(ids)
-    lens = np.diff(np.asarray(routes.offsets, dtype=np.int64))
+    routes = store.routes_chunked(ids)
+    lens = list_lengths(routes)
     want = np.fromiter(
         (t.num_routes for t in trajectories), dtype=np.int64, count=len(trajectories)
     )

@@ -31,7 +31,8 @@ computed for.
 
 from __future__ import annotations
 
-import hashlib
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,23 +40,67 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_int, check_positive_int
+from r3arrow._covered import CoveredTokens, as_token_ids, prefix_mismatch_error
 from r3arrow.errors import (
-    PrefixMismatchError,
     R3ArrowError,
     RouteDTypeError,
     RouteShapeError,
     TerminalGapError,
     TraceStateError,
 )
-from r3arrow.ids import check_routes
+from r3arrow.ids import check_routes, storage_cap
 from r3arrow.spec import RouteSpec, as_route_rows, numpy_to_routes
 
 #: Receives each validated turn of a bound `RouteTrace`: ``(token_start, rows, spec)``, rows
 #: ``[n, L, K]`` read-only in ``spec.dtype``. Raising leaves the trace unchanged.
 TurnSink = Callable[[int, np.ndarray, RouteSpec], None]
 
+#: Receives a bound `RouteTrace`'s finalized rows: ``(turn starts, rows, spec)``; the store then
+#: holds slices of ``rows`` instead of the per-turn arrays (``docs/capture.md``).
+FinalSink = Callable[[list[int], np.ndarray, RouteSpec], None]
+
 #: A token count: an ``int`` or a numpy integer (``bool`` is refused).
 TokenCount = int | np.integer[Any]
+
+
+# ------------------------------------------------------- routes the capture path checked
+# Arrow arrays are immutable, so identity is enough (the `r3arrow._validated` pattern): the
+# registry holds weak references and forgets an array when it dies.
+_checked_lock = threading.Lock()
+_checked: dict[int, tuple[weakref.ref[Any], RouteSpec, int]] = {}
+
+
+def _mark_checked(arr: pa.Array[Any] | pa.ChunkedArray[Any], spec: RouteSpec, hi: int) -> None:
+    key = id(arr)
+
+    def forget(_: weakref.ref[Any], key: int = key) -> None:
+        with _checked_lock:
+            _checked.pop(key, None)
+
+    with _checked_lock:
+        _checked[key] = (weakref.ref(arr, forget), spec, hi)
+
+
+def checked_for(routes: Any, spec: RouteSpec) -> bool:
+    """True if ``routes`` is an array `RouteTrace.finalize` returned whose ids satisfy ``spec``.
+
+    Every turn of such an array passed both id rules (:mod:`r3arrow.ids`) for the trace's
+    spec when it was recorded; they hold for ``spec`` too when the shape and router layers
+    match, the largest id fits ``spec`` and the storage dtype is ``spec.dtype``. Builders of
+    tables (`r3arrow.rollout_table`) use it to check every route once (one check per trust
+    boundary, ``docs/capture.md``).
+    """
+    with _checked_lock:
+        entry = _checked.get(id(routes))
+    if entry is None or entry[0]() is not routes:
+        return False
+    own, hi = entry[1], entry[2]
+    return (
+        own.same_shape(spec)
+        and own.dtype == spec.dtype
+        and hi <= storage_cap(spec)
+        and (spec.num_experts is None or hi < spec.num_experts)
+    )
 
 
 def expected_rows(*, prompt_tokens: int, generated_tokens: int, prompt_start: int) -> int:
@@ -82,6 +127,38 @@ def first_terminal_gap(loss_mask: np.ndarray, positions: np.ndarray, captured: A
     """
     viol = np.flatnonzero((loss_mask != 0) & (positions > captured))
     return int(viol[0]) if viol.size else -1
+
+
+def first_terminal_gap_rows(
+    mask: np.ndarray, mask_lengths: np.ndarray, prompt_lengths: np.ndarray, captured: np.ndarray
+) -> tuple[int, int] | None:
+    """The terminal-gap rule over many trajectories: (row, token) of the first violation, or None.
+
+    ``mask`` is the flat response loss mask of all rows, row ``i`` holding
+    ``mask_lengths[i]`` values for response positions ``P_i .. P_i + R_i - 1``; ``captured``
+    is each row's route rows. Row ``i``'s response token ``j`` needs a row iff
+    ``P_i + j > captured_i`` (`first_terminal_gap`). Only the uncovered tails are looked at:
+    O(rows + uncovered tokens), not O(tokens) (usually one token per row: the last sampled).
+    """
+    lens = np.asarray(mask_lengths, dtype=np.int64)
+    plen = np.asarray(prompt_lengths, dtype=np.int64)
+    first = np.clip(np.asarray(captured, dtype=np.int64) - plen + 1, 0, lens)
+    tail = lens - first
+    rows = np.flatnonzero(tail)
+    if not rows.size:
+        return None
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    counts = tail[rows]
+    # flat indices of every uncovered token, row by row
+    base = np.repeat(starts[rows] + first[rows] - np.cumsum(counts) + counts, counts)
+    idx = base + np.arange(int(counts.sum()), dtype=np.int64)
+    hit = np.flatnonzero(mask[idx] != 0)
+    if not hit.size:
+        return None
+    k = int(idx[hit[0]])
+    row = int(np.searchsorted(ends, k, side="right"))
+    return row, int(plen[row]) + k - int(starts[row])
 
 
 def terminal_gap_error(
@@ -145,136 +222,17 @@ def check_terminal_gap(
     return mask.astype(bool, copy=False)
 
 
-# ------------------------------------------------------------- covered tokens
-def as_token_ids(ids: Any, name: str = "prompt_ids") -> np.ndarray:
-    """Token ids as a flat int32 numpy array (a read-only array of that kind is not copied).
-
-    Raises ``ValueError`` (argument misuse) for a non-flat or non-integer sequence, or ids
-    outside ``[0, 2**31)``.
-    """
-    if isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1:
-        arr = ids
-    else:
-        raw = np.asarray(ids)
-        if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
-            raise ValueError(
-                f"{name}: expected a flat sequence of int token ids, found shape "
-                f"{list(raw.shape)} of dtype {raw.dtype}"
-            )
-        if raw.size and (int(raw.min()) < 0 or int(raw.max()) > np.iinfo(np.int32).max):
-            raise ValueError(
-                f"{name}: expected token ids in [0, 2**31), found [{int(raw.min())}, "
-                f"{int(raw.max())}]"
-            )
-        arr = raw.astype(np.int32)
-    if arr.flags.writeable:
-        arr = arr.copy()  # the caller may reuse its buffer: keep what was checked
-        arr.flags.writeable = False
-    return arr
-
-
-class CoveredTokens:
-    """The token ids a trace has covered, with a rolling blake2b digest; O(new tokens) per turn.
-
-    The ids live in one growable int32 buffer (doubling: appending a turn never re-copies
-    what is covered, amortised); the digest is blake2b over the int32 (native byte order)
-    bytes of ``tokens[:length]``, updated with each turn's new tokens only.
-    """
-
-    def __init__(self) -> None:
-        self._buf = np.zeros(0, dtype=np.int32)
-        self._len = 0
-        self._hash = hashlib.blake2b(digest_size=16)
-
-    def __len__(self) -> int:
-        return self._len
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """The covered ids ``[length]`` int32 (a read-only view)."""
-        view = self._buf[: self._len]
-        view.flags.writeable = False
-        return view
-
-    @property
-    def digest(self) -> str:
-        """Hex blake2b-128 of the covered ids' int32 bytes."""
-        return self._hash.hexdigest()
-
-    def first_difference(self, ids: np.ndarray) -> int:
-        """First position where ``ids`` does not extend the covered ids, or -1 if it does.
-
-        A prompt shorter than the covered ids differs at its own length. One vectorised
-        comparison over the overlap.
-        """
-        n = self._len
-        m = min(n, ids.shape[0])
-        diff = np.flatnonzero(self._buf[:m] != ids[:m])
-        if diff.size:
-            return int(diff[0])
-        return m if m < n else -1
-
-    def extended(
-        self, prompt: np.ndarray, tail: np.ndarray | None = None
-    ) -> tuple[np.ndarray, Any]:
-        """(buffer, digest) covering ``prompt`` then ``tail``; changes nothing.
-
-        ``prompt`` must extend the covered ids (checked by the caller). The buffer is this
-        one when it has room (the new ids are written past ``length``, where no reader
-        looks), else a doubled copy; only the new ids are hashed.
-        """
-        n, p = self._len, prompt.shape[0]
-        m = p + (0 if tail is None else tail.shape[0])
-        buf = self._buf
-        if m > buf.shape[0]:
-            buf = np.empty(max(m, 2 * buf.shape[0], 64), dtype=np.int32)
-            buf[:n] = self._buf[:n]
-        buf[n:p] = prompt[n:]
-        if tail is not None:
-            buf[p:m] = tail
-        digest = self._hash.copy()
-        digest.update(buf[n:m].tobytes())
-        return buf, digest
-
-    def commit(self, buf: np.ndarray, digest: Any, length: int) -> None:
-        """Adopt what `extended` returned."""
-        self._buf, self._hash, self._len = buf, digest, length
-
-
-def prefix_mismatch_error(
-    covered: CoveredTokens,
-    ids: np.ndarray,
-    pos: int,
-    *,
-    name: str,
-    trajectory_id: str | None,
-) -> PrefixMismatchError:
-    """The `PrefixMismatchError` for ``ids`` first differing from ``covered`` at ``pos``."""
-    n = len(covered)
-    if pos >= ids.shape[0]:
-        found = f"a prompt of {ids.shape[0]} tokens that ends at token {pos}"
-    else:
-        found = (
-            f"token id {int(ids[pos])} at position {pos} where the trace has "
-            f"{int(covered.tokens[pos])}"
-        )
-    where = f"trajectory {trajectory_id!r}: " if trajectory_id is not None else ""
-    return PrefixMismatchError(
-        f"{where}{name}: expected the prompt to extend the {n} tokens the trace covers, found "
-        f"{found} (re-tokenized history? keep the token ids the engine saw and generated)",
-        token=pos,
-        trajectory_id=trajectory_id,
-    )
-
-
 # ---------------------------------------------------------------------- traces
 class TokenTrace:
     """Accumulates one trajectory's fixed-shape per-token rows, turn by turn, in O(N).
 
-    Each turn is kept as one owned, read-only, C-contiguous chunk in ``dtype``
-    (read-only contiguous input of that dtype is kept uncopied; anything else is
-    copied once, so a caller reusing its buffer cannot corrupt the trace); chunks
-    are joined once, in `finalize`, directly into the result buffer.
+    Each turn is kept as one read-only, C-contiguous chunk in ``dtype``; chunks are
+    joined once, in `finalize`, directly into the result buffer (one write of the
+    trace's bytes; a single turn is returned as is). Ownership (``docs/capture.md``):
+    a turn is kept **without a copy** when it is read-only (a decoded payload), when the
+    trace made the array itself (rows given as a list), or when the caller hands it over
+    with ``record(..., copy=False)``; a writable array the caller may reuse is copied
+    once (the default), and rows in another dtype or layout are converted by that copy.
 
     Parameters
     ----------
@@ -413,6 +371,7 @@ class TokenTrace:
         generated_tokens: TokenCount,
         prompt_ids: Any = None,
         generated_ids: Any = None,
+        copy: bool = True,
     ) -> int:
         """Append one response's rows; returns the token index of its first row.
 
@@ -420,6 +379,13 @@ class TokenTrace:
         ``prompt_ids`` (the ``P`` prompt ids the request sent) and ``generated_ids``
         (the ``G`` generated ids) extend `covered_tokens`; without them the coverage stays
         as it was (still a prefix of the conversation). On any error the trace is unchanged.
+
+        ``copy=False`` hands a writable numpy array over to the trace: it is kept (through a
+        read-only view) instead of copied, and **the caller must not mutate it afterwards**
+        (nor the buffer it views) until the trace is finalized and the result is dropped: the
+        finalized rows of a one-turn trace, and a bound trace's store, reference it. Rows
+        that are read-only, or that the trace converts anyway (another dtype, not
+        C-contiguous, a list), are never copied twice; ``copy`` changes nothing for them.
 
         Raises
         ------
@@ -457,9 +423,13 @@ class TokenTrace:
                 f"- 1), found {arr.shape[0]}"
             )
         dtype = self._storage_dtype(state)
-        if arr.flags.writeable or arr.dtype != dtype or not arr.flags.c_contiguous:
-            # Own the rows (a caller may reuse its buffer) and narrow them now: one copy.
-            arr = arr.astype(dtype, order="C")
+        if arr.dtype != dtype or not arr.flags.c_contiguous:
+            arr = arr.astype(dtype, order="C")  # narrow / make contiguous: the one copy
+            arr.flags.writeable = False
+        elif arr.flags.writeable:
+            # Copy unless handed over (copy=False) or made here from a list: the caller may
+            # reuse its buffer, and the trace keeps what was checked.
+            arr = arr.copy() if copy and not isinstance(rows, list | tuple) else arr.view()
             arr.flags.writeable = False
         start = self._captured
         cover = None if ids is None else self._covered.extended(*ids)
@@ -477,12 +447,14 @@ class TokenTrace:
 
     # -------------------------------------------------------------- finishing
     def _join(self) -> np.ndarray:
+        """The turns in one read-only buffer: the trace's one write of its rows."""
         if len(self._chunks) == 1 and self._chunks[0].dtype == self.dtype:
-            return self._chunks[0]  # one turn: owned, read-only and C-contiguous
+            return self._chunks[0]  # one turn: read-only and C-contiguous already
         out = np.empty((self._captured, *self.row_shape), dtype=self.dtype)
         if self._chunks:
             # Values were range-checked on record, so narrowing casts are exact.
             np.concatenate(self._chunks, axis=0, out=out, casting="unsafe")
+        out.flags.writeable = False
         return out
 
     def _to_arrow(self, arr: np.ndarray) -> pa.Array[Any]:
@@ -497,6 +469,10 @@ class TokenTrace:
 
     def finalize(self, *, num_tokens: TokenCount, loss_mask: Any) -> pa.Array[Any]:
         """Return the captured rows (length == captured) as one Arrow array.
+
+        The turns are joined once, straight into the result's buffer (one write; a single
+        turn is returned without one). A `RouteTrace`'s result is recorded as checked
+        (`checked_for`): `r3arrow.rollout_table` references it without checking its ids again.
 
         ``loss_mask`` covers all ``num_tokens`` tokens of the trajectory; every
         uncaptured row must predict a loss-masked token (`TerminalGapError`).
@@ -515,10 +491,23 @@ class TokenTrace:
         check_terminal_gap(
             self._captured, loss_mask, num_tokens=n, trajectory_id=self._trajectory_id()
         )
-        result = self._to_arrow(self._join())
+        rows = self._join()
+        result = self._to_arrow(rows)
+        self._finished(rows, result)
         self._finalized = True
         self._chunks = []
         return result
+
+    def _starts(self) -> list[int]:
+        """Token start of each recorded turn."""
+        out, start = [], 0
+        for chunk in self._chunks:
+            out.append(start)
+            start += chunk.shape[0]
+        return out
+
+    def _finished(self, rows: np.ndarray, result: pa.Array[Any]) -> None:
+        """Hook run with the joined rows and the Arrow result before the trace is finalized."""
 
 
 def validate_route_rows(
@@ -534,11 +523,19 @@ def validate_route_rows(
     None. Raises `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`,
     `DuplicateExpertError` (with ``token`` and ``layer`` set).
     """
+    arr, spec, _ = _validated_rows(routes, spec, what=what)
+    return arr, spec
+
+
+def _validated_rows(
+    routes: Any, spec: RouteSpec, *, what: str
+) -> tuple[np.ndarray, RouteSpec, int]:
+    """`validate_route_rows`, plus the largest id (-1 for no rows)."""
     arr = as_route_rows(routes, spec, what=what)
     _, hi = check_routes(arr, spec, what=what)
     if spec.num_experts is None and hi >= 0:
         spec = spec.widened_for(hi)
-    return arr, spec
+    return arr, spec, hi
 
 
 class RouteTrace(TokenTrace):
@@ -562,12 +559,20 @@ class RouteTrace(TokenTrace):
         self.spec = spec
         self._tid: str | None = None
         self._sink: TurnSink | None = None
+        self._final_sink: FinalSink | None = None
+        self._hi = -1  # largest id recorded (for `checked_for`)
 
     @classmethod
-    def _bound(cls, spec: RouteSpec, trajectory_id: str, sink: TurnSink) -> RouteTrace:
-        """A trace whose validated turns go to ``sink`` (used by `TurnStore.trace`)."""
+    def _bound(
+        cls,
+        spec: RouteSpec,
+        trajectory_id: str,
+        sink: TurnSink,
+        final_sink: FinalSink | None = None,
+    ) -> RouteTrace:
+        """A trace whose validated turns go to ``sink`` and finalized rows to ``final_sink``."""
         trace = cls(spec)
-        trace._tid, trace._sink = trajectory_id, sink
+        trace._tid, trace._sink, trace._final_sink = trajectory_id, sink, final_sink
         return trace
 
     @property
@@ -579,17 +584,24 @@ class RouteTrace(TokenTrace):
         return self._tid
 
     def _coerce(self, rows: Any) -> tuple[np.ndarray, Any]:
-        return validate_route_rows(rows, self.spec, what="routes")
+        arr, spec, hi = _validated_rows(rows, self.spec, what="routes")
+        return arr, (spec, hi)
 
     def _storage_dtype(self, state: Any) -> np.dtype[Any]:
-        spec: RouteSpec = state
+        spec: RouteSpec = state[0]
         return spec.dtype
 
     def _accept(self, start: int, arr: np.ndarray, state: Any) -> None:
-        spec: RouteSpec = state
+        spec: RouteSpec = state[0]
         if self._sink is not None:
             self._sink(start, arr, spec)  # the store trusts the validated turn
         self.spec, self.dtype = spec, spec.dtype
+        self._hi = max(self._hi, int(state[1]))
+
+    def _finished(self, rows: np.ndarray, result: pa.Array[Any]) -> None:
+        _mark_checked(result, self.spec, self._hi)
+        if self._final_sink is not None:
+            self._final_sink(self._starts(), rows, self.spec)
 
     def record(
         self,
@@ -599,12 +611,14 @@ class RouteTrace(TokenTrace):
         generated_tokens: TokenCount,
         prompt_ids: Any = None,
         generated_ids: Any = None,
+        copy: bool = True,
     ) -> int:
         kwargs: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "generated_tokens": generated_tokens,
             "prompt_ids": prompt_ids,
             "generated_ids": generated_ids,
+            "copy": copy,
         }
         if self._tid is None:
             return super().record(rows, **kwargs)
@@ -621,13 +635,16 @@ class RouteTrace(TokenTrace):
 
 __all__ = [
     "CoveredTokens",
+    "FinalSink",
     "RouteTrace",
     "TokenTrace",
     "TurnSink",
     "as_token_ids",
     "check_terminal_gap",
+    "checked_for",
     "expected_rows",
     "first_terminal_gap",
+    "first_terminal_gap_rows",
     "prefix_mismatch_error",
     "terminal_gap_error",
     "validate_route_rows",

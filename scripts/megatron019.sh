@@ -29,5 +29,6 @@ fi
 "$venv/bin/python" -c 'import megatron.core, torch; print("megatron-core", megatron.core.__version__, "torch", torch.__version__)'
 "$venv/bin/pytest" -q -p no:cacheprovider tests/integrations/test_megatron.py \
   tests/integrations/test_megatron_sp.py tests/integrations/test_megatron_mtp.py \
+  tests/integrations/test_megatron_probe.py tests/integrations/test_record_routes.py \
   tests/integrations/test_collate.py tests/integrations/test_collate_r3off.py \
   tests/core/test_microbatch.py

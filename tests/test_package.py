@@ -60,6 +60,7 @@ EXPECTED_ALL = [
     "replace_groups_info",
     "rollout_schema",
     "rollout_table",
+    "route_layers",
     "route_spec",
     "router_padding_mask",
     "routes_to_numpy",

@@ -39,6 +39,8 @@ model outputs), `_layout` (alignment and positions), `_kernels` (route copy kern
 from __future__ import annotations
 
 from r3arrow.collate._collator import MegatronCollator
+from r3arrow.collate._directory import collate_directory
+from r3arrow.collate._inverse import uncollate_routes
 from r3arrow.collate._layout import alignment_multiple
 from r3arrow.collate._microbatch import (
     Microbatch,
@@ -52,9 +54,11 @@ __all__ = [
     "MegatronCollator",
     "Microbatch",
     "alignment_multiple",
+    "collate_directory",
     "next_token_shift",
     "packed_to_batch",
     "split_microbatch_indices",
     "split_microbatches",
+    "uncollate_routes",
     "unpacked_to_batch",
 ]

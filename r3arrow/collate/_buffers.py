@@ -2,6 +2,8 @@
 
 Fresh pages cost more to touch than the copy into them, so the collator takes each
 microbatch's buffer from a `_BufferPool` and carves its arrays out of it with an `_Arena`.
+With a CUDA device, the compact replay buffer is written into a `_PinnedStage` (page-locked
+host memory, so the copy to the device is asynchronous) reused once its last copy is done.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+import torch
 
 _ALIGN = 64
 
@@ -93,3 +96,38 @@ class _Arena:
         out: np.ndarray = self.buf[self.offset : self.offset + n].view(dt).reshape(shape)
         self.offset += -(-n // _ALIGN) * _ALIGN
         return out
+
+
+class _PinnedStage:
+    """One reusable page-locked host buffer for the compact ids shipped to a CUDA device.
+
+    `take` waits for the previous asynchronous copy out of the buffer (a CUDA event recorded
+    by `shipped`) before handing the memory out again, so a ``non_blocking`` copy never
+    reads bytes the next collation is writing. Not thread-safe (one per collator).
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self._event: Any = None
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """A writable ``shape``/``dtype`` numpy view of the pinned buffer (grown as needed)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        n = max(1, math.prod(shape) * dtype.itemsize)
+        if self._buf is None or int(self._buf.numel()) < n:
+            self._buf = torch.empty(n + n // 8, dtype=torch.uint8, pin_memory=True)
+        arr: np.ndarray = self._buf[:n].numpy().view(dtype).reshape(shape)
+        return arr
+
+    def tensor(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the buffer as a pinned uint8 tensor."""
+        assert self._buf is not None
+        return self._buf[:nbytes]
+
+    def shipped(self, device: torch.device) -> None:
+        """Record that a copy out of the buffer was queued on ``device``'s current stream."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        self._event = event

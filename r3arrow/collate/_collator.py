@@ -2,13 +2,15 @@
 
 The collator checks the table, computes the layout (`_layout`), takes one output buffer
 from its pool and fills it in a single pass over the segments (at most two per
-trajectory): token columns by slices, routes by the copy kernels (`_kernels`), split over
-threads when large (numpy releases the GIL while copying).
+trajectory): token columns by slices, routes by the fused gather + check + widening pass
+(`r3arrow.ids.gather_router_ids`, per routes chunk: `_kernels`), split over threads when
+large. See ``docs/collation.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -17,12 +19,13 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from r3arrow import table as _table
 from r3arrow._checks import check_int, check_positive_int
 from r3arrow._typing import ArrowArray
 from r3arrow._validated import is_validated
-from r3arrow.collate._buffers import _Arena, _BufferPool
-from r3arrow.collate._kernels import _put, _RowGatherer, _run_copies
-from r3arrow.collate._layout import _layer_selector, _Layout, _layout, alignment_multiple
+from r3arrow.collate._buffers import _Arena, _BufferPool, _PinnedStage
+from r3arrow.collate._kernels import _put, _RouteSource, _run_gathers
+from r3arrow.collate._layout import _Layout, _layout, alignment_multiple, layer_positions
 from r3arrow.collate._microbatch import Microbatch
 from r3arrow.errors import SchemaError
 from r3arrow.microbatch import is_padding_table, split_microbatches
@@ -31,6 +34,13 @@ from r3arrow.table import flat_routes, list_lengths, route_spec, validate_rollou
 
 #: Output bytes from which route copies are split over worker threads.
 _PARALLEL_BYTES = 8 << 20
+
+#: torch dtype the compact ids travel as, by itemsize (bit patterns; widened on the device).
+_SHIP_DTYPE: dict[int, np.dtype[Any]] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+}
 
 
 def _flat_list(arr: ArrowArray) -> tuple[np.ndarray, np.ndarray]:
@@ -41,6 +51,20 @@ def _flat_list(arr: ArrowArray) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.asarray(lists.offsets, dtype=np.int64)
     values = lists.flatten().to_numpy(zero_copy_only=False)
     return np.asarray(values), offsets - offsets[0]
+
+
+#: Schema metadata key of a layer-projected table's global layer ids (contract C2).
+_ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
+
+
+def _route_layers(table: pa.Table | pa.RecordBatch, spec: RouteSpec) -> tuple[int, ...]:
+    """`r3arrow.table.route_layers` (contract C2): the global layer of each route row."""
+    fn = getattr(_table, "route_layers", None)
+    if fn is not None:
+        return tuple(int(g) for g in fn(table))
+    # Until r3arrow.table.route_layers lands: the key's JSON list of global ids.
+    raw = (table.schema.metadata or {})[_ROUTE_LAYERS_KEY]
+    return tuple(int(g) for g in json.loads(raw))
 
 
 class MegatronCollator:
@@ -54,7 +78,17 @@ class MegatronCollator:
     (terminal-gap rule) first; shapes and lengths are always checked. ``reuse_buffers``
     recycles output memory once a microbatch and every tensor taken from it are gone.
     ``num_threads`` (default: torch's intra-op threads, at most 8) split large route copies;
-    numpy releases the GIL while copying.
+    numpy and the numba kernel release the GIL while copying.
+
+    Routes are written by one fused pass per chunk of the routes column (the chunks are
+    never joined): gather this stage's layers, check the ids while compact (with
+    ``validate``; the microbatch is then marked so `install_replay` does not scan them
+    again), widen to int32 (``docs/collation.md``). A layer-projected table (contract C2:
+    ``r3arrow.table.route_layers``) must hold every layer the collator replays
+    (`RouteShapeError` names the missing ones). ``device`` (e.g. ``"cuda"``): the ids stay
+    compact on the host (pinned memory for CUDA), travel ``non_blocking`` and are widened on
+    the device, and every microbatch tensor is returned there; ``"cpu"`` runs the same path
+    on the CPU; None (default) writes int32 on the host.
 
     ``spec=None`` collates with R3 off: tables without a ``routes`` column (one is ignored
     if present), the same ``input_ids``/``position_ids``/masks/``cu_seqlens`` as with routes
@@ -86,6 +120,7 @@ class MegatronCollator:
         validate: bool = True,
         reuse_buffers: bool = True,
         num_threads: int | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if spec is not None and not isinstance(spec, RouteSpec):
             raise TypeError(
@@ -122,7 +157,8 @@ class MegatronCollator:
         threads = min(8, torch.get_num_threads()) if num_threads is None else num_threads
         self.num_threads = check_positive_int(threads, "num_threads")
         self._executor: ThreadPoolExecutor | None = None
-        self._select = _layer_selector(self.layers) if self.layers else slice(0, 0)
+        self.device = None if device is None else torch.device(device)
+        self._pinned = _PinnedStage() if self.device is not None else None
         self._arange = np.arange(0, dtype=np.int64)
 
     # ---------------------------------------------------------------- public
@@ -134,7 +170,7 @@ class MegatronCollator:
         collator has a spec), an empty table, or a row whose lengths disagree (``row`` set);
         the rollout checks' errors when ``validate`` is on (R3 off: lengths only).
         """
-        batches, spec = self._check_table(table)
+        batches, spec, layer_index = self._check_table(table)
         padding = is_padding_table(table)
         plen = np.concatenate([list_lengths(b.column("prompt_ids")) for b in batches])
         rlen = np.concatenate([list_lengths(b.column("response_ids")) for b in batches])
@@ -153,7 +189,7 @@ class MegatronCollator:
             cp_size=self.cp_size,
             cp_rank=self.cp_rank,
         )
-        return self._fill(batches, spec, lay, plen, n, cap, padding)
+        return self._fill(batches, spec, layer_index, lay, plen, n, cap, padding)
 
     def split(
         self,
@@ -188,7 +224,7 @@ class MegatronCollator:
     # ---------------------------------------------------------------- checks
     def _check_table(
         self, table: pa.Table | pa.RecordBatch
-    ) -> tuple[list[pa.RecordBatch], RouteSpec | None]:
+    ) -> tuple[list[pa.RecordBatch], RouteSpec | None, np.ndarray]:
         if not isinstance(table, pa.Table | pa.RecordBatch):
             raise TypeError(
                 f"table: expected a pyarrow Table or RecordBatch, found {type(table).__name__}"
@@ -214,7 +250,7 @@ class MegatronCollator:
                     raise SchemaError(f"column {name!r}: expected a list of integers, found {typ}")
             if self.validate and not is_validated(table):
                 validate_rollouts(table)  # R3-off rules (and the routes' if a column is there)
-            return batches, None
+            return batches, None, np.zeros(0, dtype=np.int64)
         if "routes" not in table.schema.names:
             raise SchemaError(
                 f"expected column 'routes' (this collator replays routes of spec {self.spec}), "
@@ -224,12 +260,30 @@ class MegatronCollator:
         # A table r3arrow built or validated already passed the rollout checks.
         full = self.validate and not is_validated(table)
         spec = validate_rollouts(table, require_routes=True) if full else route_spec(table)
-        if not self.spec.same_shape(spec):
+        # The global layer of each route row present: a projected table (contract C2) holds
+        # a subset, which must include this collator's layers, as router layers.
+        projected = _ROUTE_LAYERS_KEY in (table.schema.metadata or {})
+        if projected:
+            present = _route_layers(table, spec)
+            layer_index = layer_positions(present, self.layers)
+            local = set(spec.router_layers)
+            dense = [
+                g for g, i in zip(self.layers, layer_index.tolist(), strict=True) if i not in local
+            ]
+            if spec.topk != self.spec.topk or dense:
+                raise SchemaError(
+                    f"routes: expected top-k {self.spec.topk} with router layers "
+                    f"{list(self.layers)}, found a projected table of layers {list(present)}, "
+                    f"top-k {spec.topk}, where layers {dense} are not router layers"
+                )
+        elif not self.spec.same_shape(spec):
             raise SchemaError(
                 f"routes: expected [L={self.spec.num_layers}, K={self.spec.topk}] with router "
                 f"layers {list(self.spec.router_layers)}, found [L={spec.num_layers}, "
                 f"K={spec.topk}] with router layers {list(spec.router_layers)}"
             )
+        else:
+            layer_index = np.asarray(self.layers, dtype=np.int64)
         if (
             None not in (self.spec.num_experts, spec.num_experts)
             and self.spec.num_experts != spec.num_experts
@@ -237,7 +291,11 @@ class MegatronCollator:
             raise SchemaError(
                 f"num_experts: expected {self.spec.num_experts}, found {spec.num_experts}"
             )
-        return batches, spec
+        if projected:
+            # The microbatch describes this collator's routers: the full spec, not the slice.
+            experts = spec.num_experts if spec.num_experts is not None else self.spec.num_experts
+            spec = dataclasses.replace(self.spec, num_experts=experts)
+        return batches, spec, layer_index
 
     def _check_lengths(
         self, batches: list[pa.RecordBatch], rlen: np.ndarray, n: np.ndarray, cap: np.ndarray
@@ -258,6 +316,7 @@ class MegatronCollator:
         self,
         batches: list[pa.RecordBatch],
         spec: RouteSpec | None,
+        layer_index: np.ndarray,
         lay: _Layout,
         plen: np.ndarray,
         n: np.ndarray,
@@ -268,8 +327,15 @@ class MegatronCollator:
         k, n_local = (spec.topk, len(self.layers)) if spec is not None else (1, 0)
         tok_shape = (lay.columns, lay.positions)  # packed: columns == 1
         cp = self.cp_size > 1
+        if spec is not None and spec.num_experts is None and self.spec is not None:
+            spec = dataclasses.replace(spec, num_experts=self.spec.num_experts)
+        # With a device the replay buffer stays compact (the routes' dtype) on the host; it is
+        # shipped as is (from pinned memory for CUDA) and widened to int32 on the device.
+        compact = np.dtype(spec.dtype) if spec is not None else np.dtype(np.int32)
+        lm_shape = (n_local, lay.positions, lay.columns, k)
+        stage = self._pinned is not None and self.device is not None and self.device.type != "cpu"
         parts: list[tuple[tuple[int, ...], Any]] = [
-            ((n_local, lay.positions, lay.columns, k), np.int32),
+            ((0 if stage else n_local, lay.positions, lay.columns, k), np.int32),
             (tok_shape, np.int64),
             (tok_shape, np.int64),
             (tok_shape, np.int64),
@@ -285,6 +351,12 @@ class MegatronCollator:
         )
         arena = _Arena(buf)
         lm = arena.take(*parts[0])
+        if self.device is not None and spec is not None:
+            lm = (
+                self._pinned.take(lm_shape, compact)
+                if stage and self._pinned is not None
+                else np.empty(lm_shape, dtype=compact)
+            )
         ids, pos, labels = arena.take(*parts[1]), arena.take(*parts[2]), arena.take(*parts[3])
         loss, lab_mask, pad = arena.take(*parts[4]), arena.take(*parts[5]), arena.take(*parts[6])
         tok_index = arena.take(*parts[7]) if cp else None
@@ -295,8 +367,22 @@ class MegatronCollator:
         need = lay.max_seqlen if not cp else int(lay.seg_global.max() + lay.seg_len.max())
         if self._arange.shape[0] < need:
             self._arange = np.arange(max(need, 2 * self._arange.shape[0]), dtype=np.int64)
+        experts = spec.num_experts if spec is not None else None
         self._write(
-            batches, lay, plen, n, cap, lm, ids, pos, labels, loss, lab_mask, pad, tok_index
+            batches,
+            (layer_index, experts),
+            lay,
+            plen,
+            n,
+            cap,
+            lm,
+            ids,
+            pos,
+            labels,
+            loss,
+            lab_mask,
+            pad,
+            tok_index,
         )
         if padding:  # no real token in a padding microbatch
             ids.fill(self.pad_token_id)
@@ -310,9 +396,8 @@ class MegatronCollator:
         def t32(a: np.ndarray | None) -> torch.Tensor | None:
             return None if a is None else torch.from_numpy(a.astype(np.int32))
 
-        if spec is not None and spec.num_experts is None and self.spec is not None:
-            spec = dataclasses.replace(spec, num_experts=self.spec.num_experts)
-        return Microbatch(
+        replay = self._widen(lm) if spec is not None else None
+        mb = Microbatch(
             spec=spec,
             layers=self.layers,
             packed=self.packed,
@@ -333,13 +418,35 @@ class MegatronCollator:
             cp_size=self.cp_size,
             cp_rank=self.cp_rank,
             sequence_parallel=self.sequence_parallel,
-            layer_major=t(lm) if spec is not None else None,
+            layer_major=replay,
             is_padding=padding,
+            validated_version=(
+                int(replay._version) if replay is not None and self.validate else None
+            ),
         )
+        return mb if self.device is None else mb.to(self.device, non_blocking=True)
+
+    def _widen(self, lm: np.ndarray) -> torch.Tensor:
+        """The replay buffer as an int32 tensor: the host's own buffer without a device; with
+        one, the compact ids shipped there (``non_blocking``) and widened there."""
+        if self.device is None:
+            return torch.from_numpy(lm)
+        host = torch.from_numpy(lm.view(_SHIP_DTYPE[lm.dtype.itemsize]))
+        if self._pinned is not None and self.device.type != "cpu":
+            host = self._pinned.tensor(lm.nbytes).view(host.dtype)  # the same bytes, pinned
+        shipped = host.to(self.device, non_blocking=True)
+        if self._pinned is not None and self.device.type != "cpu":
+            self._pinned.shipped(self.device)
+        if lm.dtype == np.dtype(np.int32):
+            return shipped
+        wide = shipped.to(torch.int32)
+        # uint16 travels as int16 (torch's unsigned 16-bit support is partial): undo the sign.
+        return wide & 0xFFFF if lm.dtype == np.dtype(np.uint16) else wide
 
     def _write(
         self,
         batches: list[pa.RecordBatch],
+        layers: tuple[np.ndarray, int | None],
         lay: _Layout,
         plen: np.ndarray,
         n: np.ndarray,
@@ -369,18 +476,18 @@ class MegatronCollator:
         )
         seg_cols = lay.seg_col.tolist()
         row0 = 0
-        sources: list[np.ndarray] = []
-        jobs: list[tuple[int, int, int, int]] = []  # packed: (source, first row, rows, at)
-        pads: list[tuple[int, int]] = []  # packed: (at, positions)
-        route_base: list[np.ndarray] = []  # first route row of each trajectory, all sources joined
+        # Routes: the source row of every output position (-1: dummy row), one route source
+        # per record batch (a chunk of the routes column: never joined, contract C1).
+        pos_row = np.empty((lay.positions, lay.columns), dtype=np.int64) if r3 else None
+        sources: list[_RouteSource] = []
         for batch, segs in zip(batches, seg_rows, strict=True):
             prompt, p_off = _flat_list(batch.column("prompt_ids"))
             resp, r_off = _flat_list(batch.column("response_ids"))
             mask, _ = _flat_list(batch.column("loss_mask"))
             if r3:
                 routes, rt_off = flat_routes(batch)
-                route_base.append(rt_off[:-1] + sum(x.shape[0] for x in sources))
-                sources.append(routes)
+                src = _RouteSource(routes, rt_off, row0, batch)
+                sources.append(src)
             for s in segs.tolist():
                 g = int(tr[s])
                 i = g - row0
@@ -402,20 +509,16 @@ class MegatronCollator:
                 pos[row, at : at + length] = ar[a : a + length]
                 pad[row, at : at + nr] = False
                 pad[row, at + nr : at + length] = True
-                if r3 and self.packed and nr:
-                    jobs.append((len(sources) - 1, int(rt_off[i]) + a, nr, at))
-                if r3 and self.packed and nr < length:
-                    pads.append((at + nr, length - nr))
+                if pos_row is not None:
+                    np.add(ar[a : a + nr], int(rt_off[i]), out=pos_row[at : at + nr, row])
+                    pos_row[at + nr : at + length, row] = -1
+                    src.cover(at, at + length, c)
                 if tok_index is not None and (self.packed or c == 0):
                     g0 = int(lay.seg_global[s])
                     tok_index[at : at + length] = ar[g0 : g0 + length]
             row0 += batch.num_rows
-        if not r3:
-            return
-        if self.packed:
-            self._copy_routes(sources, jobs, pads, lm)
-        else:
-            self._copy_unpacked(sources, np.concatenate(route_base), cap, lay, lm)
+        if pos_row is not None:
+            self._gather_routes(sources, pos_row, lm, *layers)
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -424,77 +527,29 @@ class MegatronCollator:
             )
         return self._executor
 
-    def _copy_unpacked(
+    def _gather_routes(
         self,
-        sources: list[np.ndarray],
-        first_row: np.ndarray,
-        cap: np.ndarray,
-        lay: _Layout,
+        sources: list[_RouteSource],
+        pos_row: np.ndarray,
         lm: np.ndarray,
+        layer_index: np.ndarray,
+        num_experts: int | None,
     ) -> None:
-        """Sequence-major ``[s, b]`` routes, block by block of positions over all rows at once:
-        each block of the output is contiguous per layer, so no write is strided."""
-        select: slice | np.ndarray = self._select
-        source = sources[0]
-        if len(sources) > 1:  # several record batches: join their local layers, compact dtype
-            source = np.concatenate([src[:, select] for src in sources])
-            select = slice(0, len(self.layers))
-        col0 = lay.seg_col == 0
-        t_of_p = np.concatenate(
-            [
-                self._arange[a : a + n]
-                for a, n in zip(
-                    lay.seg_start[col0].tolist(), lay.seg_len[col0].tolist(), strict=True
-                )
-            ]
-        )
-        gather = _RowGatherer(source, select, lm, first_row, cap)
-        positions, step = lay.positions, gather.block_positions
-        starts = list(range(0, positions, step))
-        total = positions * lay.columns * lm.shape[0] * lm.shape[3] * 4
-        workers = min(self.num_threads, len(starts)) if total >= _PARALLEL_BYTES else 1
-        if workers <= 1:
-            for p0 in starts:
-                gather.run(t_of_p, p0, min(positions, p0 + step))
-            return
-        executor = self._threads()
-
-        def share(w: int) -> None:
-            g = gather if w == 0 else _RowGatherer(source, select, lm, first_row, cap)
-            for p0 in starts[w::workers]:
-                g.run(t_of_p, p0, min(positions, p0 + step))
-
-        for f in [executor.submit(share, w) for w in range(workers)]:
-            f.result()
-
-    def _copy_routes(
-        self,
-        sources: list[np.ndarray],
-        jobs: list[tuple[int, int, int, int]],
-        pads: list[tuple[int, int]],
-        lm: np.ndarray,
-    ) -> None:
-        """Run the packed route copies, split evenly by rows over worker threads when large."""
-        rows = sum(j[2] for j in jobs)
-        row_bytes = lm.shape[0] * lm.shape[3] * 4
-        workers = self.num_threads if rows * row_bytes >= _PARALLEL_BYTES else 1
-        if workers <= 1:
-            _run_copies(sources, self._select, lm, jobs, pads)
-            return
-        groups: list[list[tuple[int, int, int, int]]] = [[] for _ in range(workers)]
-        per, filled, w = -(-rows // workers), 0, 0
-        for src, s0, count, at in jobs:
-            done = 0
-            while done < count:
-                take = min(count - done, per - filled)
-                groups[w].append((src, s0 + done, take, at + done))
-                done, filled = done + take, filled + take
-                if filled == per and w < workers - 1:
-                    w, filled = w + 1, 0
-        executor = self._threads()
-        futures = [
-            executor.submit(_run_copies, sources, self._select, lm, g, pads if i == 0 else [])
-            for i, g in enumerate(groups)
+        """The fused pass (`r3arrow.ids.gather_router_ids`) per route source, over its span of
+        positions (packed) or columns (unpacked); split over worker threads when large."""
+        total = lm.shape[0] * lm.shape[1] * lm.shape[2] * lm.shape[3] * 4
+        workers = self.num_threads if total >= _PARALLEL_BYTES else 1
+        positions = int(pos_row.shape[0])
+        pieces = [
+            piece
+            for src in sources
+            for piece in src.pieces(positions, packed=self.packed, split=workers)
         ]
+        args = (pos_row, lm, layer_index, num_experts, self.layers, self.validate)
+        if workers <= 1:
+            _run_gathers(pieces, *args)
+            return
+        executor = self._threads()
+        futures = [executor.submit(_run_gathers, pieces[w::workers], *args) for w in range(workers)]
         for f in futures:
             f.result()

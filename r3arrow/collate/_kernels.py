@@ -1,27 +1,22 @@
-"""Copy kernels: compact Arrow route rows → the layer-major int32 replay buffer.
+"""Copy kernels: token slices, and compact Arrow route rows → the layer-major replay buffer.
 
-Per cache-sized block: gather the local layers of a block of tokens from the compact
-buffer, transpose in cache (each token's ``[K]`` ids moving as one machine word), widen
-into place. Packed: `_RouteCopier` per trajectory chunk; unpacked: `_RowGatherer` per block
-of positions over all rows, so the sequence-major output is written contiguously too.
-Python loops run per chunk or per block, never per token or per layer.
+Routes go through the fused pass of `r3arrow.ids.gather_router_ids` (one cache-blocked
+pass: gather the local layers, check the ids while compact, widen; ``docs/collation.md``),
+once per chunk of the routes column (`_RouteSource`: a record batch's routes, never joined
+with the others) over the output positions its trajectories fill. Python loops run per
+chunk or per piece, never per token or per layer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from collections.abc import Sequence
 
 import numpy as np
+import pyarrow as pa
 
-#: Bytes of compact routes transposed per block (fits in L2 next to its int32 output).
-_BLOCK_BYTES = 1 << 17
-
-_ROW_VIEW: dict[int, np.dtype[Any]] = {
-    1: np.dtype(np.uint8),
-    2: np.dtype(np.uint16),
-    4: np.dtype(np.uint32),
-    8: np.dtype(np.uint64),
-}
+from r3arrow.errors import DuplicateExpertError, ExpertRangeError, R3ArrowError
+from r3arrow.ids import check_router_ids, gather_router_ids
 
 
 def _put(
@@ -44,127 +39,79 @@ def _put(
         out[at + s - a : at + b - a] = resp[ro + s - p : ro + b - p]
 
 
-class _RouteCopier:
-    """Packed kernel: compact rows ``[s0, s0+count)``, local layers → ``lm[:, at:at+count, 0]``.
-
-    Per cache-sized block: (1) gather the block's local layers into a contiguous buffer
-    (one element per token when the layers are a contiguous range: a single strided loop
-    instead of one call per token), (2) transpose it in cache, each token's ``[K]`` ids
-    moving as one machine word (or a K·itemsize void), (3) widen into the int32 output,
-    contiguous per layer.
-    """
-
-    def __init__(self, routes: np.ndarray, select: slice | np.ndarray, lm: np.ndarray) -> None:
-        tokens, layers, k = routes.shape
-        n_local = lm.shape[0]
-        self.select, self.k, self.dtype, self.lm = select, k, routes.dtype, lm
-        row_bytes = k * routes.dtype.itemsize
-        self.row_dtype: np.dtype[Any] = _ROW_VIEW.get(row_bytes, np.dtype((np.void, row_bytes)))
-        self.rows = routes.reshape(tokens, layers * k).view(self.row_dtype)
-        contiguous = isinstance(select, slice) and select.step in (None, 1)
-        self.span = np.dtype((np.void, n_local * row_bytes)) if contiguous else None
-        self.block = max(64, _BLOCK_BYTES // max(1, n_local * row_bytes))
-        self.gathered = np.empty((self.block, n_local), dtype=self.row_dtype)
-        self.tmp = np.empty((n_local, self.block), dtype=self.row_dtype)
-        # int32 storage needs no widening: copy whole 4·K-byte rows.
-        self.out_row = np.dtype((np.void, 4 * k))
-        self.lm_rows = lm.reshape(n_local, lm.shape[1] * lm.shape[2] * k).view(self.out_row)
-
-    def copy(self, s0: int, count: int, at: int) -> None:
-        n_local = self.lm.shape[0]
-        for off in range(0, count, self.block):
-            c = min(self.block, count - off)
-            t = self.tmp[:, :c]
-            src = self.rows[s0 + off : s0 + off + c, self.select]
-            if self.span is not None:
-                g = self.gathered[:c]
-                np.copyto(g.view(self.span), src.view(self.span))
-                np.copyto(t, g.T)
-            else:
-                np.copyto(t, src.T)
-            a, b = at + off, at + off + c
-            if self.dtype == np.dtype(np.int32):
-                np.copyto(self.lm_rows[:, a:b], t.view(self.out_row))
-            else:
-                np.copyto(self.lm[:, a:b, 0, :], t.view(self.dtype).reshape(n_local, c, self.k))
-
-
-class _RowGatherer:
-    """Unpacked kernel: for positions ``[p0, p1)`` of every row, gather the local layers'
-    routes (dummy rows where not captured) with one ``take``, transpose in cache, widen into
-    the contiguous ``lm[:, p0:p1, :, :]``."""
+class _RouteSource:
+    """One chunk of the routes column (a record batch's): compact ids ``[T, L, K]``, its
+    route offsets ``[rows + 1]``, the table row of its first trajectory, and the span of
+    output positions (packed) or columns (unpacked) its trajectories fill."""
 
     def __init__(
-        self,
-        routes: np.ndarray,
-        select: slice | np.ndarray,
-        lm: np.ndarray,
-        first_row: np.ndarray,
-        captured: np.ndarray,
+        self, routes: np.ndarray, offsets: np.ndarray, row0: int, batch: pa.RecordBatch
     ) -> None:
-        tokens, layers, k = routes.shape
-        n_local, positions, columns, _ = lm.shape
-        self.k, self.dtype, self.columns, self.select = k, routes.dtype, columns, select
-        row_bytes = k * routes.dtype.itemsize
-        self.row_dtype: np.dtype[Any] = _ROW_VIEW.get(row_bytes, np.dtype((np.void, row_bytes)))
-        self.rows = routes.reshape(tokens, layers * k).view(self.row_dtype)
-        self.layer_index = np.arange(layers)[select]
-        self.first_row, self.captured = first_row, captured
-        self.empty = tokens == 0
-        self.block_positions = max(1, (4 * _BLOCK_BYTES) // max(1, columns * n_local * row_bytes))
-        self.tmp = np.empty((n_local, self.block_positions * columns), dtype=self.row_dtype)
-        dummy = np.tile(np.arange(k, dtype=routes.dtype), n_local)
-        self.dummy = np.frombuffer(dummy.tobytes(), dtype=self.row_dtype)
-        self.lm_flat = lm.reshape(n_local, positions * columns, k)
-        self.lm_rows = self.lm_flat.reshape(n_local, positions * columns * k).view(
-            np.dtype((np.void, 4 * k))
-        )
+        self.routes, self.offsets, self.row0, self.batch = routes, offsets, row0, batch
+        self.lo = self.col_lo = sys.maxsize
+        self.hi = self.col_hi = -1
 
-    def run(self, t_of_p: np.ndarray, p0: int, p1: int) -> None:
-        t = t_of_p[p0:p1]
-        c = t.shape[0] * self.columns
-        idx = self.first_row[None, :] + t[:, None]
-        pad = (t[:, None] >= self.captured[None, :]).reshape(-1)
-        flat = idx.reshape(-1)
-        flat[pad] = 0
-        if self.empty:
-            stage = np.empty((c, self.tmp.shape[0]), dtype=self.row_dtype)
-            stage[:] = self.dummy
+    def cover(self, at: int, end: int, col: int) -> None:
+        """Record that positions ``[at, end)`` of column ``col`` take rows of this source."""
+        self.lo, self.hi = min(self.lo, at), max(self.hi, end)
+        self.col_lo, self.col_hi = min(self.col_lo, col), max(self.col_hi, col + 1)
+
+    def pieces(
+        self, positions: int, *, packed: bool, split: int
+    ) -> list[tuple[_RouteSource, tuple[int, int, int, int]]]:
+        """``(self, span)`` over this source's positions (packed) or columns (unpacked) in
+        ``split`` pieces of positions; ``span`` as `r3arrow.ids.gather_router_ids` takes it."""
+        if self.hi < 0:
+            return []
+        if packed:
+            p_lo, p_hi, c_lo, c_hi = self.lo, self.hi, 0, 1
         else:
-            # Advanced index on tokens + basic slice on layers: one row copy per token.
-            if isinstance(self.select, slice):
-                stage = self.rows[flat, self.select]
-            else:
-                stage = self.rows[flat[:, None], self.layer_index[None, :]]
-            stage[pad] = self.dummy
-        tmp = self.tmp[:, :c]
-        np.copyto(tmp, stage.T)
-        q0, q1 = p0 * self.columns, p1 * self.columns
-        if self.dtype == np.dtype(np.int32):
-            np.copyto(self.lm_rows[:, q0:q1], tmp.view(self.lm_rows.dtype))
-        else:
-            np.copyto(self.lm_flat[:, q0:q1], tmp.view(self.dtype).reshape(tmp.shape[0], c, self.k))
+            p_lo, p_hi, c_lo, c_hi = 0, positions, self.col_lo, self.col_hi
+        per = max(1, -(-(p_hi - p_lo) // max(1, split)))
+        return [(self, (p0, min(p_hi, p0 + per), c_lo, c_hi)) for p0 in range(p_lo, p_hi, per)]
+
+    def error_at(
+        self,
+        exc: ExpertRangeError | DuplicateExpertError,
+        layer_index: np.ndarray,
+        num_experts: int | None,
+        layers: Sequence[int],
+    ) -> R3ArrowError:
+        """``exc`` (naming a row of this source as its token) restated for the trajectory:
+        ``row`` (table row), ``trajectory_id``, ``token`` within the trajectory."""
+        if exc.token is None:
+            return exc
+        i = int(np.searchsorted(self.offsets, exc.token, side="right")) - 1
+        g = self.row0 + i
+        tid = None
+        if "trajectory_id" in self.batch.schema.names:
+            tid = self.batch.column("trajectory_id")[i].as_py()
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        try:  # the reference check on this trajectory: its token positions and layers
+            check_router_ids(
+                self.routes[a:b][:, layer_index], num_experts, layers, what=f"routes of row {g}"
+            )
+        except (ExpertRangeError, DuplicateExpertError) as found:
+            return type(found)(
+                found.message, trajectory_id=tid, row=g, token=found.token, layer=found.layer
+            )
+        return exc  # pragma: no cover - the same rows failed the fused pass
 
 
-def _run_copies(
-    sources: list[np.ndarray],
-    select: slice | np.ndarray,
+def _run_gathers(
+    pieces: list[tuple[_RouteSource, tuple[int, int, int, int]]],
+    pos_row: np.ndarray,
     lm: np.ndarray,
-    jobs: list[tuple[int, int, int, int]],
-    pads: list[tuple[int, int]],
+    layer_index: np.ndarray,
+    num_experts: int | None,
+    layers: Sequence[int],
+    check: bool,
 ) -> None:
-    """Packed route copies ``(source, first row, rows, at)`` and dummy rows ``[0 .. K-1]`` at
-    ``(at, positions)``; one worker's share, with its own scratch buffers."""
-    copiers: dict[int, _RouteCopier] = {}
-    for src, s0, count, at in jobs:
-        cp = copiers.get(src)
-        if cp is None:
-            cp = copiers[src] = _RouteCopier(sources[src], select, lm)
-        cp.copy(s0, count, at)
-    if pads:
-        k = lm.shape[3]
-        out_row = np.dtype((np.void, 4 * k))
-        lm_rows = lm.reshape(lm.shape[0], lm.shape[1] * lm.shape[2] * k).view(out_row)
-        dummy = np.arange(k, dtype=np.int32).view(out_row)[0]
-        for at, count in pads:
-            lm_rows[:, at : at + count] = dummy
+    """One worker's share of the fused pass (`r3arrow.ids.gather_router_ids`) into ``lm``."""
+    for src, span in pieces:
+        try:
+            gather_router_ids(
+                src.routes, layer_index, pos_row, lm, num_experts, layers, span=span, check=check
+            )
+        except (ExpertRangeError, DuplicateExpertError) as exc:
+            raise src.error_at(exc, layer_index, num_experts, layers) from None

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from r3arrow._checks import check_positive_int
+from r3arrow.errors import RouteShapeError
 
 
 def alignment_multiple(
@@ -118,3 +119,21 @@ def _layer_selector(layers: Sequence[int]) -> slice | np.ndarray:
     if step > 0 and all(b - a == step for a, b in itertools.pairwise(layers)):
         return slice(layers[0], layers[-1] + 1, step)
     return np.asarray(layers, dtype=np.intp)
+
+
+def layer_positions(present: Sequence[int], layers: Sequence[int]) -> np.ndarray:
+    """int64 index into a routes column's layer axis of each global layer in ``layers``.
+
+    ``present``: the global layer id of each route row present (`r3arrow.table.route_layers`;
+    a projected table holds a subset, contract C2). Raises `RouteShapeError` naming the
+    layers that are missing.
+    """
+    where = {g: i for i, g in enumerate(present)}
+    missing = [g for g in layers if g not in where]
+    if missing:
+        raise RouteShapeError(
+            f"routes: expected global layers {list(layers)} (this collator's routers), found a "
+            f"table holding layers {list(present)}; missing {missing} (read the table with "
+            f"layers= including them)"
+        )
+    return np.asarray([where[g] for g in layers], dtype=np.int64)

@@ -66,8 +66,26 @@ class Microbatch:
     #: True for a DP padding microbatch (`r3arrow.microbatch.padding_table`): every
     #: position is padding, the loss mask is 0; it only keeps DP ranks' schedules in step.
     is_padding: bool = False
+    #: Set by the collator when its fused pass checked the router-id rules on `layer_major`
+    #: (ids in ``[0, spec.num_experts)``, no expert twice per row; ``docs/collation.md``):
+    #: `layer_major`'s torch version counter at that time (None: not checked). See
+    #: `ids_validated`.
+    validated_version: int | None = None
 
     # -------------------------------------------------------------- derived
+    @property
+    def ids_validated(self) -> bool:
+        """Whether `layer_major` still holds the ids the collator checked: `install_replay`
+        then skips its own id scan for ``spec.num_experts``. Any in-place torch write into
+        `layer_major` (or a view of it) bumps its version counter and voids this; writes that
+        bypass torch (through ``.numpy()``) are not seen: build a new microbatch instead."""
+        lm = self.layer_major
+        return (
+            lm is not None
+            and self.validated_version is not None
+            and int(lm._version) == self.validated_version
+        )
+
     @property
     def r3(self) -> bool:
         """Whether the microbatch carries replay targets (False: collated with R3 off)."""
@@ -131,6 +149,10 @@ class Microbatch:
             for f in dataclasses.fields(self)
             if isinstance(v := getattr(self, f.name), torch.Tensor)
         }
+        lm = moved.get("layer_major")
+        moved["validated_version"] = (
+            int(lm._version) if lm is not None and self.ids_validated else None
+        )
         return dataclasses.replace(self, **moved)
 
     def to_batch(self, values: torch.Tensor, *, fill: float = 0.0) -> torch.Tensor:

@@ -259,13 +259,20 @@ class TinyMoE(nn.Module):
         )
 
     def extend(
-        self, token_ids: torch.Tensor, cache: _KVCache, *, logits_from: int | None = 0
+        self,
+        token_ids: torch.Tensor,
+        cache: _KVCache,
+        *,
+        logits_from: int | None = 0,
+        router_inputs: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run ``token_ids`` [t] after the ``cache.length`` tokens already in ``cache``.
 
         Returns logits for chunk rows ``logits_from:`` (``None``: no logits) and routes
         ``[t, L, K]`` int64; the cache then holds the chunk too. A prefill is an extend of
-        an empty cache; a decode step is an extend by one token.
+        an empty cache; a decode step is an extend by one token. ``router_inputs``: a
+        ``[t, n_moe, hidden]`` tensor filled with what each router layer's gate saw (see
+        `router_inputs`).
         """
         c = self.config
         if token_ids.ndim != 1 or token_ids.dtype != torch.int64:
@@ -288,7 +295,10 @@ class TinyMoE(nn.Module):
                 if layer in c.dense_layers:
                     x = x + self._dense(_rms_norm(x), slot)
                 else:
-                    y, ids = self._moe(_rms_norm(x), slot)
+                    h = _rms_norm(x)
+                    if router_inputs is not None:
+                        router_inputs[:, slot] = h
+                    y, ids = self._moe(h, slot)
                     x = x + y
                     routes[:, layer] = ids
             logits = None if logits_from is None else _rms_norm(x[logits_from:]) @ self.lm_head
@@ -304,6 +314,31 @@ class TinyMoE(nn.Module):
                 f"expected a non-empty 1-D token_ids tensor, found shape {list(token_ids.shape)}"
             )
         return self.extend(token_ids, self.new_cache(token_ids.shape[0]), logits_from=logits_from)
+
+    def router_inputs(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs ``[T, n_moe, hidden]``, routes ``[T, L, K]`` int64) of one forward pass.
+
+        ``inputs[t, i]`` is the normalised hidden state the router of MoE layer
+        ``config.moe_layers[i]`` scored for token ``t`` (its logits are
+        ``inputs[t, i] @ router_weights()[i]``), in the model's dtype; ``routes`` is what
+        `forward` returns. One pass for the whole sequence (causal to the bit, see
+        `TinyMoEConfig`: the same values as the prefill and decode steps that generated
+        it). Raises ``ValueError`` for an empty or non-1-D ``token_ids``.
+        """
+        if token_ids.ndim != 1 or token_ids.shape[0] == 0:
+            raise ValueError(
+                f"expected a non-empty 1-D token_ids tensor, found shape {list(token_ids.shape)}"
+            )
+        c = self.config
+        t = token_ids.shape[0]
+        out = torch.empty(t, len(c.moe_layers), c.hidden_size, dtype=c.torch_dtype)
+        _, routes = self.extend(token_ids, self.new_cache(t), logits_from=None, router_inputs=out)
+        return out, routes
+
+    def router_weights(self) -> torch.Tensor:
+        """The routers' gate weights ``[n_moe, hidden, num_experts]`` (layer order of
+        ``config.moe_layers``), in the model's dtype; router logits are ``input @ weight``."""
+        return self.router[: len(self.config.moe_layers)]
 
     def forward(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``token_ids [T] int64 -> (logits [T, V], routes [T, L, K] int64)``."""
@@ -394,6 +429,23 @@ class ReferenceEngine:
             )
         _, routes = self.model.run(torch.from_numpy(ids), logits_from=None)
         return routes.numpy().astype(self.spec.dtype)
+
+    def router_inputs(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """What each MoE layer's router scored for every token of a full sequence.
+
+        ``[N, n_moe, hidden]`` in the model's dtype (`TinyMoE.router_inputs`); with
+        `TinyMoE.router_weights` it recomputes the engine's routing outside the engine
+        (e.g. in a trainer's router at another precision). Same checks as `routes_for`.
+        """
+        ids = self.check_token_ids(token_ids)
+        if ids.shape[0] > self.config.max_model_len:
+            raise EngineRequestError(
+                f"token_ids: expected at most max_model_len={self.config.max_model_len} tokens, "
+                f"found {ids.shape[0]}",
+                param="token_ids",
+            )
+        inputs, _ = self.model.router_inputs(torch.from_numpy(ids))
+        return inputs.numpy()
 
     def generate(
         self,

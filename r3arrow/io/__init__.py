@@ -7,11 +7,16 @@ This package is the only owner of the on-disk layout (see ``docs/design.md``,
   training step under a root, ``part-NNNNN.parquet`` files, writes to a
   temporary file renamed into place. `list_steps` and `iter_rollout_files`
   discover what is there.
-- **Routes storage** (`r3arrow.io._storage`): routes columns are stored as
-  ``large_list<fixed_size_binary(L*K*itemsize)>`` (one opaque little-endian
-  value per token; Parquet would store nested lists value by value, slow and
-  ~4x larger) and restored to the nested type on read without copying
-  (`to_storage`, `from_storage`, `route_rows`).
+- **Routes storage** (`r3arrow.io._groups`, `r3arrow.io._storage`; ``docs/storage.md``):
+  routes columns are stored as layer groups,
+  ``large_list<struct<l0_6: fixed_size_binary(6*K*itemsize), ...>>`` (opaque
+  little-endian values; Parquet would store nested lists value by value, slow and
+  ~4x larger), so a reader of some layers reads only their groups, and restored to
+  the nested type on read (`from_storage`, `route_rows`; `project_layers` projects
+  in memory). Files of the older single ``fixed_size_binary`` form still read.
+- **Streaming** (`r3arrow.io._stream`): readers go row group by row group under a
+  ``max_memory`` budget (`DEFAULT_MAX_MEMORY`); writers cut row groups by bytes
+  (`DEFAULT_ROW_GROUP_BYTES`).
 - **Parquet** (`r3arrow.io._parquet`): `write_rollouts`, `read_rollouts`,
   `iter_rollouts`, `scan_rollouts`, `read_rollouts_dataset`, and the readers
   the integrations build on: `iter_rollout_tables` (restored tables with their
@@ -36,6 +41,13 @@ generic tools (`r3arrow.io._portable`). Argument misuse (a negative or non-int
 
 from __future__ import annotations
 
+from r3arrow.io._diagnostics import (
+    DIAGNOSTICS_SCHEMA,
+    NATIVE_VS_REPLAY,
+    read_diagnostics,
+    write_diagnostics,
+)
+from r3arrow.io._groups import project_layers
 from r3arrow.io._ipc import read_ipc, write_ipc
 from r3arrow.io._layout import (
     TempFile,
@@ -58,8 +70,13 @@ from r3arrow.io._parquet import (
 )
 from r3arrow.io._portable import to_portable
 from r3arrow.io._storage import from_storage, route_rows, to_storage
+from r3arrow.io._stream import DEFAULT_MAX_MEMORY, DEFAULT_ROW_GROUP_BYTES
 
 __all__ = [
+    "DEFAULT_MAX_MEMORY",
+    "DEFAULT_ROW_GROUP_BYTES",
+    "DIAGNOSTICS_SCHEMA",
+    "NATIVE_VS_REPLAY",
     "RolloutFile",
     "TempFile",
     "check_step",
@@ -69,6 +86,8 @@ __all__ = [
     "iter_rollout_tables",
     "iter_rollouts",
     "list_steps",
+    "project_layers",
+    "read_diagnostics",
     "read_ipc",
     "read_rollouts",
     "read_rollouts_dataset",
@@ -79,6 +98,7 @@ __all__ = [
     "scan_rollouts",
     "to_portable",
     "to_storage",
+    "write_diagnostics",
     "write_ipc",
     "write_rollouts",
 ]

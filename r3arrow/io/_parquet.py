@@ -1,7 +1,11 @@
 """Parquet: rollout tables to files and ``step=N/`` roots, exact and atomic.
 
-Routes are written in their storage form (`r3arrow.io._storage`) and restored on
-read without copying; the spec travels in the file metadata. Files are written
+Routes are written in layer-group storage (`r3arrow.io._groups`; older files hold
+one ``fixed_size_binary`` value per token, `r3arrow.io._storage`) and restored on
+read; the spec travels in the file metadata. Row groups are cut by bytes and every
+reader streams them (`r3arrow.io._stream`, ``docs/storage.md``): `iter_rollouts` and
+`iter_rollout_tables` yield bounded ``(step, table)`` pieces under ``max_memory``, and
+``layers=`` reads only the layer groups holding those layers (contract C2). Files are written
 with Parquet page checksums (CRC-32 per page) and a SHA-256 over the r3arrow
 metadata (``r3arrow.meta_sha256``); readers verify both.
 
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ from r3arrow._checks import check_int
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import SchemaError
+from r3arrow.io._groups import plan_groups, read_leaves, to_group_storage
 from r3arrow.io._layout import (
     STEP_PARTITIONING,
     atomic_path,
@@ -45,9 +49,18 @@ from r3arrow.io._layout import (
     step_files,
 )
 from r3arrow.io._portable import to_portable
-from r3arrow.io._storage import from_storage, to_storage
+from r3arrow.io._stream import (
+    DEFAULT_MAX_MEMORY,
+    DEFAULT_ROW_GROUP_BYTES,
+    concat,
+    empty_table,
+    iter_pieces,
+    open_parquet,
+    restore_unit,
+    row_group_bounds,
+    shape,
+)
 from r3arrow.io._verify import (
-    READ_ERRORS,
     check_rows,
     check_storage,
     check_table,
@@ -56,7 +69,6 @@ from r3arrow.io._verify import (
     open_error,
     reading,
     sealed,
-    unsealed,
 )
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
 
@@ -67,11 +79,16 @@ _PARQUET_FORMAT = ds.ParquetFileFormat(
 
 
 # ---------------------------------------------------------------------- write
-def _storage_form(table: pa.Table, portable: bool) -> pa.Table:
-    """What Parquet stores: routes as storage (or portable) columns; R3-off tables as they are."""
+def _storage_form(
+    table: pa.Table, portable: bool, layer_group: int | Sequence[int] | None
+) -> pa.Table:
+    """What Parquet stores: routes as layer-group (or portable) columns; R3 off as is."""
     if SPEC_METADATA_KEY not in (table.schema.metadata or {}):
         return table  # R3 off: no routes to convert (check_table refused a routes column)
-    return to_portable(table) if portable else to_storage(table)
+    if portable:
+        return to_portable(table)
+    spec = RouteSpec.from_schema(table.schema)
+    return to_group_storage(table, plan_groups(spec.num_layers, layer_group))
 
 
 def write_rollouts(
@@ -82,6 +99,8 @@ def write_rollouts(
     compression: str | None = "none",
     compression_level: int | None = None,
     row_group_rows: int | None = None,
+    row_group_bytes: int | None = None,
+    layer_group: int | Sequence[int] | None = None,
     portable: bool = False,
 ) -> Path:
     """Write a rollout table to Parquet atomically; return the file written.
@@ -92,35 +111,57 @@ def write_rollouts(
     ``path/step=N/part-XXXXX.parquet`` (a new part each call). ``compression``
     is any Parquet codec ("none", "zstd", "lz4", "snappy"). ``portable=True``
     stores routes as plain nested integer lists (readable by pandas, Polars,
-    DuckDB, datasets; larger and slower) instead of one binary value per token;
+    DuckDB, datasets; larger and slower) instead of binary layer groups;
     r3arrow reads both. Every page carries a CRC-32 and the r3arrow metadata a
     SHA-256 (``r3arrow.meta_sha256``). A table without ``routes`` and without a
-    spec (R3 off) is written as is. Raises the validation errors (`SchemaError`,
-    `TerminalGapError`, ...) before touching the disk, ``TypeError`` /
-    ``ValueError`` for a bad ``step``.
+    spec (R3 off) is written as is. A routes column of many chunks is written
+    chunk by chunk (never combined).
+
+    Layout (``docs/storage.md``): routes are stored in groups of consecutive
+    layers so a reader of some layers reads only their groups; ``layer_group``
+    picks them (``None``: ``max(1, L // 8)`` layers per group; an int: that many
+    layers per group; a sequence: the group sizes, e.g. one per pipeline stage).
+    Row groups hold about ``row_group_bytes`` decoded bytes each (default 64 MiB;
+    streaming readers hold about one at a time); an explicit ``row_group_rows``
+    wins. Raises the validation errors (`SchemaError`, `TerminalGapError`, ...)
+    before touching the disk, ``TypeError`` / ``ValueError`` for a bad ``step``,
+    ``layer_group``, ``row_group_bytes`` or ``layer_group`` with ``portable``.
     """
+    if portable and layer_group is not None:
+        raise ValueError("layer_group: expected None with portable=True (nested lists)")
+    target = DEFAULT_ROW_GROUP_BYTES
+    if row_group_bytes is not None:
+        target = check_int(row_group_bytes, "row_group_bytes", minimum=1)
     if not is_validated(table):
         meta = table.schema.metadata or {}
         spec = RouteSpec.from_schema(table.schema) if SPEC_METADATA_KEY in meta else None
         check_storage(table)
         check_table(table, spec)
     dest = Path(path) if step is None else step_dir(path, step)
-    storage = _storage_form(table, portable)
+    storage = _storage_form(table, portable, layer_group)
+    bounds = (
+        [(0, table.num_rows)] if row_group_rows is not None else row_group_bounds(table, target)
+    )
     storage = storage.replace_schema_metadata(sealed(dict(storage.schema.metadata or {})))
     no_dict = [n for n in storage.schema.names if n != "routes"]
-    with atomic_path(dest, new_part=step is not None) as paths:
-        pq.write_table(
-            storage,
+    with (
+        atomic_path(dest, new_part=step is not None) as paths,
+        pq.ParquetWriter(
             paths[0],
+            storage.schema,
             compression=compression,  # type: ignore[arg-type]  # validated by Arrow
             compression_level=compression_level,
             use_dictionary=no_dict,  # type: ignore[arg-type]  # stubs: a list of columns is valid
             write_statistics=no_dict,
-            row_group_size=row_group_rows,
             data_page_size=8 << 20,
             use_compliant_nested_type=False,  # keep list child names ("item"): exact round trip
             write_page_checksum=True,
-        )
+        ) as writer,
+    ):
+        if not bounds:  # no rows: an empty file with the schema
+            writer.write_table(storage)
+        for a, b in bounds:
+            writer.write_table(storage.slice(a, b - a), row_group_size=row_group_rows or b - a)
     return paths[-1]
 
 
@@ -141,59 +182,27 @@ def check_rollout_schema(schema: pa.Schema, path: Path) -> RouteSpec:
     return spec
 
 
-def _restore(
-    table: pa.Table,
-    path: Path,
-    spec: RouteSpec | None,
-    validate: bool,
-    columns: Sequence[str] | None,
-) -> pa.Table:
-    """Storage-form ``table`` of ``path`` restored, and (``validate``) checked and marked."""
-    with reading(path):
-        if validate:
-            check_storage(table)
-        out = unsealed(from_storage(table) if spec is not None else table)
-        return check_table(out, spec, projected=columns is not None) if validate else out
-
-
-def _open(path: Path) -> pq.ParquetFile:
-    """A ParquetFile that verifies page checksums (the caller wraps errors with `reading`)."""
-    return pq.ParquetFile(path, page_checksum_verification=True)
-
-
-def _read_groups(pf: pq.ParquetFile, path: Path, columns: Sequence[str] | None) -> pa.Table:
-    """All row groups of ``pf``, each read by its own reader and checked against its row count.
-
-    One reader across row groups trusts each page header's value count, which
-    the page checksum does not cover: a corrupt count shifts values from one
-    row group into the next without an error. A reader per row group stops at
-    the group's row count from the (checked) footer.
-    """
-    names = None if columns is None else list(columns)
-    md = pf.metadata
-    if md.num_row_groups == 0:
-        return pf.read(columns=names)
-    parts = []
-    for g in range(md.num_row_groups):
-        part = pf.read_row_group(g, columns=names)
-        check_rows(part, md.row_group(g).num_rows, path, f"row group {g}")
-        parts.append(part)
-    return parts[0] if len(parts) == 1 else pa.concat_tables(parts)
-
-
-def _footer(path: Path) -> tuple[pa.Schema, int, RouteSpec | None]:
-    """(Arrow schema, row groups, spec) from a checked Parquet footer."""
-    with reading(path), _open(path) as pf:
-        return pf.schema_arrow, pf.metadata.num_row_groups, footer_spec(pf, path)
+def _footer(path: Path) -> tuple[pa.Schema, tuple[int, ...], RouteSpec | None]:
+    """(Arrow schema, decoded bytes per row group, spec) from a checked Parquet footer."""
+    with reading(path), open_parquet(path) as pf:
+        md = pf.metadata
+        sizes = tuple(md.row_group(g).total_byte_size for g in range(md.num_row_groups))
+        return pf.schema_arrow, sizes, footer_spec(pf, path)
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutFile:
-    """One rollout Parquet file: its ``path``, ``step`` (``None`` outside a root), row groups."""
+    """One rollout Parquet file: its ``path``, ``step`` (``None`` outside a root), row groups.
+
+    ``row_group_bytes``: each row group's decoded size from the footer (every
+    column; a layer projection reads about its fraction of the routes part), for
+    callers that plan reads under a memory budget (Ray, directory collation).
+    """
 
     path: Path
     step: int | None
     num_row_groups: int
+    row_group_bytes: tuple[int, ...] = ()
 
 
 def _scan(
@@ -203,7 +212,7 @@ def _scan(
     first: tuple[Path, pa.Schema] | None = None
     out = []
     for step, f in pairs:
-        schema, row_groups, s = _footer(f)
+        schema, sizes, s = _footer(f)
         if first is None:
             spec, first = s, (f, schema)
         elif s != spec:
@@ -212,7 +221,7 @@ def _scan(
             raise SchemaError(
                 f"{f}: expected the spec of {first[0]} ({want}), found {found}", path=f
             )
-        out.append(RolloutFile(f, step, row_groups))
+        out.append(RolloutFile(f, step, len(sizes), sizes))
     assert first is not None  # callers pass at least one file
     return spec, first[1], out
 
@@ -240,27 +249,37 @@ def read_row_group(
     step: int | None = None,
     *,
     validate: bool = True,
+    layers: Sequence[int] | None = None,
 ) -> pa.Table:
     """One row group of a rollout file, routes restored; with ``step``, an int64 ``step`` column.
 
     The table keeps the file's schema metadata (the spec) and is validated like
-    `read_rollouts` (``validate=False`` skips the data checks). Raises
+    `read_rollouts` (``validate=False`` skips the data checks); ``layers`` projects
+    the routes like `read_rollouts` (only those layer groups are read). Raises
     `SchemaError` (``path`` set) for an unreadable, corrupt or foreign file, the
     validation errors (``path`` set) for bad data, and ``ValueError`` /
     ``TypeError`` for a ``row_group`` that is not an index of the file.
     """
     p = Path(path)
     group = check_int(row_group, "row_group", minimum=0)
-    with reading(p), _open(p) as pf:
+    with reading(p), open_parquet(p) as pf:
         schema = pf.schema_arrow
-        spec = footer_spec(pf, p)
+        footer_spec(pf, p)
         groups = pf.metadata.num_row_groups
         if group < groups:
-            table = pf.read_row_group(group, columns=None if columns is None else list(columns))
+            leaves = read_leaves(schema, columns, layers)
+            table = pf.read_row_group(group, columns=leaves)
             check_rows(table, pf.metadata.row_group(group).num_rows, p, f"row group {group}")
     if group >= groups:  # argument misuse, raised outside the corrupt-file translation
         raise ValueError(f"row_group: expected an index below {groups} ({p}), found {group}")
-    table = _restore(table.replace_schema_metadata(schema.metadata), p, spec, validate, columns)
+    table = restore_unit(
+        table.replace_schema_metadata(schema.metadata),
+        p,
+        layers,
+        validate,
+        validate,
+        columns is not None,
+    )
     if step is not None:
         values = pa.array(np.full(table.num_rows, step, dtype=np.int64))
         table = table.append_column(pa.field("step", pa.int64()), values)
@@ -275,56 +294,38 @@ def read_rollouts_dataset(path: PathLike) -> ds.Dataset:
 
     A directory is read with hive partitioning (``step`` int64), its part files
     in numeric step order. Page checksums are verified when it is scanned; the
-    rows are not validated (use `read_rollouts` for that).
+    rows are not validated (use `read_rollouts` for that). Routes come in their
+    storage form (a struct of layer groups, ``docs/storage.md``).
     """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such rollout file or directory")
     with reading(p):
         if p.is_dir():
-            return _dataset(p, [f for _, f in step_files(p)])
+            return ds.dataset(
+                [str(f) for _, f in step_files(p)],
+                format=_PARQUET_FORMAT,
+                partition_base_dir=str(p),
+                partitioning=STEP_PARTITIONING,
+            )
         return ds.dataset(p, format=_PARQUET_FORMAT)
 
 
-def _dataset(base: Path, files: Sequence[Path]) -> ds.Dataset:
-    return ds.dataset(
-        [str(f) for f in files],
-        format=_PARQUET_FORMAT,
-        partition_base_dir=str(base),
-        partitioning=STEP_PARTITIONING,
-    )
-
-
-def _read_files(
-    base: Path,
-    files: Sequence[Path],
-    meta: Any,
-    spec: RouteSpec | None,
-    columns: Sequence[str] | None,
-    steps: Sequence[int] | None,
-    validate: bool,
-) -> pa.Table:
-    """Part files under ``base`` as one restored table with the ``step`` key column."""
-    filt = ds.field("step").isin(list(steps)) if steps is not None else None
-    try:
-        table = _dataset(base, files).to_table(
-            columns=list(columns) if columns is not None else None, filter=filt
-        )
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise SchemaError(
-            f"{base}: step files do not share one rollout schema/spec ({exc})", path=base
-        ) from exc
-    except READ_ERRORS as exc:  # a corrupt page (checksum) or unreadable file
-        raise open_error(base, exc) from exc
-    return _restore(table.replace_schema_metadata(meta), base, spec, validate, columns)
-
-
-def _root_files(p: Path) -> tuple[pa.Schema, RouteSpec | None, list[RolloutFile]]:
-    files = step_files(p)
-    if not files:
-        raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none", path=p)
-    spec, schema, scanned = _scan(files)
-    return schema, spec, scanned
+def _files(
+    p: Path, wanted: Sequence[int] | None
+) -> tuple[list[tuple[int | None, Path]], list[RolloutFile]]:
+    """The (step, file) pairs to read under ``p`` (file or root) and all scanned files."""
+    if p.is_dir():
+        pairs: list[tuple[int | None, Path]] = list(step_files(p))
+        if not pairs:
+            raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none", path=p)
+        _, _, scanned = _scan(pairs)
+        keep = [(f.step, f.path) for f in scanned if wanted is None or f.step in wanted]
+        return keep, scanned
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such rollout file or directory")
+    _, _, scanned = _scan([(None, p)])
+    return [(None, p)], scanned
 
 
 def read_rollouts(
@@ -332,100 +333,96 @@ def read_rollouts(
     *,
     columns: Sequence[str] | None = None,
     steps: Sequence[int] | None = None,
+    layers: Sequence[int] | None = None,
     validate: bool = True,
 ) -> pa.Table:
-    """Read a rollout Parquet file or ``step=N`` directory; routes restored, spec kept.
+    """Read a rollout Parquet file or ``step=N`` directory whole; routes restored, spec kept.
 
     A directory reads in step order and adds an int64 ``step`` column (kept under
     ``columns`` only if listed); ``steps`` selects partitions (absent ones read
     as no rows). Every file must carry the same spec (or none: R3 off).
+    ``layers`` (global layer ids) returns a projected table (contract C2,
+    ``docs/storage.md``): routes columns hold only those layers, ascending, the
+    spec has ``num_layers = len(layers)`` and ``r3arrow.route_layers`` names them;
+    a layer-group file reads only the groups holding them. For bounded memory
+    use `iter_rollouts`.
 
-    The footer (version, metadata checksum, spec) and page checksums are always
-    verified. The rows are validated — core columns and types, no nulls,
-    loss-mask lengths, routes ``<=`` tokens, ids in range and distinct on router
-    layers, the terminal-gap rule — unless ``validate=False`` (for a caller
-    re-reading files it wrote itself in a hot loop); a validated table is
-    marked so writing it again skips the checks. Files written before the
-    checksums existed read without those checks.
+    The footer (version, metadata checksum, spec, layer groups) and page
+    checksums are always verified. The rows are validated — core columns and
+    types, no nulls, loss-mask lengths, routes ``<=`` tokens, ids in range and
+    distinct on router layers, the terminal-gap rule — unless ``validate=False``
+    (for a caller re-reading files it wrote itself in a hot loop); a validated
+    table is marked so writing it again skips the checks. Files written before
+    the checksums existed read without those checks.
 
     Raises `SchemaError` (``path`` set) on a corrupt or foreign file, the
     validation errors (``path`` set) on bad rows, ``FileNotFoundError`` if
-    ``path`` does not exist, ``TypeError`` if ``steps`` holds a non-int.
+    ``path`` does not exist, ``TypeError`` if ``steps`` holds a non-int,
+    ``ValueError`` / `RouteShapeError` for ``layers`` the file does not hold.
     """
     wanted = check_steps(steps)
     p = Path(path)
-    if p.is_dir():
-        schema, spec, files = _root_files(p)
-        return _read_files(
-            p, [f.path for f in files], schema.metadata, spec, columns, wanted, validate
+    pairs, scanned = _files(p, wanted)
+    parts = [
+        t
+        for _, t in iter_pieces(
+            pairs,
+            columns=columns,
+            layers=layers,
+            max_memory=None,
+            batch_rows=None,
+            validate=False,
+            check=validate,
         )
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such rollout file or directory")
-    with reading(p), _open(p) as pf:
-        spec = footer_spec(pf, p)
-        table = _read_groups(pf, p, columns)
-        table = table.replace_schema_metadata(pf.schema_arrow.metadata)  # the copy checked
-    return _restore(table, p, spec, validate, columns)
-
-
-def _by_step(
-    files: Sequence[RolloutFile],
-    meta: Any,
-    spec: RouteSpec | None,
-    columns: Sequence[str] | None,
-    validate: bool,
-) -> Iterator[tuple[int | None, pa.Table]]:
-    for step, group in groupby(files, key=lambda f: f.step):
-        paths = [f.path for f in group]
-        if step is None:
-            for f in paths:
-                yield None, read_rollouts(f, columns=columns, validate=validate)
-            continue
-        base = paths[0].parent.parent
-        yield step, _read_files(base, paths, meta, spec, columns, [step], validate)
+    ]
+    if not parts:  # no selected step is present: no rows, the schema of the first file
+        first = scanned[0]
+        empty = restore_unit(
+            empty_table(first.path, columns, layers), first.path, None, False, False, False
+        )
+        parts = [shape(empty, first.step, columns, False)]
+    table = parts[0] if len(parts) == 1 else concat(parts, p)
+    if not validate:
+        return table
+    with reading(p):
+        meta = table.schema.metadata or {}
+        spec = RouteSpec.from_schema(table.schema) if SPEC_METADATA_KEY in meta else None
+        return check_table(table, spec, projected=columns is not None)
 
 
 def iter_rollouts(
     path: PathLike,
     *,
-    columns: Sequence[str] | None = None,
     steps: Sequence[int] | None = None,
+    columns: Sequence[str] | None = None,
+    layers: Sequence[int] | None = None,
+    max_memory: int | None = DEFAULT_MAX_MEMORY,
     batch_rows: int | None = None,
     validate: bool = True,
 ) -> Iterator[tuple[int | None, pa.Table]]:
-    """Yield ``(step, table)`` one step at a time (a file: ``(None, batch)`` per ``batch_rows``).
+    """Yield bounded ``(step, table)`` pieces of a rollout file or root, in read order.
 
     A directory yields its steps in numeric order (``steps`` filters; absent
-    ones are skipped), each table with the ``step`` column like `read_rollouts`;
-    only one step is resident at a time. Each table is checked like
-    `read_rollouts` (``validate=False`` skips the data checks). Same errors.
+    ones are skipped), each piece with the ``step`` column like `read_rollouts`;
+    a file yields ``(None, piece)``. Contract C3 (``docs/storage.md``): a piece
+    holds at most ``max_memory / 4`` bytes of restored rows (default budget
+    1 GiB; ``None``: one piece per step) and at most ``batch_rows`` rows; pieces
+    of one step are consecutive and never span two steps; only about one row
+    group is read ahead. ``layers`` projects like `read_rollouts`. Each piece is
+    checked like `read_rollouts` (``validate=False`` skips the data checks).
+    Same errors, raised when the piece holding the fault is read.
     """
     wanted = check_steps(steps)
     p = Path(path)
-    if p.is_dir():
-        schema, spec, files = _root_files(p)
-        keep = [f for f in files if wanted is None or f.step in wanted]
-        yield from _by_step(keep, schema.metadata, spec, columns, validate)
-        return
-    if batch_rows is None:
-        yield None, read_rollouts(p, columns=columns, validate=validate)
-        return
-    with reading(p), _open(p) as pf:
-        schema = pf.schema_arrow
-        spec = footer_spec(pf, p)
-        names = list(columns) if columns else None
-        for g in range(pf.metadata.num_row_groups):  # one reader per group: see _read_groups
-            seen = 0
-            for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[g], columns=names):
-                seen += batch.num_rows
-                t = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
-                yield None, _restore(t, p, spec, validate, columns)
-            if seen != pf.metadata.row_group(g).num_rows:
-                raise SchemaError(
-                    f"{p}: expected {pf.metadata.row_group(g).num_rows} rows in row group {g} "
-                    f"(footer), read {seen} (corrupt file)",
-                    path=p,
-                )
+    pairs, _ = _files(p, wanted)
+    yield from iter_pieces(
+        pairs,
+        columns=columns,
+        layers=layers,
+        max_memory=max_memory,
+        batch_rows=batch_rows,
+        validate=validate,
+    )
 
 
 def iter_rollout_tables(
@@ -433,21 +430,31 @@ def iter_rollout_tables(
     *,
     columns: Sequence[str] | None = None,
     steps: Sequence[int] | None = None,
+    layers: Sequence[int] | None = None,
+    max_memory: int | None = DEFAULT_MAX_MEMORY,
     validate: bool = True,
 ) -> Iterator[tuple[int | None, pa.Table]]:
-    """Yield ``(step, table)`` of restored rollout rows, one step (or file) at a time.
+    """Yield bounded ``(step, table)`` pieces of restored rollout rows (the stats reader).
 
     The files are those of `iter_rollout_files` (a file, a root or one
     partition; every requested step must exist), all checked to share one spec
-    before the first table is read. A step's table has the int64 ``step``
-    column (when listed under ``columns`` or ``columns`` is ``None``); a single
-    file yields ``(None, table)``. Tables are checked like `read_rollouts`
-    (``validate=False`` skips the data checks). The reader `r3arrow.stats`
-    builds on.
+    before the first piece is read. Pieces as `iter_rollouts` makes them
+    (``max_memory``, ``layers``; several consecutive pieces per step when a step
+    exceeds the budget); a step's pieces have the int64 ``step`` column (when
+    listed under ``columns`` or ``columns`` is ``None``); a single file yields
+    ``(None, piece)``. Checked like `read_rollouts` (``validate=False`` skips
+    the data checks). `r3arrow.stats`, Ray reads and directory collation build on it.
     """
     spec_files = list(iter_rollout_files(path, steps=steps))
-    spec, schema, files = _scan(spec_files)
-    yield from _by_step(files, schema.metadata, spec, columns, validate)
+    _scan(spec_files)
+    yield from iter_pieces(
+        spec_files,
+        columns=columns,
+        layers=layers,
+        max_memory=max_memory,
+        batch_rows=None,
+        validate=validate,
+    )
 
 
 def scan_rollouts(path: PathLike, **kwargs: Any) -> Iterator[pa.Table]:

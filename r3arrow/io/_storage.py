@@ -1,5 +1,9 @@
 """Routes storage: per-token ``fixed_size_binary`` on disk, the nested routes type in memory.
 
+Writers now store layer groups (`r3arrow.io._groups`, ``docs/storage.md``); this
+module keeps the single-value form of older files (`to_storage` still produces it)
+and the entry points every format goes through (`from_storage`, `route_rows`).
+
 Parquet stores a nested ``fixed_size_list`` value by value with repetition and
 definition levels (slow, ~4x larger), so every routes-typed column is stored as
 ``large_list<fixed_size_binary(L*K*itemsize)>``: one opaque little-endian value
@@ -124,9 +128,12 @@ def to_storage(table: pa.Table) -> pa.Table:
 def from_storage(table: pa.Table) -> pa.Table:
     """Restore nested routes columns from their storage form (spec from schema metadata); zero-copy.
 
-    The storage form is the default ``fixed_size_binary`` one or the portable
-    nested-list one (`r3arrow.io._portable`, format ``nested_list/v1``); both
-    come back as the exact nested ``fixed_size_list`` type. A table without the
+    The storage form is the layer-group one (`r3arrow.io._groups`, format
+    ``layer_groups/v1``, what writers store), the older single
+    ``fixed_size_binary`` one, or the portable nested-list one
+    (`r3arrow.io._portable`, format ``nested_list/v1``); all come back as the
+    exact nested ``fixed_size_list`` type (zero-copy but for the one interleave
+    copy of several layer groups). A table without the
     storage metadata is returned unchanged. Raises `SchemaError` if the metadata
     is malformed or a column does not have the stored type of the spec.
     """
@@ -143,8 +150,11 @@ def from_storage(table: pa.Table) -> pa.Table:
         raise SchemaError(
             f"routes storage metadata: expected {{format, columns}} JSON, found {raw!r:.120}"
         ) from exc
-    from r3arrow.io._portable import PORTABLE_FORMAT, from_portable  # it imports this module
+    from r3arrow.io._groups import GROUP_FORMAT, restore  # they import this module
+    from r3arrow.io._portable import PORTABLE_FORMAT, from_portable
 
+    if fmt == GROUP_FORMAT:
+        return restore(table)
     if fmt == PORTABLE_FORMAT:
         return from_portable(table, names).replace_schema_metadata(meta)
     if fmt != STORAGE_FORMAT:
@@ -165,9 +175,10 @@ def route_rows(col: ArrowArray, spec: RouteSpec, name: str) -> tuple[np.ndarray,
     """(rows ``[T, L, K]``, lengths int64 ``[B]``) of a ragged routes column, nested or stored form.
 
     ``col`` is a ``list`` / ``large_list`` of per-token routes (the nested type,
-    the portable ``list<list<dtype>>`` form, or the ``fixed_size_binary`` storage
-    form when read without :func:`from_storage`, e.g. from a Ray block). The rows are a view of the
-    column's buffer when it has one chunk (several chunks are combined first).
+    the portable ``list<list<dtype>>`` form, or a storage form when read without
+    :func:`from_storage`: ``fixed_size_binary`` or a struct of every layer group).
+    The rows are a view of the column's buffer when it has one chunk and one group
+    (several chunks are combined first; several groups interleaved by one copy).
     Raises `SchemaError` naming column ``name`` if it is not such a column.
     """
     arr: pa.Array[Any]
@@ -182,6 +193,10 @@ def route_rows(col: ArrowArray, spec: RouteSpec, name: str) -> tuple[np.ndarray,
     values = cast("pa.LargeListArray[Any]", arr).flatten()
     if pa.types.is_fixed_size_binary(values.type):
         values = decode_tokens(values, spec, what=f"column {name!r}")
+    elif pa.types.is_struct(values.type):  # layer-group storage
+        from r3arrow.io._groups import token_rows
+
+        return token_rows(values, spec, name), list_lengths(arr)
     else:
         from r3arrow.io._portable import is_portable_type, portable_tokens
 

@@ -12,6 +12,8 @@ readers of `r3arrow.io._parquet` run (see ``docs/design.md``, "Persistence"):
   Files written before the checksum existed have no such key and are not
   checked for it. A file without ``routes`` and without ``r3arrow.spec`` is an
   R3-off file (spec ``None``); a spec without a ``routes`` column is an error.
+  A layer-group file's routes columns must have exactly the groups its storage
+  metadata records (`r3arrow.io._groups.check_group_schema`).
   The footer's two copies of the metadata (key-value pairs, Arrow schema) must
   agree and its row groups must add up to its row count; `check_rows` holds
   each row group read to that count (page checksums do not cover page headers).
@@ -46,6 +48,7 @@ import pyarrow.parquet as pq
 from r3arrow._validated import mark_validated
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.ids import check_routes
+from r3arrow.io._groups import check_group_schema
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
 from r3arrow.table import (
     ROLLOUT_COLUMNS,
@@ -214,6 +217,7 @@ def file_spec(schema: pa.Schema, path: Path) -> RouteSpec | None:
                 f"column 'routes': expected fixed_size_binary({spec.row_nbytes}) per token "
                 f"for {spec} (metadata key {SPEC_METADATA_KEY.decode()!r}), found {value}"
             )
+        check_group_schema(schema, spec)
     return spec
 
 

@@ -1,7 +1,9 @@
 """Megatron-core side of R3: schedule-scoped replay state and validated replay targets.
 
 * `replay_schedule` clears Megatron's global ``RouterReplay`` state before a pipeline
-  schedule and in ``finally`` (forward-only log-prob passes included), and sets the action.
+  schedule and in ``finally`` (forward-only log-prob passes included), and sets the action;
+  ``measure_agreement=True`` yields a `ReplayProbe` whose ``agreement`` compares each
+  router's own top-k with what it replayed (``docs/replay-probe.md``).
 * `install_replay` checks every target (one per router instance, row count = tokens this
   rank's router sees, ids in ``[0, num_experts)``, no expert twice in a row) and only then
   calls ``RouterReplay.set_replay_data``: Megatron itself accepts wrong targets silently.
@@ -29,8 +31,9 @@ carry ``layer_number`` as 0.16 routers built inside a ``TransformerLayer`` alrea
 This package imports `r3arrow.collate`, never the other way round.
 
 Modules: `_routers` (megatron access, routers of a model), `_schedule` (replay state
-scope), `_install` (target checks and installation), `_inputs` (model inputs), `_shim`
-(expert-bias shim), `_stages` (stage router layers, `collator_for`), `cpu` (CPU harness).
+scope), `_probe` (agreement during replay), `_install` (target checks and installation),
+`_inputs` (model inputs), `_shim` (expert-bias shim), `_stages` (stage router layers,
+`collator_for`), `cpu` (CPU harness).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from __future__ import annotations
 from r3arrow.errors import ReplayDuplicateError, ReplayRangeError
 from r3arrow.megatron._inputs import model_inputs, packed_seq_params, stage_padding_mask
 from r3arrow.megatron._install import MTP_POLICIES, install_replay, validate_targets
+from r3arrow.megatron._probe import ReplayProbe
+from r3arrow.megatron._record import RouteRecorder, record_schedule
 from r3arrow.megatron._routers import router_layers
 from r3arrow.megatron._schedule import (
     clear_replay_state,
@@ -58,7 +63,9 @@ from r3arrow.megatron._stages import collator_for, moe_layer_pattern, stage_rout
 __all__ = [
     "MTP_POLICIES",
     "ReplayDuplicateError",
+    "ReplayProbe",
     "ReplayRangeError",
+    "RouteRecorder",
     "all_padding_aux_loss_fix_present",
     "apply_all_padding_aux_loss_shim",
     "apply_padding_mask_shim",
@@ -69,6 +76,7 @@ __all__ = [
     "moe_layer_pattern",
     "packed_seq_params",
     "padding_mask_fix_present",
+    "record_schedule",
     "remove_all_padding_aux_loss_shim",
     "remove_padding_mask_shim",
     "replay_backward",

@@ -204,7 +204,13 @@ def install_replay(
         layers=ids,
         check_ids=check and not fast,
     )
-    if check and isinstance(mb, Microbatch):
+    # The collator's fused pass already checked these ids against the same bound: once per
+    # trust boundary (docs/collation.md). Another bound (routers' or the caller's) re-checks.
+    if (
+        check
+        and isinstance(mb, Microbatch)
+        and not (mb.ids_validated and mb.spec is not None and experts == mb.spec.num_experts)
+    ):
         _check_target_ids(mb.replay_tensor(), experts, mb.layers)
     if native:
         # Megatron's set_replay_data wants a tensor for every instance: hand the replayed

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from r3arrow.errors import ReplayError
+from r3arrow.megatron._probe import ReplayProbe, close_probe, open_probe
 from r3arrow.megatron._routers import _instances, _replay_of, _router_replay
 
 
@@ -80,25 +81,47 @@ def set_replay_action(action: Any, routers: Iterable[Any] | None = None) -> None
 
 
 @contextlib.contextmanager
-def replay_schedule(action: Any = "replay_forward") -> Iterator[None]:
+def replay_schedule(
+    action: Any = "replay_forward", *, measure_agreement: bool = False
+) -> Iterator[ReplayProbe | None]:
     """Scope of one pipeline schedule: replay state cleared on entry and in ``finally``.
 
     ``action`` is set on every router after the clear (None leaves routers free). Install
     each microbatch's targets inside, in schedule order; never clear between microbatches
     (``REPLAY_BACKWARD`` consumes them first-in first-out). Not reentrant.
+
+    ``measure_agreement=True`` yields a `ReplayProbe`: every ``REPLAY_FORWARD`` router call
+    inside also compares the router's own top-k (on the scores it computes anyway) with the
+    replayed target on non-padding tokens; after the block ``probe.agreement`` is the
+    schedule's `r3arrow.stats.RouteAgreement` (``docs/replay-probe.md``). Replay itself is
+    unchanged. If the block raises, the probe's counts are dropped with the replay state.
+    Without the flag (default) nothing is patched and the block gets None.
     """
+    if not isinstance(measure_agreement, bool):
+        raise TypeError(
+            f"measure_agreement: expected a bool, found {type(measure_agreement).__name__}"
+        )
     if getattr(_scope, "active", False):
         raise ReplayError(
             "replay_schedule: expected no schedule in progress, found one (nested call)"
         )
     clear_replay_state()
     _scope.active = True
+    probe: ReplayProbe | None = None
+    ok = False
     try:
         set_replay_action(action)
-        yield
+        if measure_agreement:
+            probe = open_probe()
+        yield probe
+        ok = True
     finally:
         _scope.active = False
-        clear_replay_state()
+        try:
+            if probe is not None:
+                close_probe(probe, ok=ok)
+        finally:
+            clear_replay_state()
 
 
 @contextlib.contextmanager

@@ -2,11 +2,13 @@
 
 Every statistic is built from *partial counts that add up exactly*
 (`ExpertCounts`, `RouteAgreement`): a table is processed one record batch at a
-time, a step-partitioned Parquet root one step at a time (only that step's routes are
-resident), and ``engine="ray"`` sums the same partials across Ray workers — so
-every path gives identical integers. Summaries over the counts (`load_summary`,
-`load_drift`, ...) are Polars expressions and accept a ``DataFrame`` or a
-``LazyFrame``.
+time (a multi-chunk routes column is never combined), a Parquet file or
+step-partitioned root is streamed in bounded pieces under ``max_memory`` (default
+1 GiB; the next piece read while the current one is counted; expert counts one
+stored layer group per pass), and ``engine="ray"`` sums the same partials across
+Ray workers — so every path gives identical integers (``docs/scale.md``).
+Summaries over the counts (`load_summary`, `load_drift`, ...) are Polars
+expressions and accept a ``DataFrame`` or a ``LazyFrame``.
 
 The package, by concern:
 
@@ -16,8 +18,11 @@ The package, by concern:
   routes and the terminal gap");
 - counts (`._counts`): `ExpertCounts`, `count_routes`;
 - agreement (`._agreement`): `RouteAgreement`, `compare_routes`;
-- sources (`._sources`): tables, files and roots → per-step partials, read
-  through `r3arrow.io.iter_rollout_tables`;
+- sources (`._sources`): tables, files and roots → per-step partials; paths
+  streamed by `._stream` (`r3arrow.io.iter_rollout_tables` read ahead on a
+  thread) and, for expert counts of layer-group files, `._layered`;
+- kernels (`._kernels`, `._numba`): numba one-pass counting and agreement (the
+  ``fast`` extra) or numpy, same integers; ``R3ARROW_NO_NUMBA=1`` forces numpy;
 - the public API (`._api`): `expert_counts`, `expert_counts_by_step`,
   `expert_load`, `route_agreement`, `route_agreement_by_step`, each with
   ``engine="local"`` (default) or ``engine="ray"`` (`r3arrow.ray` runs the
@@ -30,7 +35,7 @@ Argument misuse (``tokens="bogus"``, ``engine=``, ``reduce=``, non-int steps)
 raises ``ValueError`` / ``TypeError``; bad data raises `SchemaError`,
 `ExpertRangeError`, `DuplicateExpertError` or `RouteShapeError` (with ``row``,
 ``token``, ``layer`` or ``path`` set where they apply). Needs the ``stats``
-extra (Polars); torch, when installed, speeds up counting.
+extra (Polars); numba (``fast``) or else torch, when installed, speeds up counting.
 """
 
 from __future__ import annotations

@@ -4,12 +4,18 @@ Order within a top-k row is ignored: two rows agree on a layer when their
 expert *sets* are equal, and overlap by ``|A ∩ B|``. `RouteAgreement` adds up
 exactly across batches, steps and workers; its fractions are the R3 paper's
 quantities (rollout router vs trainer router, see ``docs/design.md``).
+
+With numba (`r3arrow.stats._kernels.numba_kernels`) and a known ``num_experts``,
+`compare_routes` is one compiled pass that marks each set in a stamp array; on
+bad input (an id out of range or repeated) it re-runs the numpy reference, which
+raises the documented error. Both backends give the same integers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -19,11 +25,13 @@ from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec, as_route_rows
 from r3arrow.stats._kernels import (
     CHUNK_IDS,
+    NUMBA_CHUNK_IDS,
     Chunk,
     check_ids,
     check_selection,
     chunks,
     map_chunks,
+    numba_kernels,
     router_block,
 )
 
@@ -177,6 +185,11 @@ def compare_routes(
             f"expected two route arrays of one shape, found {list(x.shape)} and {list(y.shape)}"
         )
     sel = check_selection(select, x.shape[0])
+    nb = numba_kernels()
+    if nb is not None and spec.num_experts is not None and _small_ints(x):
+        fast = _agree_numba(nb, x, y, spec, spec.num_experts, sel)
+        if fast is not None:
+            return fast
     layers = list(spec.router_layers)
     pick = None if spec.moe_layers is None else layers
     nl, k = len(layers), spec.topk
@@ -211,6 +224,45 @@ def compare_routes(
         all_identical += all_same
         ntok += n
     return RouteAgreement(spec.router_layers, k, ntok, identical, overlap, all_identical)
+
+
+def _small_ints(arr: np.ndarray) -> bool:
+    """Integer ids of at most 4 bytes (the kernels' types; int64 ids take the numpy path)."""
+    return arr.dtype.kind in "iu" and arr.dtype.itemsize <= 4
+
+
+def _agree_numba(
+    nb: ModuleType, x: np.ndarray, y: np.ndarray, spec: RouteSpec, e: int, sel: np.ndarray | None
+) -> RouteAgreement | None:
+    """`compare_routes` by the numba kernel; None when it flags bad input (the caller's numpy
+    reference then raises the documented error)."""
+    if not _small_ints(y):
+        return None
+    pick = np.asarray(spec.router_layers, dtype=np.int64)
+    nl, n = pick.size, x.shape[0]
+    rows = max(1, NUMBA_CHUNK_IDS // max(1, x.shape[1] * spec.topk))
+    sel_b = nb.selection_bytes(sel)
+
+    def agree(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+        assert isinstance(chunk, slice)
+        ident = np.zeros(nl, dtype=np.int64)
+        ov = np.zeros(nl, dtype=np.int64)
+        part_sel = sel_b if sel is None else sel_b[chunk]
+        same, ntok, bad = nb.agree(x[chunk], y[chunk], part_sel, pick, e, ident, ov)
+        return ident, ov, int(same), int(ntok), int(bad)
+
+    identical = np.zeros(nl, dtype=np.int64)
+    overlap = np.zeros(nl, dtype=np.int64)
+    all_identical = ntok = 0
+    parts: list[Chunk] = [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+    for ident, ov, same, count, bad in map_chunks(agree, parts):
+        if bad:
+            return None
+        identical += ident
+        overlap += ov
+        all_identical += same
+        ntok += count
+    return RouteAgreement(spec.router_layers, spec.topk, ntok, identical, overlap, all_identical)
 
 
 __all__ = ["RouteAgreement", "compare_routes"]

@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import operator
 from collections.abc import Sequence
 from typing import Any, Literal, cast
 
@@ -19,6 +21,7 @@ from r3arrow.errors import SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.stats._agreement import RouteAgreement
 from r3arrow.stats._counts import ExpertCounts
+from r3arrow.stats._layered import layered_counts
 from r3arrow.stats._selection import TokenSubset, check_subset
 from r3arrow.stats._sources import (
     _NO_STEPS,
@@ -29,9 +32,11 @@ from r3arrow.stats._sources import (
     batch_parts,
     combiner,
     decode,
+    is_path,
     sum_by_step,
     sum_parts,
 )
+from r3arrow.stats._stream import check_budget
 from r3arrow.stats._summaries import stack_steps
 
 Engine = Literal["local", "ray"]
@@ -43,9 +48,22 @@ Reduce = Literal["driver", "ray"]
 REDUCES: tuple[str, ...] = ("driver", "ray")
 
 
-def _check_engine(engine: object, reduce: object, spec: RouteSpec | None) -> str:
+def _check_engine(
+    engine: object,
+    reduce: object,
+    spec: RouteSpec | None,
+    max_memory: object = None,
+    validate: object = False,
+) -> str:
     check_choice(reduce, "reduce", REDUCES)
     out = check_choice(engine, "engine", ENGINES)
+    if out == "ray" and (max_memory is not None or validate):
+        raise ValueError(
+            "max_memory, validate: apply to engine='local' only, found "
+            f"max_memory={max_memory!r}, validate={validate!r} with 'ray'"
+        )
+    if out == "local":
+        check_budget(max_memory)
     if out == "local" and reduce != "driver":
         raise ValueError(f"reduce: applies to engine='ray' only, found {reduce!r} with 'local'")
     if out == "local" and spec is not None:
@@ -120,6 +138,20 @@ def _ray_by_step(
     return dict(sorted(out.items()))
 
 
+def _layered(
+    source: Any,
+    tokens: str,
+    steps: Sequence[int] | None,
+    max_memory: int | None,
+    validate: bool,
+) -> dict[int | None, ExpertCounts] | None:
+    """Per-step counts of a path in layer-group storage, a pass per group; else None."""
+    if not is_path(source):
+        return None
+    check_subset(tokens)
+    return layered_counts(source, tokens, steps, max_memory, validate)
+
+
 def expert_counts(
     source: Any,
     *,
@@ -128,6 +160,8 @@ def expert_counts(
     engine: Engine = "local",
     spec: RouteSpec | None = None,
     reduce: Reduce = "driver",
+    max_memory: int | None = None,
+    validate: bool = False,
 ) -> ExpertCounts:
     """Total `ExpertCounts` of a rollout table, a Parquet file or a step-partitioned root.
 
@@ -135,15 +169,26 @@ def expert_counts(
     with ``engine="ray"`` also a Ray Dataset from `r3arrow.ray.read_rollouts`
     (then ``spec`` is required: Ray blocks carry no schema metadata).
     ``tokens``: the subset (`r3arrow.stats.TOKEN_SUBSETS`); ``steps``: the steps
-    to include. ``reduce``: the Ray engine's final combine (`Reduce`). Raises
+    to include. ``reduce``: the Ray engine's final combine (`Reduce`).
+    ``max_memory``: with ``engine="local"``, the memory budget (bytes) of a path
+    streamed by row group (default 1 GiB, `r3arrow.stats._stream`); the
+    counts do not depend on it. A path's footers and page checksums are always
+    verified and every counted id is checked against ``num_experts``
+    (`ExpertRangeError`); ``validate=True`` adds every row check of
+    `r3arrow.io.read_rollouts` (distinct ids, lengths, nulls; slower). Raises
     ``ValueError`` / ``TypeError`` for bad arguments, `SchemaError` for missing
     columns, steps or files.
     """
-    if _check_engine(engine, reduce, spec) == "ray":
+    if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
         check_subset(tokens)
         total = _ray_total(source, "counts", tokens, None, spec, steps, reduce)
         return cast(ExpertCounts, total)
-    parts = batch_parts(source, tokens, steps, lambda batch: batch_counts(batch, tokens))
+    layered = _layered(source, tokens, steps, max_memory, validate)
+    if layered is not None:
+        return functools.reduce(operator.add, layered.values())
+    parts = batch_parts(
+        source, tokens, steps, lambda batch: batch_counts(batch, tokens), (), max_memory, validate
+    )
     return sum_parts(parts, source, None, ExpertCounts.empty)
 
 
@@ -155,18 +200,31 @@ def expert_counts_by_step(
     engine: Engine = "local",
     spec: RouteSpec | None = None,
     reduce: Reduce = "driver",
+    max_memory: int | None = None,
+    validate: bool = False,
 ) -> dict[int, ExpertCounts]:
     """`ExpertCounts` per step, ascending: a step-partitioned root or a table with ``step``.
 
     Arguments as `expert_counts` (``reduce="ray"``: Ray ``groupby("step")``).
     Raises `SchemaError` if the source has no steps.
     """
-    if _check_engine(engine, reduce, spec) == "ray":
+    if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
         check_subset(tokens)
         per = _ray_by_step(source, "counts", tokens, None, spec, steps, reduce)
         return cast(dict[int, ExpertCounts], per)
+    layered = _layered(source, tokens, steps, max_memory, validate)
+    if layered is not None:
+        return sum_by_step(iter(layered.items()))
     return sum_by_step(
-        batch_parts(source, tokens, steps, lambda batch: batch_counts(batch, tokens))
+        batch_parts(
+            source,
+            tokens,
+            steps,
+            lambda batch: batch_counts(batch, tokens),
+            (),
+            max_memory,
+            validate,
+        )
     )
 
 
@@ -179,6 +237,8 @@ def expert_load(
     engine: Engine = "local",
     spec: RouteSpec | None = None,
     reduce: Reduce = "driver",
+    max_memory: int | None = None,
+    validate: bool = False,
 ) -> pl.DataFrame:
     """Routed-token count per MoE layer and expert: columns ``layer``, ``expert``, ``tokens``.
 
@@ -187,10 +247,17 @@ def expert_load(
     layer routed to that expert (Int64; zero-count experts included, so each
     layer has ``num_experts`` rows and sums to ``topk × tokens``). Sorted by
     (layer, expert); with ``by_step`` true, a leading ``step`` (Int64) column.
-    ``source``, ``tokens``, ``steps``, ``engine``, ``spec``, ``reduce``: as
-    `expert_counts`; both engines return the same frame.
+    ``source``, ``tokens``, ``steps``, ``engine``, ``spec``, ``reduce``,
+    ``max_memory``: as `expert_counts`; both engines return the same frame.
     """
-    kw: dict[str, Any] = {"tokens": tokens, "steps": steps, "engine": engine, "spec": spec}
+    kw: dict[str, Any] = {
+        "tokens": tokens,
+        "steps": steps,
+        "engine": engine,
+        "spec": spec,
+        "max_memory": max_memory,
+        "validate": validate,
+    }
     if not by_step:
         return expert_counts(source, reduce=reduce, **kw).to_polars()
     per = expert_counts_by_step(source, reduce=reduce, **kw)
@@ -206,6 +273,8 @@ def route_agreement(
     steps: Sequence[int] | None = None,
     engine: Engine = "local",
     reduce: Reduce = "driver",
+    max_memory: int | None = None,
+    validate: bool = False,
 ) -> RouteAgreement:
     """Agreement between two route sets for the same tokens, order within top-k ignored.
 
@@ -215,11 +284,14 @@ def route_agreement(
     column in it (e.g. the trainer router's RECORD-mode routes); or a Parquet
     file / step-partitioned root and such a column name (streamed by step). With
     ``engine="ray"``: a path or Ray Dataset (with ``spec``) and a column name.
+    ``max_memory``, ``validate``: how a path is streamed (as `expert_counts`;
+    the agreement kernels also refuse repeated ids within a top-k set).
     Returns exact counts; see `RouteAgreement` for the per-layer fractions and
     `RouteAgreement.summary` for the R3 paper's quantities.
     """
     check_choice(reduce, "reduce", REDUCES)
     if check_choice(engine, "engine", ENGINES) == "ray":
+        _check_engine(engine, reduce, None, max_memory, validate)
         if not isinstance(b, str):
             raise TypeError(
                 f"route_agreement(engine='ray'): expected b to name a routes column, "
@@ -229,7 +301,9 @@ def route_agreement(
         return cast(RouteAgreement, _ray_total(a, "agreement", subset, b, spec, steps, reduce))
     if reduce != "driver":
         raise ValueError(f"reduce: applies to engine='ray' only, found {reduce!r} with 'local'")
-    return sum_parts(agreement_parts(a, b, spec, tokens, steps), a, spec, RouteAgreement.empty)
+    check_budget(max_memory)
+    parts = agreement_parts(a, b, spec, tokens, steps, max_memory, validate)
+    return sum_parts(parts, a, spec, RouteAgreement.empty)
 
 
 def route_agreement_by_step(
@@ -241,16 +315,19 @@ def route_agreement_by_step(
     engine: Engine = "local",
     spec: RouteSpec | None = None,
     reduce: Reduce = "driver",
+    max_memory: int | None = None,
+    validate: bool = False,
 ) -> dict[int, RouteAgreement]:
     """`RouteAgreement` of ``routes`` vs column ``other`` per step (root or table with ``step``).
 
     Arguments as `expert_counts`; raises `SchemaError` if the source has no steps.
     """
-    if _check_engine(engine, reduce, spec) == "ray":
+    if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
         check_subset(tokens)
         per = _ray_by_step(source, "agreement", tokens, other, spec, steps, reduce)
         return cast(dict[int, RouteAgreement], per)
-    return sum_by_step(agreement_parts(source, other, None, tokens, steps))
+    parts = agreement_parts(source, other, None, tokens, steps, max_memory, validate)
+    return sum_by_step(parts)
 
 
 __all__ = [

@@ -1,15 +1,19 @@
 """Expert counts: exact routed-token counts per router layer and expert.
 
-Counting is vectorised: per cache-sized chunk of tokens, ``layer * E + id``
-codes and one bincount (torch's when installed: GIL-free, so chunks run on a
-thread pool), no loop per token or layer. `ExpertCounts` add up exactly across
-batches, steps and workers.
+Counting is one pass over the ids: with numba (the ``fast`` extra; see
+`r3arrow.stats._kernels.numba_kernels`) a compiled kernel adds each id to its
+(layer, expert) counter; without it, per cache-sized chunk of tokens,
+``layer * E + id`` codes and one bincount (torch's when installed: GIL-free).
+Either way chunks run on a thread pool, with no Python loop per token or layer,
+and the integers are the same. `ExpertCounts` add up exactly across batches,
+steps and workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -19,11 +23,13 @@ from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec, as_route_rows
 from r3arrow.stats._kernels import (
     CHUNK_IDS,
+    NUMBA_CHUNK_IDS,
     Chunk,
     bincount,
     check_selection,
     chunks,
     map_chunks,
+    numba_kernels,
     raise_range,
 )
 
@@ -136,6 +142,9 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
     if ntok == 0:
         return ExpertCounts.empty(spec)
     e = spec.num_experts
+    nb = numba_kernels()
+    if nb is not None and e is not None and arr.dtype.itemsize <= 4:  # int64 ids: numpy
+        return _count_numba(nb, arr, spec, e, sel, ntok)
     signed = arr.dtype.kind == "i"
     if e is None or signed:
         # Unknown E: the expert axis spans the ids seen. Signed storage: negative ids
@@ -182,6 +191,59 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
     if np.any(counts.sum(axis=1) != k * ntok):
         raise_range(arr[:, layers, :], e, layers, sel, "routes")
     return ExpertCounts(spec.router_layers, counts.copy(), ntok)
+
+
+def _count_numba(
+    nb: ModuleType, arr: np.ndarray, spec: RouteSpec, e: int, sel: np.ndarray | None, ntok: int
+) -> ExpertCounts:
+    """`count_routes` by the numba kernel: ``[T, L, K]`` ids, known ``num_experts`` ``e``.
+
+    Each router layer has ``e`` counters and an overflow bucket (ids outside ``[0, e)``);
+    dense layers share one discard range. A count in an overflow bucket re-runs the
+    reference check, which raises `ExpertRangeError` for the first bad row. Signed ids
+    are viewed as unsigned: a negative id becomes ``>= 2**(bits-1)``, which is ``>=`` every
+    id the dtype can hold, so counting up to ``min(e, 2**(bits-1))`` flags it too.
+    """
+    ids = arr
+    if arr.dtype.kind == "i":
+        ids = arr.view(arr.dtype.str.replace("i", "u"))
+        e_kernel = min(e, 1 << (8 * arr.dtype.itemsize - 1))
+    else:
+        e_kernel = e
+    layers = list(spec.router_layers)
+    # One-byte ids: a counter for each of the 256 values (no clamp; faster), uint32 counters
+    # (a chunk holds < 2**32 ids) that stay in L1; wider ids: e + 1 int64 counters per layer.
+    one_byte = ids.dtype.itemsize == 1
+    if one_byte:
+        e_kernel = min(e_kernel, 256)
+    nl, w = len(layers), (256 if one_byte else e_kernel + 1)
+    width = arr.shape[1]
+    base = np.full(width, nl * w, dtype=np.int64)
+    base[layers] = np.arange(nl, dtype=np.int64) * w
+    rows = max(1, NUMBA_CHUNK_IDS // max(1, width * spec.topk))
+    n = arr.shape[0]
+    sel_b = nb.selection_bytes(sel)
+
+    def count(chunk: Chunk) -> np.ndarray:
+        assert isinstance(chunk, slice)
+        part_sel = sel_b if sel is None else sel_b[chunk]
+        if one_byte:
+            small = np.zeros((nl + 1) * w, dtype=np.uint32)
+            nb.count_bytes(ids[chunk], part_sel, base, small)
+            return small
+        out = np.zeros((nl + 1) * w, dtype=np.int64)
+        nb.count_codes(ids[chunk], part_sel, base, e_kernel, out)
+        return out
+
+    total = np.zeros((nl + 1) * w, dtype=np.int64)
+    for part in map_chunks(count, [slice(s, min(s + rows, n)) for s in range(0, n, rows)]):
+        total += part
+    counts = total[: nl * w].reshape(nl, w)
+    if counts[:, e_kernel:].any():
+        raise_range(arr[:, layers, :], e, layers, sel, "routes")
+    out = np.zeros((nl, e), dtype=np.int64)
+    out[:, :e_kernel] = counts[:, :e_kernel]
+    return ExpertCounts(spec.router_layers, out, ntok)
 
 
 __all__ = ["ExpertCounts", "count_routes"]

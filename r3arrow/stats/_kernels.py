@@ -3,13 +3,20 @@
 Work is split into cache-sized chunks of tokens (slices, or index arrays of a
 selection) and run on a thread pool: numpy and torch release the GIL in the
 kernels, so chunks run in parallel. Id checks go through `r3arrow.ids`.
+
+`numba_kernels` chooses the backend: the numba kernels of `r3arrow.stats._numba` (one pass
+over the ids; the optional extra ``fast``) unless numba is missing or ``R3ARROW_NO_NUMBA`` is
+set, else the numpy kernels here. Both give the same integers and the same errors.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 from typing import TypeVar
 
 import numpy as np
@@ -21,8 +28,30 @@ from r3arrow.ids import check_router_ids
 # cache, large enough that the per-chunk Python overhead is noise (measured: 2**18).
 CHUNK_IDS = 1 << 18
 _MAX_THREADS = 8
+# Ids per chunk of the numba kernels: large (no cache-sized temporaries), several per thread.
+NUMBA_CHUNK_IDS = 1 << 22
+_NO_NUMBA_ENV = "R3ARROW_NO_NUMBA"  # set (not "" or "0"): the numpy kernels
+_NUMBA: ModuleType | bool | None = None  # the imported kernels, False: numba missing
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 _T = TypeVar("_T")
 Chunk = np.ndarray | slice
+
+
+def numba_kernels() -> ModuleType | None:
+    """`r3arrow.stats._numba` where numba imports and ``R3ARROW_NO_NUMBA`` is unset, else None.
+
+    The environment is read on every call (tests switch backends); the import happens once.
+    """
+    global _NUMBA
+    if os.environ.get(_NO_NUMBA_ENV, "") not in ("", "0"):
+        return None
+    if _NUMBA is None:
+        try:
+            _NUMBA = importlib.import_module("r3arrow.stats._numba")
+        except ImportError:  # numba (or llvmlite) not installed: the numpy kernels
+            _NUMBA = False
+    return _NUMBA if isinstance(_NUMBA, ModuleType) else None
 
 
 def router_block(arr: np.ndarray, layers: list[int] | None, rows: Chunk) -> np.ndarray:
@@ -106,13 +135,21 @@ def _threads() -> int:
     return max(1, min(_MAX_THREADS, cpus))
 
 
+def _pool() -> ThreadPoolExecutor:
+    """The kernels' thread pool, started once (a pool per call costs a thread start per chunk)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(_threads(), thread_name_prefix="r3arrow-stats")
+        return _POOL
+
+
 def map_chunks(fn: Callable[[Chunk], _T], parts: list[Chunk]) -> Iterator[_T]:
     """``fn`` over chunks, on a thread pool when there are several (the kernels release the GIL)."""
     if len(parts) <= 1 or _threads() == 1:
         yield from map(fn, parts)
         return
-    with ThreadPoolExecutor(_threads()) as pool:
-        yield from pool.map(fn, parts)
+    yield from _pool().map(fn, parts)
 
 
 def bincount(codes: np.ndarray) -> np.ndarray:
@@ -126,12 +163,14 @@ def bincount(codes: np.ndarray) -> np.ndarray:
 
 __all__ = [
     "CHUNK_IDS",
+    "NUMBA_CHUNK_IDS",
     "Chunk",
     "bincount",
     "check_ids",
     "check_selection",
     "chunks",
     "map_chunks",
+    "numba_kernels",
     "raise_range",
     "router_block",
 ]

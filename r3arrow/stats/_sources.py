@@ -2,11 +2,12 @@
 
 Every statistic is a sum of *partials that add up exactly* (`ExpertCounts`,
 `RouteAgreement`). A table is processed one record batch at a time (grouped by
-its ``step`` column when it has one); a path is read through
-`r3arrow.io.iter_rollout_tables`, one step at a time, so only that step's routes
-are resident. The Ray engine runs the same `BlockPartials` on every block and
-sums the encoded vectors with `combine_vectors`, so all paths give identical
-integers.
+its ``step`` column when it has one; a multi-chunk routes column is never
+combined); a path is streamed by row group under a memory budget
+(`r3arrow.stats._stream`: only the needed columns, the next piece read while
+the current one is counted), so no step is ever resident. The Ray engine runs
+the same `BlockPartials` on every block and sums the encoded vectors with
+`combine_vectors`, so all paths give identical integers.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import pyarrow.compute as pc
 from r3arrow._checks import check_int
 from r3arrow._typing import ArrowArray, PathLike, TableLike
 from r3arrow.errors import RouteShapeError, SchemaError
-from r3arrow.io import iter_rollout_tables, route_rows
+from r3arrow.io import route_rows
 from r3arrow.spec import RouteSpec, as_route_rows
 from r3arrow.stats._agreement import RouteAgreement, compare_routes
 from r3arrow.stats._counts import ExpertCounts, count_routes
 from r3arrow.stats._selection import check_subset, columns_for, token_selection
+from r3arrow.stats._stream import check_budget, iter_pieces
 from r3arrow.table import flat_routes, list_lengths, route_spec
 
 Source: TypeAlias = "TableLike | PathLike"
@@ -87,20 +89,30 @@ def _table_steps(
 
 
 def iter_source(
-    source: Source, columns: list[str], steps: Sequence[int] | None
+    source: Source,
+    columns: list[str],
+    steps: Sequence[int] | None,
+    max_memory: int | None = None,
+    validate: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> Iterator[tuple[int | None, TableLike]]:
     """(step, batch) pairs of a table, record batch, rollout file or step-partitioned root.
 
-    A path is read one step at a time with only ``columns``; a table must have
-    them. Raises ``TypeError`` for another kind of source, `SchemaError` for
-    missing columns or steps (see `r3arrow.io.iter_rollout_tables`).
+    A path is streamed with only ``columns``, in pieces bounded by ``max_memory``
+    bytes (`r3arrow.stats._stream.iter_pieces`; ``validate``: its full row
+    checks; ``layers``: a layer projection, contract C2); a table must have the
+    columns (and ``layers`` must be None).
+    Raises ``TypeError`` for another kind of source, `SchemaError` for missing
+    columns or steps (see `r3arrow.io.scan_rollout_files`).
     """
+    budget = check_budget(max_memory)
     if is_path(source):
         path = cast(PathLike, source)
-        for step, table in iter_rollout_tables(path, columns=columns, steps=steps):
-            # Drop every reference to a step before the next one is read: one step resident.
-            batches = list(_batches(table))[::-1]
-            del table
+        pieces = iter_pieces(path, columns, steps, budget, validate=validate, layers=layers)
+        for step, piece in pieces:
+            # A piece may span row groups (chunks): count batch by batch, never combined.
+            batches = list(_batches(piece))[::-1]
+            del piece
             while batches:
                 yield step, batches.pop()
         return
@@ -108,6 +120,8 @@ def iter_source(
         raise TypeError(
             f"expected a rollout table, record batch or Parquet path, found {type(source).__name__}"
         )
+    if layers is not None:
+        raise TypeError("layers: applies to a Parquet path source, found an in-memory table")
     missing = [c for c in columns if c not in source.schema.names]
     if missing:
         raise SchemaError(f"expected columns {missing}, found {source.schema.names}")
@@ -152,10 +166,16 @@ def batch_parts(
     steps: Sequence[int] | None,
     part_of: Callable[[TableLike], Part],
     extra: Sequence[str] = (),
+    max_memory: int | None = None,
+    validate: bool = False,
 ) -> Iterator[tuple[int | None, Part]]:
-    """(step, partial) per batch of ``source``, reading only the columns the statistic needs."""
+    """(step, partial) per batch of ``source``, reading only the columns the statistic needs.
+
+    ``max_memory``, ``validate``: how a path is streamed (`iter_source`).
+    """
     check_subset(tokens)
-    for step, batch in iter_source(source, columns_for(tokens, extra), steps):
+    columns = columns_for(tokens, extra)
+    for step, batch in iter_source(source, columns, steps, max_memory, validate):
         part = part_of(batch)
         del batch  # not resident while the next step is read
         yield step, part
@@ -207,7 +227,13 @@ def _same_ids(a: TableLike, b: TableLike) -> bool:
 
 
 def agreement_parts(
-    a: Any, b: Any, spec: RouteSpec | None, tokens: Any, steps: Sequence[int] | None
+    a: Any,
+    b: Any,
+    spec: RouteSpec | None,
+    tokens: Any,
+    steps: Sequence[int] | None,
+    max_memory: int | None = None,
+    validate: bool = False,
 ) -> Iterator[tuple[int | None, RouteAgreement]]:
     """(step, `RouteAgreement`) partials of the local ``route_agreement`` inputs (see there)."""
     if isinstance(a, pa.Table | pa.RecordBatch) or is_path(a):
@@ -218,7 +244,13 @@ def agreement_parts(
         if isinstance(b, str):
             other = b
             yield from batch_parts(
-                a, tokens, steps, lambda batch: batch_agreement(batch, other, tokens), (b,)
+                a,
+                tokens,
+                steps,
+                lambda batch: batch_agreement(batch, other, tokens),
+                (b,),
+                max_memory,
+                validate,
             )
             return
         check_subset(tokens)

@@ -50,6 +50,7 @@ from r3arrow.table._schema import (
     has_routes,
     list_lengths,
     rollout_schema,
+    route_layers,
     route_spec,
     sequence_lengths,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "replace_groups_info",
     "rollout_schema",
     "rollout_table",
+    "route_layers",
     "route_spec",
     "router_padding_mask",
     "sequence_lengths",

@@ -1,8 +1,13 @@
 """`rollout_table`: build and validate a rollout table from per-trajectory columns.
 
-Routes are checked per part (ids in range) before the parts are joined straight into the
-storage dtype, so the narrowing cast never wraps a value; the table is then validated
-(`r3arrow.table._validate`) and marked validated, so writing it does not check it again.
+Routes are checked per part (ids in range) before any join into the storage dtype, so the
+narrowing cast never wraps a value; the table is then validated (the rules of
+`r3arrow.table._validate`) and marked validated, so writing it does not check it again.
+
+No copy of the routes where a buffer can be referenced (``docs/capture.md``): the routes
+column is a ``ChunkedArray`` whose chunks reference each finalized trace's buffer (one
+chunk per trajectory of at least `MIN_CHUNK_BYTES`; smaller ones share a joined chunk), and
+arrays a `RouteTrace` finalized are not id-checked again (`r3arrow.trace.checked_for`).
 With R3 off (``routes=None, spec=None``) the table has no ``routes`` column and no spec.
 """
 
@@ -13,13 +18,15 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from r3arrow._validated import mark_validated
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
-from r3arrow.ids import check_route_ids
-from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
-from r3arrow.table._schema import rollout_schema
+from r3arrow.ids import check_distinct_experts, check_route_ids
+from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, numpy_to_routes, routes_to_numpy
+from r3arrow.table._schema import list_lengths, rollout_schema, trajectory_id_at
 from r3arrow.table._validate import validate_table
+from r3arrow.trace import checked_for, first_terminal_gap_rows, terminal_gap_error
 
 
 def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> pa.Array[Any]:
@@ -64,6 +71,12 @@ def _column(values: Any, typ: pa.DataType | None, name: str, rows: int) -> pa.Ar
     return arr
 
 
+#: A trajectory's rows become their own chunk (referenced, not copied) from this size on;
+#: smaller ones are joined into shared chunks, since a chunk costs a few microseconds of
+#: bookkeeping here and in every consumer (about a memcpy of this many bytes).
+MIN_CHUNK_BYTES = 128 << 10
+
+
 def _check_part_ids(part: np.ndarray, spec: RouteSpec, row: int) -> int:
     """Id range of trajectory ``row``'s routes; returns the largest id (errors get ``row``)."""
     try:
@@ -73,66 +86,278 @@ def _check_part_ids(part: np.ndarray, spec: RouteSpec, row: int) -> int:
         raise
 
 
-def _routes_column(
-    routes: Any, spec: RouteSpec, rows: int
-) -> tuple[pa.LargeListArray[Any], RouteSpec]:
-    """``large_list<spec.arrow_type>`` from finalized per-trajectory arrays (at most one copy).
+def _root(arr: np.ndarray) -> np.ndarray:
+    """The outermost numpy array ``arr`` views (itself if it owns its data)."""
+    while isinstance(arr.base, np.ndarray):
+        arr = arr.base
+    return arr
 
-    Ids are range-checked per part before the parts are joined straight into the storage
-    dtype (the distinct-experts rule is checked by validation afterwards).
+
+def _span(parts: Sequence[np.ndarray], spec: RouteSpec) -> np.ndarray | None:
+    """``parts`` as one read-only view, if they are back-to-back slices of one buffer, else None.
+
+    Only read-only C-contiguous parts in ``spec.dtype`` qualify (a writable one may still
+    change under an immutable Arrow column). No parts: an empty array.
     """
-    if isinstance(routes, pa.ChunkedArray):
-        routes = routes.combine_chunks()
-    column = isinstance(routes, pa.LargeListArray | pa.ListArray)
-    if column:
-        if routes.null_count:  # a null row's values would be dropped by flatten: refuse first
-            first = int(np.flatnonzero(np.asarray(routes.is_null()))[0])
-            raise SchemaError(
-                f"routes: expected no null trajectory rows, found {routes.null_count} "
-                f"(first: row {first})",
-                row=first,
-            )
-        parts = [routes_to_numpy(routes.flatten(), spec)]
-        lens = np.diff(np.asarray(routes.offsets, dtype=np.int64))
-    else:
-        parts = [
-            routes_to_numpy(r, spec) if isinstance(r, pa.Array | pa.ChunkedArray) else np.asarray(r)
-            for r in routes
-        ]
-        for i, p in enumerate(parts):
-            if p.ndim != 3 or p.shape[1:] != spec.row_shape or p.dtype.kind not in "iu":
-                raise RouteShapeError(
-                    f"routes[{i}]: expected integer [rows, {spec.num_layers}, {spec.topk}], "
-                    f"found {p.dtype} {list(p.shape)}",
-                    row=i,
-                )
-        lens = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
-    if len(lens) != rows:
-        raise SchemaError(f"routes: expected {rows} rows (one per trajectory), found {len(lens)}")
-    if column:
-        try:
-            hi = check_route_ids(parts[0], spec, what="routes")[1]
-        except R3ArrowError as exc:  # name the trajectory and its token (failure path only)
-            ends = np.cumsum(lens)
-            row = int(np.searchsorted(ends, exc.token or 0, side="right"))
-            start = int(ends[row] - lens[row])
-            _check_part_ids(parts[0][start : int(ends[row])], spec, row)
-            raise  # pragma: no cover - the row's own check raises
-    else:
-        hi = max((_check_part_ids(p, spec, i) for i, p in enumerate(parts)), default=-1)
-    if spec.num_experts is None:
-        spec = spec.widened_for(hi)
-    if len(parts) == 1 and parts[0].dtype == spec.dtype:
+    if not parts:
+        return np.empty((0, *spec.row_shape), dtype=spec.dtype)
+    if any(p.flags.writeable or not p.flags.c_contiguous or p.dtype != spec.dtype for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    root = _root(parts[0])
+    if not root.flags.c_contiguous or any(_root(p) is not root for p in parts[1:]):
+        return None
+    ptr = [p.__array_interface__["data"][0] for p in parts]
+    if any(ptr[i] + parts[i].nbytes != ptr[i + 1] for i in range(len(parts) - 1)):
+        return None
+    item = spec.dtype.itemsize
+    first = (ptr[0] - root.__array_interface__["data"][0]) // item
+    rows = sum(p.shape[0] for p in parts)
+    view = root.reshape(-1)[first : first + rows * spec.num_layers * spec.topk]
+    view = view.reshape(rows, *spec.row_shape)
+    view.flags.writeable = False
+    return view
+
+
+def _chunk(parts: list[np.ndarray], lens: list[int], spec: RouteSpec) -> pa.LargeListArray[Any]:
+    """One ``large_list`` chunk of trajectories whose rows are ``parts``.
+
+    One read-only part in ``spec.dtype`` is referenced; anything else is joined (a writable
+    part is copied: the caller could change it under an immutable column).
+    """
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if len(parts) == 1 and parts[0].dtype == spec.dtype and not parts[0].flags.writeable:
         flat = parts[0]
     else:  # ids were range-checked for the storage dtype: the narrowing cast is exact
-        flat = np.empty((int(lens.sum()), *spec.row_shape), dtype=spec.dtype)
+        flat = np.empty((int(offsets[-1]), *spec.row_shape), dtype=spec.dtype)
         if parts:
             np.concatenate(parts, axis=0, out=flat, casting="unsafe")
-    offsets = np.zeros(rows + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
     return pa.LargeListArray.from_arrays(
         pa.array(offsets, type=pa.int64()), numpy_to_routes(flat, spec)
-    ), spec
+    )
+
+
+def _chunked(chunks: Sequence[pa.Array[Any]], type: pa.DataType) -> pa.ChunkedArray[Any]:
+    make: Any = pa.chunked_array  # the stubs' overloads do not cover a nested list type
+    out: pa.ChunkedArray[Any] = make(list(chunks), type=type)
+    return out
+
+
+def chunked_routes(
+    trajectories: Sequence[Sequence[np.ndarray] | pa.Array[Any]],
+    spec: RouteSpec,
+    *,
+    min_chunk_bytes: int | None = None,
+) -> pa.ChunkedArray[Any]:
+    """A routes column (``spec.routes_type``), one row per trajectory, without copying buffers.
+
+    ``trajectories[i]`` holds trajectory ``i``'s rows as ``[n, L, K]`` integer arrays in
+    order, or as one null-free Arrow array of ``spec.arrow_type`` (ids already checked for
+    ``spec``). An Arrow array, or a trajectory whose parts are back-to-back
+    read-only slices of one buffer (`_span`) of at least ``min_chunk_bytes`` becomes its
+    own chunk referencing that buffer; runs of the others are joined into one chunk each
+    (one copy of their rows, cast to ``spec.dtype``). Always at least one chunk.
+    ``min_chunk_bytes`` defaults to `MIN_CHUNK_BYTES` (read at call time).
+    """
+    least = MIN_CHUNK_BYTES if min_chunk_bytes is None else min_chunk_bytes
+    chunks: list[pa.Array[Any]] = []
+    run: list[np.ndarray] = []
+    run_lens: list[int] = []
+    for parts in trajectories:
+        if isinstance(parts, pa.Array):
+            if len(parts) * spec.row_nbytes >= least:  # referenced as it is: no numpy round trip
+                if run_lens:
+                    chunks.append(_chunk(run, run_lens, spec))
+                    run, run_lens = [], []
+                offsets = pa.array([0, len(parts)], type=pa.int64())
+                chunks.append(pa.LargeListArray.from_arrays(offsets, parts))
+                continue
+            parts = [routes_to_numpy(parts, spec)]
+        view = _span(parts, spec)
+        if view is not None and view.nbytes >= least:
+            if run_lens:
+                chunks.append(_chunk(run, run_lens, spec))
+                run, run_lens = [], []
+            chunks.append(_chunk([view], [view.shape[0]], spec))
+        else:
+            run.extend(parts)
+            run_lens.append(sum(p.shape[0] for p in parts))
+    if run_lens or not chunks:
+        chunks.append(_chunk(run, run_lens, spec))
+    return _chunked(chunks, type=spec.routes_type)
+
+
+def _column_parts(
+    routes: pa.LargeListArray[Any] | pa.ListArray[Any], spec: RouteSpec, base: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(flat rows, per-trajectory lengths) of one list chunk; rows ``base..`` of the table."""
+    if routes.null_count:  # a null row's values would be dropped by flatten: refuse first
+        first = int(np.flatnonzero(np.asarray(routes.is_null()))[0])
+        raise SchemaError(
+            f"routes: expected no null trajectory rows, found {routes.null_count} "
+            f"(first: row {base + first})",
+            row=base + first,
+        )
+    return routes_to_numpy(routes.flatten(), spec), np.diff(
+        np.asarray(routes.offsets, dtype=np.int64)
+    )
+
+
+def _check_flat_ids(flat: np.ndarray, lens: np.ndarray, spec: RouteSpec, base: int) -> int:
+    """Id range of a chunk's flat rows; an error names the trajectory's row (and its token)."""
+    try:
+        return check_route_ids(flat, spec, what="routes")[1]
+    except R3ArrowError as exc:  # failure path only: re-check the trajectory's own rows
+        ends = np.cumsum(lens)
+        row = int(np.searchsorted(ends, exc.token or 0, side="right"))
+        start = int(ends[row] - lens[row])
+        _check_part_ids(flat[start : int(ends[row])], spec, base + row)
+        raise  # pragma: no cover - the row's own check raises
+
+
+def _routes_column(
+    routes: Any, spec: RouteSpec, rows: int
+) -> tuple[pa.ChunkedArray[Any], RouteSpec, list[tuple[int, np.ndarray, np.ndarray]]]:
+    """The routes column from finalized per-trajectory arrays or a list column; no route copy
+    where a buffer can be referenced (`chunked_routes`).
+
+    Ids are range-checked before any join into the storage dtype (so the narrowing cast never
+    wraps), except for arrays `r3arrow.trace.checked_for` the spec (the capture path checked
+    them). Returns (column, spec, the parts still owing the distinct-experts check as
+    (first row, flat rows, lengths)).
+    """
+    if isinstance(routes, pa.LargeListArray | pa.ListArray | pa.ChunkedArray):
+        chunks = list(routes.chunks) if isinstance(routes, pa.ChunkedArray) else [routes]
+        flats, lens_list, base = [], [], 0
+        for ch in chunks:
+            if not isinstance(ch, pa.LargeListArray | pa.ListArray):
+                raise SchemaError(f"routes: expected a list column, found {ch.type}")
+            flat, lens = _column_parts(ch, spec, base)
+            flats.append(flat)
+            lens_list.append(lens)
+            base += len(lens)
+        if base != rows:
+            raise SchemaError(f"routes: expected {rows} rows (one per trajectory), found {base}")
+        firsts = np.cumsum([0] + [len(x) for x in lens_list])[:-1].tolist()
+        if checked_for(routes, spec):  # a TurnStore's column: every turn was checked
+            return _chunked(chunks, type=spec.routes_type), spec, []
+        hi = max(
+            (
+                _check_flat_ids(f, n, spec, b)
+                for f, n, b in zip(flats, lens_list, firsts, strict=True)
+            ),
+            default=-1,
+        )
+        spec = spec.widened_for(hi) if spec.num_experts is None else spec
+        # Re-wrapping a chunk's own flat rows references them (a copy only to cast the dtype).
+        col = _chunked(
+            [_chunk([f], n.tolist(), spec) for f, n in zip(flats, lens_list, strict=True)]
+            or [_chunk([], [], spec)],
+            type=spec.routes_type,
+        )
+        owing = list(zip(firsts, flats, lens_list, strict=True))
+        return col, spec, owing
+    given = list(routes)
+    if len(given) != rows:
+        raise SchemaError(f"routes: expected {rows} rows (one per trajectory), found {len(given)}")
+    trusted = [checked_for(r, spec) for r in given]  # finalized by a RouteTrace: ids checked
+    parts: list[np.ndarray | None] = [
+        None
+        if ok
+        else routes_to_numpy(r, spec)
+        if isinstance(r, pa.Array | pa.ChunkedArray)
+        else np.asarray(r)
+        for r, ok in zip(given, trusted, strict=True)
+    ]
+    for i, p in enumerate(parts):
+        if p is not None and (
+            p.ndim != 3 or p.shape[1:] != spec.row_shape or p.dtype.kind not in "iu"
+        ):
+            raise RouteShapeError(
+                f"routes[{i}]: expected integer [rows, {spec.num_layers}, {spec.topk}], "
+                f"found {p.dtype} {list(p.shape)}",
+                row=i,
+            )
+    hi = max(
+        (_check_part_ids(p, spec, i) for i, p in enumerate(parts) if p is not None),
+        default=-1,
+    )
+    if spec.num_experts is None:
+        spec = spec.widened_for(hi)
+    owing = [
+        (i, p, np.array([p.shape[0]], dtype=np.int64)) for i, p in enumerate(parts) if p is not None
+    ]
+    items: list[Sequence[np.ndarray] | pa.Array[Any]] = []
+    for r, p in zip(given, parts, strict=True):
+        if p is not None:
+            items.append([p])
+        elif r.type == spec.arrow_type:
+            items.append(r)
+        else:  # checked, but narrower than a widened spec: cast by the join
+            items.append([routes_to_numpy(r)])
+    return chunked_routes(items, spec), spec, owing
+
+
+def _check_distinct(
+    table: pa.Table, spec: RouteSpec, owing: list[tuple[int, np.ndarray, np.ndarray]]
+) -> None:
+    """The distinct-experts rule on the parts not checked by the capture path."""
+    for base, flat, lens in owing:
+        try:
+            check_distinct_experts(flat, spec, what="routes")
+        except R3ArrowError as exc:  # failure path: re-check the trajectory for its own token
+            ends = np.cumsum(lens)
+            row = int(np.searchsorted(ends, exc.token or 0, side="right"))
+            start, end = int(ends[row] - lens[row]), int(ends[row])
+            tid = trajectory_id_at(table, base + row)
+            try:
+                check_distinct_experts(
+                    flat[start:end], spec, what=f"routes[{base + row}] (trajectory {tid!r})"
+                )
+            except R3ArrowError as own:
+                own.row, own.trajectory_id = base + row, tid
+                raise own from None
+            exc.row, exc.trajectory_id = base + row, tid  # pragma: no cover - re-check raises
+            raise
+
+
+def _validate_but_ids(table: pa.Table) -> None:
+    """`validate_table` without the id rules (checked per part by `rollout_table`).
+
+    The R3-off rules on the table without its routes, then the route rules that do not
+    read ids: at most one row per token, the terminal gap (`first_terminal_gap_rows`: the
+    same rule and error as validation, looking only at uncovered tokens). The routes column
+    has no null at any level by construction (`_routes_column` wraps null-free numpy rows,
+    finalized traces, or a `TurnStore`'s column built the same way), so the per-chunk null
+    scan is skipped.
+    """
+    meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != SPEC_METADATA_KEY}
+    validate_table(table.drop_columns(["routes"]).replace_schema_metadata(meta), ids="distinct")
+    plen = list_lengths(table.column("prompt_ids"))
+    rlen = list_lengths(table.column("response_ids"))
+    mlen = list_lengths(table.column("loss_mask"))
+    cap = list_lengths(table.column("routes"))
+    bad = np.flatnonzero(cap > plen + rlen)
+    if bad.size:
+        i = int(bad[0])
+        raise RouteShapeError(
+            f"row {i}: expected at most {plen[i] + rlen[i]} route rows (tokens), found {cap[i]}",
+            row=i,
+            trajectory_id=trajectory_id_at(table, i),
+        )
+    mask = np.asarray(pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False))
+    gap = first_terminal_gap_rows(mask, mlen, plen, cap)
+    if gap is not None:
+        row, token = gap
+        raise terminal_gap_error(
+            token=token,
+            captured=int(cap[row]),
+            num_tokens=int(plen[row] + rlen[row]),
+            trajectory_id=trajectory_id_at(table, row),
+            row=row,
+        )
 
 
 def rollout_table(
@@ -169,7 +394,7 @@ def rollout_table(
     if spec is not None and not isinstance(spec, RouteSpec):
         raise TypeError(f"rollout_table: expected spec to be a RouteSpec, found {type(spec)}")
     rows = len(trajectory_id)
-    cols: dict[str, pa.Array[Any]] = {
+    cols: dict[str, pa.Array[Any] | pa.ChunkedArray[Any]] = {
         "trajectory_id": _column(trajectory_id, pa.large_string(), "trajectory_id", rows),
         "group_id": _column(group_id, pa.large_string(), "group_id", rows),
         "prompt_ids": _large_list(prompt_ids, pa.int32(), "prompt_ids", rows),
@@ -177,8 +402,9 @@ def rollout_table(
         "loss_mask": _large_list(loss_mask, pa.uint8(), "loss_mask", rows),
         "reward": _column(reward, pa.float64(), "reward", rows),
     }
+    owing: list[tuple[int, np.ndarray, np.ndarray]] = []
     if spec is not None:
-        cols["routes"], spec = _routes_column(routes, spec, rows)
+        cols["routes"], spec, owing = _routes_column(routes, spec, rows)
     extra_fields = []
     for name, values in extra.items():
         if name in cols or name == "routes":
@@ -188,6 +414,10 @@ def rollout_table(
         extra_fields.append(pa.field(name, arr.type))
     schema = rollout_schema(spec, extra_fields)
     table = pa.Table.from_arrays(list(cols.values()), schema=schema)
-    validate_table(table, ids="distinct")  # the id range was checked per part above
+    if spec is None:
+        validate_table(table, ids="distinct")
+    else:  # the id range was checked per part above; distinct ids where the capture did not
+        _validate_but_ids(table)
+        _check_distinct(table, spec, owing)
     mark_validated(table)
     return table

@@ -9,10 +9,12 @@ ids, row selection, dynamic sampling) works the same.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -31,6 +33,9 @@ ROLLOUT_COLUMNS: tuple[str, ...] = (
 )
 SCHEMA_VERSION = "rollout.v1"
 VERSION_KEY = b"r3arrow.schema"
+#: Schema metadata key of a layer-projected table: JSON list of the global layer id of each
+#: route row present (see `route_layers`; ``docs/storage.md``, "Layer projection").
+ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
 
 
 def rollout_schema(spec: RouteSpec | None, extra: Sequence[pa.Field[Any]] = ()) -> pa.Schema:
@@ -71,6 +76,47 @@ def route_spec(table: pa.Table | pa.RecordBatch) -> RouteSpec:
             f"no routes column (R3 off): the table has no RouteSpec (columns {table.schema.names})"
         )
     return RouteSpec.from_schema(table.schema)
+
+
+def route_layers(table: pa.Table | pa.RecordBatch | pa.Schema) -> tuple[int, ...]:
+    """The global layer id of each route row present in the table's routes, ascending.
+
+    A full table holds every layer: ``tuple(range(spec.num_layers))``. A layer-projected
+    table (``r3arrow.read_rollouts(..., layers=...)``) holds ``spec.num_layers`` of them
+    and records their global ids under ``r3arrow.route_layers`` (a JSON list); route row
+    ``i`` of a token is global layer ``route_layers(table)[i]``. A schema is accepted too.
+
+    Raises `SchemaError` for an R3-off table (no spec) and for a ``r3arrow.route_layers``
+    value that is not a strictly ascending list of ``spec.num_layers`` non-negative ints.
+    """
+    schema = table if isinstance(table, pa.Schema) else table.schema
+    meta = schema.metadata or {}
+    if SPEC_METADATA_KEY not in meta:
+        raise SchemaError(
+            f"route_layers: expected a RouteSpec (metadata key {SPEC_METADATA_KEY.decode()!r}), "
+            f"found none (R3 off; columns {schema.names})"
+        )
+    spec = RouteSpec.from_schema(schema)
+    raw = meta.get(ROUTE_LAYERS_KEY)
+    if raw is None:
+        return tuple(range(spec.num_layers))
+    try:
+        layers = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        layers = None
+    ok = (
+        isinstance(layers, list)
+        and len(layers) == spec.num_layers
+        and all(type(i) is int and i >= 0 for i in layers)
+        and all(a < b for a, b in itertools.pairwise(layers))
+    )
+    if not ok:
+        raise SchemaError(
+            f"metadata key {ROUTE_LAYERS_KEY.decode()!r}: expected a strictly ascending JSON "
+            f"list of {spec.num_layers} non-negative layer ids (num_layers of {spec}), "
+            f"found {bytes(raw)!r:.120}"
+        )
+    return tuple(cast("list[int]", layers))
 
 
 def require_routes(table: pa.Table | pa.RecordBatch, what: str) -> None:

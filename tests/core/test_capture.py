@@ -112,7 +112,7 @@ def test_bound_trace_shares_the_read_only_buffer_with_the_store() -> None:
     ],
 )
 def test_a_rejected_turn_changes_neither_trace_nor_store(
-    rows: np.ndarray, kw: dict[str, int], error: type[Exception]
+    rows: np.ndarray, kw: dict[str, Any], error: type[Exception]
 ) -> None:
     store = TurnStore(SPEC)
     trace = store.trace("t")

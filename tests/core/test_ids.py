@@ -346,3 +346,34 @@ def test_torch_cpu_tensor_same_as_numpy(backend: str) -> None:
     for x in (arr, torch.from_numpy(arr)):
         with pytest.raises(DuplicateExpertError, match=r"\(token 17, layer 1\)"):
             check_router_ids(x, 32, [0, 1, 2])
+
+
+# ------------------------------------------------------- the fused collation pass
+@pytest.mark.parametrize(
+    ("dtype", "k", "experts"),
+    [("uint8", 8, 128), ("uint8", 8, 130), ("uint16", 4, 999), ("int32", 2, 7), ("uint8", 3, 9)],
+)
+def test_gather_router_ids_literal(backend: str, dtype: str, k: int, experts: int) -> None:
+    """Rows 2 and 0 at two local layers, a dummy position; then one bad id per rule."""
+    src = np.zeros((3, 3, k), dtype=dtype)
+    for t in range(3):
+        for layer in range(3):
+            src[t, layer] = (np.arange(k) + t + 2 * layer) % experts
+    pos = np.array([[2], [-1], [0]], dtype=np.int64)
+    out = np.full((2, 3, 1, k), -7, dtype=np.int32)
+    ids.gather_router_ids(src, np.array([2, 0]), pos, out, experts, [20, 0])
+    assert out[:, :, 0].tolist() == [
+        [src[2, 2].tolist(), list(range(k)), src[0, 2].tolist()],
+        [src[2, 0].tolist(), list(range(k)), src[0, 0].tolist()],
+    ]
+    dup = src.copy()
+    dup[0, 0, k - 1] = dup[0, 0, 0]
+    with pytest.raises(DuplicateExpertError) as info:
+        ids.gather_router_ids(dup, np.array([2, 0]), pos, out, experts, [20, 0])
+    assert (info.value.token, info.value.layer) == (0, 0)
+    high = src.copy()
+    high[2, 2, 1] = experts
+    with pytest.raises(ExpertRangeError, match=f"found {experts}") as rinfo:
+        ids.gather_router_ids(high, np.array([2, 0]), pos, out, experts, [20, 0])
+    assert (rinfo.value.token, rinfo.value.layer) == (2, 20)
+    ids.gather_router_ids(high, np.array([0]), pos, out[:1].copy(), experts, [0])  # not gathered

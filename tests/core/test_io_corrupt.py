@@ -187,12 +187,27 @@ def test_byte_flips_anywhere_raise_or_return_the_original(
 
 
 def _route_values(path: Path, table: pa.Table) -> list[tuple[int, int]]:
-    """Byte range of the route values in each row group's page (plain encoding ends the page)."""
-    rows = pq.ParquetFile(path).metadata.row_group(0).num_rows
+    """Byte range of the route values in each layer group's page of each row group.
+
+    Plain encoding ends the page with the values: ``tokens × group width`` bytes, the
+    group width that of its ``l{a}_{b}`` leaf (docs/storage.md, layer-group storage).
+    """
+    md = pq.ParquetFile(path).metadata
+    rows = md.row_group(0).num_rows
     tokens = np.add.reduceat(captured_lengths(table), np.arange(0, table.num_rows, rows))
-    chunks = _routes_chunks(path)
-    assert len(chunks) == len(tokens)
-    return [(hi - int(n) * SPEC.row_nbytes, hi) for (_, hi), n in zip(chunks, tokens, strict=True)]
+    assert md.num_row_groups == len(tokens)
+    width = SPEC.topk * SPEC.dtype.itemsize
+    out = []
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            if not col.path_in_schema.startswith("routes"):
+                continue
+            a, b = (int(x) for x in col.path_in_schema.rsplit(".", 1)[1][1:].split("_"))
+            hi = col.data_page_offset + col.total_compressed_size
+            out.append((hi - int(tokens[g]) * (b - a) * width, hi))
+    return out
 
 
 @settings(max_examples=40)

@@ -8,7 +8,7 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -23,7 +23,12 @@ from r3arrow.errors import (
     TraceStateError,
 )
 from r3arrow.testing import random_routes
-from r3arrow.trace import check_terminal_gap, expected_rows
+from r3arrow.trace import (
+    check_terminal_gap,
+    expected_rows,
+    first_terminal_gap,
+    first_terminal_gap_rows,
+)
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=8)
 
@@ -806,3 +811,29 @@ def test_any_conversation_is_covered_and_any_drift_is_located(
     with pytest.raises(PrefixMismatchError) as info:
         trace.check_extends(bad)
     assert info.value.token == pos
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 6), st.integers(0, 11), st.integers(0, 2**6)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_first_terminal_gap_rows_matches_the_per_token_rule(
+    rows: list[tuple[int, int, int, int]],
+) -> None:
+    """The table-level form (uncovered tails only) finds the per-token rule's first violation."""
+    plen = np.array([p for p, _, _, _ in rows], dtype=np.int64)
+    rlen = np.array([r for _, r, _, _ in rows], dtype=np.int64)
+    cap = np.minimum([c for _, _, c, _ in rows], plen + rlen)
+    mask = np.concatenate(
+        [np.array([(bits >> j) & 1 for j in range(r)], np.uint8) for _, r, _, bits in rows]
+    )
+    parent = np.repeat(np.arange(len(rows)), rlen)
+    starts = np.concatenate([[0], np.cumsum(rlen)[:-1]])
+    pos = plen[parent] + (np.arange(mask.size) - starts[parent])
+    k = first_terminal_gap(mask, pos, cap[parent]) if mask.size else -1
+    want = None if k < 0 else (int(parent[k]), int(pos[k]))
+    assert first_terminal_gap_rows(mask, rlen, plen, cap) == want

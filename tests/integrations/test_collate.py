@@ -346,7 +346,7 @@ def test_threaded_route_copies_equal_single_thread(
     table = _table(spec, trajs)
     single = MegatronCollator(spec, num_threads=1, **kw)(table)
     monkeypatch.setattr(r3arrow.collate._collator, "_PARALLEL_BYTES", 0)
-    monkeypatch.setattr(r3arrow.collate._kernels, "_BLOCK_BYTES", 64)  # many small blocks/thread
+    monkeypatch.setattr(r3arrow.ids, "_BLOCK_IDS", 16)  # many small blocks (numpy backend)
     threaded = MegatronCollator(spec, num_threads=3, **kw)(table)
     assert torch.equal(_lm(single), _lm(threaded))
     assert torch.equal(single.padding_mask, threaded.padding_mask)

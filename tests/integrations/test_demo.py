@@ -1,6 +1,6 @@
 """`r3arrow demo` end to end at a small size.
 
-engine → rollouts → Parquet → stats → collation → replay.
+engine → rollouts → Parquet → stats → collation → replay → replay diagnostics.
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+import orjson
 import pytest
 
 import r3arrow
 from r3arrow.cli import EXIT_OK, main
-from r3arrow.demo import DemoConfig, run_demo
+from r3arrow.demo import DemoConfig, DemoResult, run_demo
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 if HAVE_MEGATRON:
@@ -54,12 +55,54 @@ def test_demo_small_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert back.equals(kept)
     assert result.heatmap is not None and result.heatmap.read_bytes()[:4] == b"\x89PNG"
     assert result.microbatches >= 1
-    assert "[5/6] megatron collation" in out
+    assert "[5/7] megatron collation" in out
     if HAVE_MEGATRON:
         captured = int(r3arrow.table.captured_lengths(kept).sum())
         assert result.replay_tokens == captured
         assert result.replay_mismatches == 0
         assert "routing identical to the engine's" in out
+        _check_diagnostics(result, tmp_path, out, capsys)
+
+
+def _check_diagnostics(
+    result: DemoResult, out_dir: Path, out: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stage 7: bfloat16 routers disagree measurably, float32 ones do not; persisted."""
+    captured = int(r3arrow.table.captured_lengths(result.kept).sum())
+    native, control = result.native_agreement, result.control_agreement
+    assert native.tokens == control.tokens == captured
+    assert native.layers == (1, 2, 3)  # the engine's router layers, global ids
+    assert native.all_identical < native.tokens  # bfloat16 flips some top-k boundaries
+    assert control.all_identical == control.tokens  # float32: the engine's choice exactly
+    assert "[7/7] replay diagnostics" in out and "R3-paper quantities" in out
+    assert "replayed routing identical to the engine's; probe matches" in out
+    assert result.diagnostics is not None and result.diagnostics.is_relative_to(out_dir)
+    assert main(["diagnose", str(out_dir), "--json"]) == EXIT_OK
+    info = orjson.loads(capsys.readouterr().out)
+    assert info["source"] == "native_vs_replay"
+    assert info["total"]["tokens"] == captured
+    assert info["total"]["tokens_differ_any_layer"] == pytest.approx(native.differing_fraction)
+    assert 0 < info["total"]["decisions_differ"] < 0.1
+    png = out_dir / "diag.png"
+    assert main(["diagnose", str(out_dir), "--png", str(png)]) == EXIT_OK
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "tokens differing on at least one layer" in capsys.readouterr().out
+
+
+def test_demo_without_megatron_skips_the_megatron_stages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import r3arrow.demo
+
+    monkeypatch.setattr(r3arrow.demo, "_megatron_available", lambda: False)
+    cfg = DemoConfig(
+        groups=2, samples=2, turns=1, max_tokens=3, out_dir=tmp_path, progress=False
+    )  # fmt: skip
+    assert run_demo(cfg).ok
+    out = capsys.readouterr().out
+    assert "[6/7] replay: skipped (megatron-core not installed" in out
+    assert "[7/7] replay diagnostics: skipped (megatron-core not installed)" in out
+    assert not (tmp_path / "_diagnostics").exists()
 
 
 def test_demo_cli_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,6 +126,7 @@ def test_demo_cli_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert code == EXIT_OK
     out = capsys.readouterr().out
     assert "replay: skipped (--no-replay)" in out
+    assert "[7/7] replay diagnostics: skipped (--no-replay)" in out
     assert (tmp_path / "d" / "rollouts.parquet").exists()
 
 
@@ -162,4 +206,5 @@ def test_demo_cli_against_an_engine_url_without_shape_flags_replays(
     flat, _ = r3arrow.table.flat_routes(table)
     sized = max(int(flat[:, list(spec.router_layers)].max()) + 1, spec.topk)
     assert f"routers sized from the routes observed ({sized} = max id + 1" in out
-    assert "[6/6] replay into" in out and "routing identical to the engine's" in out
+    assert "[6/7] replay into" in out and "routing identical to the engine's" in out
+    assert "[7/7] replay diagnostics: skipped (needs the embedded engine's" in out

@@ -131,3 +131,18 @@ def test_heatmap_text_stays_inside_the_figure(tmp_path: Path, shape: tuple[int, 
     rgb = imread(out)[..., :3]
     border = np.concatenate([rgb[0], rgb[-1], rgb[:, 0], rgb[:, -1]])
     assert (border.min(axis=1) > 0.9).all(), "ink on the border: a label is cut off"
+
+
+def test_disagreement_one_step_and_over_steps(
+    tmp_path: Path, by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]]
+) -> None:
+    _, agreement = by_step
+    one = plot.plot_disagreement({10: agreement[10]}, tmp_path / "one.png")
+    width, height = png_size(one)
+    assert 600 <= width <= 2500 and 300 <= height <= 1600
+    many = plot.plot_disagreement(agreement, tmp_path / "many.png", title="t")
+    assert png_size(many)[1] > height  # lines over steps above a layer x step heatmap
+    with pytest.raises(ValueError, match="at least one step"):
+        plot.plot_disagreement({}, tmp_path / "none.png")
+    with pytest.raises(ValueError, match=r"\.png"):
+        plot.plot_disagreement(agreement, tmp_path / "x.jpg")

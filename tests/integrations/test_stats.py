@@ -536,7 +536,12 @@ def test_directory_agreement_and_drift(step_dir: tuple[Path, list[pa.Table]]) ->
 
 
 def test_directory_memory_is_one_step_at_a_time(tmp_path: Path) -> None:
-    """Stats over 8 steps keep Arrow's peak allocation near one step's routes, not all of them."""
+    """Stats over 8 steps keep Arrow's peak allocation near two steps' routes, not all of them.
+
+    Each step here is one small row group, so a piece is a step: the statistic holds the
+    piece it counts and the one read ahead (plus a restore copy); see
+    ``test_stats_stream.py`` for a step larger than the budget.
+    """
     spec = RouteSpec(num_layers=16, topk=8, num_experts=64)
     rng = np.random.default_rng(3)
     steps = 8
@@ -558,7 +563,7 @@ def test_directory_memory_is_one_step_at_a_time(tmp_path: Path) -> None:
     )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["sum"] > 0
-    assert got["peak"] < 3 * step_bytes, (got, step_bytes)  # reading one step peaks near 2x
+    assert got["peak"] < 4 * step_bytes, (got, step_bytes)  # two pieces read ahead, ~3.5x
     assert got["peak"] < steps * step_bytes / 2
 
 

@@ -1,25 +1,6 @@
-"""Ray Data scale-out: rollout Parquet roots as Ray Datasets of Arrow blocks.
+"""Ray Data reading, the distributed partials of `r3arrow.stats`, collation as map_batches.
 
-- `read_rollouts`: a step-partitioned root (or a file) → ``ray.data.Dataset`` of
-  Arrow blocks with routes restored to the nested per-token type and ``step``
-  as int64; one read task per Parquet row group. Files, steps and the spec come
-  from `r3arrow.io` (`scan_rollout_files`, `read_row_group`).
-- `partials`: the Ray engine of `r3arrow.stats` (``engine="ray"``) — each block
-  is reduced to exact integer partials in ``map_batches`` (in parallel, only the
-  small partials move), then combined: streamed to the driver and summed
-  (``reduce="driver"``, default) or with a Ray ``AggregateFnV2`` hash aggregate
-  (``reduce="ray"``, grouped by ``step`` for the by-step statistics). Integer
-  sums are order-independent, so every path equals the single-process one
-  exactly. Call it through ``r3arrow.stats.expert_load(..., engine="ray")`` and
-  friends; ``r3arrow.ray.expert_load`` etc. are deprecated aliases of those.
-- `collate`: a collator (e.g. `r3arrow.collate.MegatronCollator`) run as
-  ``map_batches``; each microbatch becomes one row of plain Arrow columns
-  (values + shape per tensor) that ``Dataset.write_parquet`` writes back and
-  `microbatch_arrays` decodes.
-
-Ray drops Arrow schema metadata from blocks, so the `RouteSpec` is read once
-from the Parquet footers on the driver (`rollout_spec`) and shipped to the
-workers with the functions. ``ray`` is imported lazily (the ``ray`` extra).
+See the package docstring of `r3arrow.ray`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,191 @@
+"""``r3arrow diagnose``: the R3 paper's routing-disagreement quantities of a run.
+
+Where the numbers come from (``docs/diagnostics.md``):
+
+1. the diagnostics persisted beside the rollouts (`r3arrow.io.write_diagnostics`, e.g. by
+   a trainer's ``replay_schedule(measure_agreement=True)`` probe or the demo): read with
+   `r3arrow.io.read_diagnostics`, one `RouteAgreement` per step;
+2. otherwise, rollouts that carry a trainer-side routes column (``train_routes`` by
+   convention, the RECORD schedule's output): `r3arrow.stats.route_agreement_by_step`
+   computes the agreement of ``routes`` vs that column, streamed one step at a time.
+
+Printed (and in ``--json``): the fraction of router decisions that differ,
+``1 - overlap / (tokens * K)`` (mean over layers), the fraction of tokens whose top-k set
+differs on at least one layer, ``1 - all_identical / tokens``, both per step when there
+are several, and the per-layer table over all steps. ``--png`` draws them
+(`r3arrow.plot.plot_disagreement`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from r3arrow.errors import SchemaError
+from r3arrow.stats import RouteAgreement
+
+#: Routes column of the trainer's own routing (contract C5).
+TRAIN_ROUTES = "train_routes"
+
+
+def agreements_from_table(table: pa.Table) -> dict[str, dict[int, RouteAgreement]]:
+    """``source -> step -> RouteAgreement`` of a `r3arrow.io.read_diagnostics` table."""
+    out: dict[str, dict[int, RouteAgreement]] = {}
+    if table.num_rows == 0:
+        return out
+    cols = {n: table.column(n).to_numpy() for n in table.schema.names if n != "source"}
+    sources = np.asarray(table.column("source").to_pylist(), dtype=object)
+    keys = np.stack([cols["step"], np.unique(sources, return_inverse=True)[1]], axis=1)
+    # Rows come sorted by (step, source, layer): each group is one contiguous run.
+    starts = np.flatnonzero(np.r_[True, (keys[1:] != keys[:-1]).any(axis=1)])
+    ends = np.r_[starts[1:], table.num_rows]
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        agreement = RouteAgreement(
+            tuple(int(x) for x in cols["layer"][a:b]),
+            int(cols["topk"][a]),
+            int(cols["tokens"][a]),
+            cols["identical"][a:b],
+            cols["overlap"][a:b],
+            int(cols["all_identical"][a]),
+        )
+        out.setdefault(str(sources[a]), {})[int(cols["step"][a])] = agreement
+    return out
+
+
+def _has_column(path: Path, name: str) -> bool:
+    """Whether the rollouts under ``path`` carry column ``name`` (footers only)."""
+    from r3arrow.io import read_rollouts_dataset
+
+    return name in read_rollouts_dataset(path).schema.names
+
+
+def _has_rollouts(path: Path) -> bool:
+    from r3arrow.io import list_steps
+
+    if path.is_file():
+        return True
+    try:
+        return bool(list_steps(path))
+    except SchemaError:
+        return True  # non-canonical partitions: let the reader report them
+
+
+def load_agreements(path: Path, source: str | None = None) -> tuple[str, dict[int, RouteAgreement]]:
+    """(source label, step -> agreement) for ``path``; see the module docstring.
+
+    ``source`` picks a diagnostics source; by default the only one, or
+    ``native_vs_replay`` when there are several. A single rollout file (no steps) comes
+    back as step 0. Raises `SchemaError` (``path`` set) when ``path`` has neither
+    diagnostics nor a ``train_routes`` column, or ``source`` names none of its sources.
+    """
+    from r3arrow import stats
+    from r3arrow.io import NATIVE_VS_REPLAY, read_diagnostics
+
+    found = agreements_from_table(read_diagnostics(path)) if path.is_dir() else {}
+    if found:
+        if source is None:
+            source = next(iter(found)) if len(found) == 1 else NATIVE_VS_REPLAY
+        if source not in found:
+            raise SchemaError(
+                f"{path}: expected --source to be one of {sorted(found)}, found {source!r}",
+                path=path,
+            )
+        return source, found[source]
+    if source is not None:
+        raise SchemaError(f"{path}: expected diagnostics of source {source!r}, found none")
+    if not _has_rollouts(path) or not _has_column(path, TRAIN_ROUTES):
+        raise SchemaError(
+            f"{path}: expected replay diagnostics (_diagnostics/, written by "
+            f"r3arrow.io.write_diagnostics) or rollouts with a {TRAIN_ROUTES!r} column "
+            f"(trainer routes), found neither",
+            path=path,
+        )
+    label = f"routes_vs_{TRAIN_ROUTES}"
+    if path.is_file():
+        return label, {0: stats.route_agreement(path, TRAIN_ROUTES)}
+    return label, stats.route_agreement_by_step(path, TRAIN_ROUTES)
+
+
+def _total(per_step: Mapping[int, RouteAgreement]) -> RouteAgreement:
+    steps = sorted(per_step)
+    total = per_step[steps[0]]
+    for s in steps[1:]:
+        total = total + per_step[s]
+    return total
+
+
+def _quantities(a: RouteAgreement) -> dict[str, float]:
+    s = a.summary()
+    return {
+        "tokens": int(a.tokens),
+        "decisions_differ": 1.0 - s["overlap"],
+        "tokens_differ_any_layer": s["differing"],
+        "top_k_set_differs_mean_layer": 1.0 - s["identical"],
+    }
+
+
+def report(source: str, per_step: Mapping[int, RouteAgreement]) -> dict[str, Any]:
+    """JSON-ready report: totals, per step, per layer (fractions as floats)."""
+    total = _total(per_step)
+    with np.errstate(all="ignore"):
+        decisions = 1.0 - total.mean_overlap
+        sets = 1.0 - total.identical_fraction
+    return {
+        "source": source,
+        "topk": total.topk,
+        "total": _quantities(total),
+        "steps": [{"step": s, **_quantities(per_step[s])} for s in sorted(per_step)],
+        "layers": [
+            {
+                "layer": int(layer),
+                "decisions_differ": float(decisions[i]),
+                "top_k_set_differs": float(sets[i]),
+            }
+            for i, layer in enumerate(total.layers)
+        ],
+    }
+
+
+def print_report(path: Path, info: Mapping[str, Any]) -> None:
+    """The human-readable form of `report`."""
+    t = info["total"]
+    steps = info["steps"]
+    where = f"{len(steps)} step{'s' if len(steps) != 1 else ''}"
+    print(f"routing disagreement of {path} ({info['source']}, {where}, top-{info['topk']})")
+    print(f"  tokens compared:                         {t['tokens']}")
+    print(f"  router decisions that differ:            {t['decisions_differ']:.2%}")
+    print(f"  tokens differing on at least one layer:  {t['tokens_differ_any_layer']:.2%}")
+    if len(steps) > 1:
+        print("  step   tokens   decisions differ   tokens differ (any layer)")
+        for s in steps:
+            print(
+                f"  {s['step']:>4} {s['tokens']:>8}   {s['decisions_differ']:>16.2%}"
+                f"   {s['tokens_differ_any_layer']:>25.2%}"
+            )
+    print("  layer   decisions differ   top-k set differs")
+    for row in info["layers"]:
+        print(
+            f"  {row['layer']:>5}   {row['decisions_differ']:>16.2%}"
+            f"   {row['top_k_set_differs']:>17.2%}"
+        )
+
+
+def plot(path: Path, per_step: Mapping[int, RouteAgreement], png: str) -> Path:
+    """Write `r3arrow.plot.plot_disagreement` of ``per_step`` to ``png``."""
+    from r3arrow.plot import plot_disagreement
+
+    return plot_disagreement(dict(per_step), png, title=f"Routing disagreement: {path.name}")
+
+
+__all__ = [
+    "TRAIN_ROUTES",
+    "agreements_from_table",
+    "load_agreements",
+    "plot",
+    "print_report",
+    "report",
+]

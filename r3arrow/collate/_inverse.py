@@ -1,0 +1,298 @@
+"""Inverse collation: what the trainer's routers saw → a routes column aligned to trajectories.
+
+See ``docs/train-routes.md``. `uncollate_routes` takes a `Microbatch` and the top-k indices
+its routers produced (``r3arrow.megatron.record_schedule``), one ``[tokens, K]`` array per
+router layer in Megatron's router token order, and returns a ``large_list`` routes column
+with one row per trajectory of the microbatch and exactly the captured rows of the table's
+``routes`` column (rows ``0 .. captured - 1``, docs/design.md "Ragged routes and the
+terminal gap"), of the same Arrow type, so it can sit beside ``routes`` as
+``"train_routes"``. Everything is index arithmetic over all captured tokens at once: one
+gather per microbatch, no loop per token.
+
+Token order (docs/design.md, "Layouts for Megatron"): a router sees the flat ``s * b + b_idx``
+order of the ``[s, b]`` hidden states (packed ``[1, T]``: T order). With context
+parallelism CP rank r holds chunks r and ``2 cp - 1 - r`` of every sequence (unpacked: of
+every row) cut into ``2 cp`` chunks; with sequence parallelism TP rank t holds the t-th
+contiguous slice of that flat order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import numpy as np
+import pyarrow as pa
+
+from r3arrow._checks import check_int
+from r3arrow.collate._microbatch import Microbatch
+from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteDTypeError, RouteShapeError
+from r3arrow.ids import check_router_ids
+from r3arrow.spec import RouteSpec, numpy_to_routes
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    """A numpy view of a tensor (any device: copied to the host) or array-like."""
+    if hasattr(x, "detach"):
+        return np.asarray(x.detach().cpu().numpy())
+    return np.asarray(x)
+
+
+def _spec_and_layers(
+    mb: Microbatch, spec: RouteSpec | None, layers: Sequence[int] | None
+) -> tuple[RouteSpec, tuple[int, ...]]:
+    if spec is None:
+        spec = mb.spec
+        if spec is None:
+            raise ValueError(
+                "spec: expected the table's RouteSpec (the microbatch was collated with R3 off "
+                "and carries none), found None"
+            )
+    elif not isinstance(spec, RouteSpec):
+        raise TypeError(f"spec: expected a RouteSpec, found {type(spec).__name__}")
+    if layers is None:
+        return spec, tuple(range(spec.num_layers))
+    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence):
+        raise TypeError(f"layers: expected a sequence of ints, found {type(layers).__name__}")
+    ids = tuple(check_int(g, "layers[i]", minimum=0) for g in layers)
+    if len(ids) != spec.num_layers:
+        raise ValueError(
+            f"layers: expected one global id per route row of the spec ({spec.num_layers}), "
+            f"found {len(ids)}"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"layers: expected distinct global layer ids, found {list(ids)}")
+    return spec, ids
+
+
+def _pieces(mb: Microbatch, routes: Any) -> list[Mapping[int, Any]]:
+    """The per-rank mappings, in rank order (CP-major, then TP under sequence parallelism)."""
+    tp_pieces = mb.tp_size if mb.sequence_parallel else 1
+    count = mb.cp_size * tp_pieces
+    if isinstance(routes, Mapping):
+        pieces: list[Any] = [routes]
+    elif isinstance(routes, Sequence) and not isinstance(routes, str | bytes):
+        pieces = list(routes)
+    else:
+        raise TypeError(
+            "per_layer_routes: expected a mapping {global layer id: [tokens, K] tensor} or a "
+            f"list of them (one per rank), found {type(routes).__name__}"
+        )
+    if len(pieces) != count:
+        how = (
+            f"one per CP rank ({mb.cp_size}) times TP rank ({tp_pieces}, sequence parallel), "
+            "CP-major"
+            if count > 1
+            else "one mapping (no context or sequence parallel split)"
+        )
+        raise ValueError(
+            f"per_layer_routes: expected {count} rank piece(s), {how}; found {len(pieces)}"
+        )
+    for i, p in enumerate(pieces):
+        if not isinstance(p, Mapping):
+            raise TypeError(
+                f"per_layer_routes[{i}]: expected a mapping {{global layer id: tensor}}, "
+                f"found {type(p).__name__}"
+            )
+    return pieces
+
+
+def _source(pieces: list[Mapping[int, Any]], need: list[int], tokens: int, k: int) -> np.ndarray:
+    """``[L_router, ranks * tokens, K]``: every rank's recorded ids, rank after rank."""
+    arrays: list[list[np.ndarray]] = []
+    for r, piece in enumerate(pieces):
+        keys = [check_int(g, f"per_layer_routes[{r}] key") for g in piece]
+        missing = sorted(set(need) - set(keys))
+        extra = sorted(set(keys) - set(need))
+        if missing or extra:
+            raise RouteShapeError(
+                f"per_layer_routes[{r}]: expected routes of router layers {need} (the spec's "
+                f"router rows), found layers {sorted(keys)}"
+                + (
+                    f"; missing {missing} (gather them from every pipeline stage, or project "
+                    f"the table to the recorded layers)"
+                    if missing
+                    else ""
+                )
+                + (f"; unexpected {extra}" if extra else "")
+                + (
+                    " (a layer-projected table: pass layers=r3arrow.table.route_layers(table))"
+                    if missing and extra
+                    else ""
+                ),
+                layer=(missing or extra)[0],
+            )
+        row: list[np.ndarray] = []
+        for g in need:
+            a = _as_numpy(piece[g])
+            if a.dtype.kind not in "iu":
+                raise RouteDTypeError(
+                    f"per_layer_routes[{r}][{g}]: expected integer expert ids, found {a.dtype}",
+                    layer=g,
+                )
+            if a.shape != (tokens, k):
+                raise RouteShapeError(
+                    f"per_layer_routes[{r}][{g}]: expected [{tokens}, {k}] (the router tokens "
+                    f"of one rank, top-k), found {list(a.shape)}",
+                    layer=g,
+                )
+            row.append(a)
+        arrays.append(row)
+    dtype = np.result_type(*(a.dtype for row in arrays for a in row))
+    src = np.empty((len(need), len(pieces) * tokens, k), dtype=dtype)
+    for r, row in enumerate(arrays):  # one block copy per (rank, layer): inputs are separate
+        for j, a in enumerate(row):
+            src[j, r * tokens : (r + 1) * tokens] = a
+    return src
+
+
+def _source_index(mb: Microbatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(trajectory, token, source index) of every captured token, in table order.
+
+    The source index points into `_source`'s rank-after-rank token axis.
+    """
+    cap = np.asarray(mb.captured, dtype=np.int64)
+    n = np.asarray(mb.seq_lens, dtype=np.int64)
+    if cap.shape != n.shape or cap.ndim != 1 or bool((cap > n).any()) or bool((cap < 0).any()):
+        raise RouteShapeError(
+            f"microbatch: expected 0 <= captured <= seq_lens per sequence, found captured "
+            f"{cap.tolist()} for seq_lens {n.tolist()}"
+        )
+    b = int(cap.shape[0])
+    traj = np.repeat(np.arange(b, dtype=np.int64), cap)
+    starts = np.cumsum(cap) - cap
+    tok = np.arange(int(cap.sum()), dtype=np.int64) - np.repeat(starts, cap)
+    cols, pos_local = (int(d) for d in mb.padding_mask.shape)
+    cp = mb.cp_size
+    if mb.packed:
+        if mb.cu_seqlens_padded is None:
+            raise RouteShapeError("microbatch: expected cu_seqlens_padded on a packed microbatch")
+        cup = _as_numpy(mb.cu_seqlens_padded).astype(np.int64)
+        seg = np.diff(cup)
+        if (
+            cup.shape[0] != b + 1
+            or int(cup[-1]) != pos_local * cp
+            or (cp > 1 and bool((seg % (2 * cp)).any()))
+        ):
+            raise RouteShapeError(
+                f"microbatch: expected cu_seqlens_padded of {b + 1} offsets ending at "
+                f"{pos_local * cp} (segments divisible by {2 * cp} under CP), "
+                f"found {cup.tolist()}"
+            )
+        base, width = cup[:-1][traj], seg[traj]
+    else:
+        if cols != b or (cp > 1 and pos_local % 2):
+            raise RouteShapeError(
+                f"microbatch: expected padding_mask [{b}, S] (S even with CP), found "
+                f"{list(mb.padding_mask.shape)}"
+            )
+        base, width = np.zeros_like(traj), np.full_like(traj, pos_local * cp)
+    if cp == 1:
+        rank, local = np.zeros_like(tok), tok
+        offset = base
+    else:
+        chunk = width // (2 * cp)
+        j, o = tok // chunk, tok % chunk
+        late = j >= cp
+        rank = np.where(late, 2 * cp - 1 - j, j)
+        local = np.where(late, chunk, 0) + o
+        offset = base // cp
+    flat = offset + local if mb.packed else local * cols + traj
+    per_rank = pos_local * cols  # router tokens of one CP rank before the SP split
+    tp_pieces = mb.tp_size if mb.sequence_parallel else 1
+    per = per_rank // tp_pieces
+    src = (rank * tp_pieces + flat // per) * per + flat % per
+    return traj, tok, src
+
+
+def uncollate_routes(
+    microbatch: Microbatch,
+    per_layer_routes: Mapping[int, Any] | Sequence[Mapping[int, Any]],
+    *,
+    spec: RouteSpec | None = None,
+    layers: Sequence[int] | None = None,
+) -> pa.LargeListArray[Any]:
+    """The trainer routers' routes as a routes column aligned to ``microbatch``'s trajectories.
+
+    Parameters
+    ----------
+    microbatch:
+        The `Microbatch` the routers ran on (any layout: packed or unpacked, CP, SP).
+    per_layer_routes:
+        What the routers recorded (``RouteRecorder.take()``): ``{global layer id: [tokens,
+        K] integer tensor or array}`` with ``tokens = microbatch.num_router_tokens``, in
+        Megatron's router token order. With context parallelism (``cp_size > 1``) or
+        sequence parallelism (``sequence_parallel`` and ``tp_size > 1``) every rank holds a
+        piece: pass the list of all ranks' mappings, CP-major then TP (index ``cp_rank *
+        tp_size + tp_rank`` under SP, ``cp_rank`` without; gather them, e.g. with
+        ``torch.distributed.all_gather_object`` over the CP x TP group). Without SP the TP
+        ranks see the same tokens: pass one (any) TP rank's piece per CP rank.
+    spec:
+        The `RouteSpec` of the table the column goes into (default: ``microbatch.spec``);
+        the column has its storage dtype and ``[L, K]`` rows.
+    layers:
+        The global layer id of each route row (default ``range(spec.num_layers)``; a
+        layer-projected table: ``r3arrow.table.route_layers(table)``).
+
+    Every router row of the spec needs its global layer in every piece, and no other layer
+    may be there: routes of other pipeline stages are gathered first (or the table is
+    projected to the recorded layers). Dense rows (``spec.dense_layers``) are zeros, as
+    engines report them. Returns ``large_list<fixed_size_list<fixed_size_list<dtype, K>,
+    L>>`` (``spec.routes_type``) with ``microbatch.captured[i]`` rows for trajectory i (rows
+    ``0 .. captured - 1``, the table's ``routes`` lengths; a DP padding microbatch gives
+    one empty row).
+
+    Raises `TypeError`/`ValueError` for misuse (wrong argument types, a wrong number of
+    rank pieces, ``layers`` of the wrong length); `RouteShapeError` for missing or extra
+    layers, a tensor of the wrong shape or an inconsistent microbatch; `RouteDTypeError`
+    for non-integer ids; `ExpertRangeError`/`DuplicateExpertError` (``row``, ``token``,
+    ``layer`` set) when a captured token's ids are out of ``[0, num_experts)``, do not fit
+    the spec's storage dtype or repeat an expert. All checks run before the output is
+    allocated.
+    """
+    if not isinstance(microbatch, Microbatch):
+        raise TypeError(f"microbatch: expected a Microbatch, found {type(microbatch).__name__}")
+    spec, ids = _spec_and_layers(microbatch, spec, layers)
+    pieces = _pieces(microbatch, per_layer_routes)
+    rows = list(spec.router_layers)
+    need = [ids[j] for j in rows]
+    src = _source(pieces, need, microbatch.num_router_tokens, spec.topk)
+    traj, tok, index = _source_index(microbatch)
+    picked = src[:, index, :]  # [L_router, captured tokens, K]: the one gather
+    _check_ids(picked, spec, need, traj, tok)
+    out = np.zeros((index.shape[0], spec.num_layers, spec.topk), dtype=spec.dtype)
+    out[:, rows, :] = picked.transpose(1, 0, 2)
+    offsets = np.zeros(microbatch.num_sequences + 1, dtype=np.int64)
+    np.cumsum(np.asarray(microbatch.captured, dtype=np.int64), out=offsets[1:])
+    col = pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), numpy_to_routes(out, spec)
+    )
+    return cast("pa.LargeListArray[Any]", col)
+
+
+def _check_ids(
+    picked: np.ndarray, spec: RouteSpec, need: list[int], traj: np.ndarray, tok: np.ndarray
+) -> None:
+    """The id rules (r3arrow.ids) on the captured tokens, errors located in the table."""
+    cap = int(np.iinfo(spec.dtype).max)
+    bound = spec.num_experts if spec.num_experts is not None else cap + 1
+    try:
+        check_router_ids(picked, bound, need, layers_first=True, what="recorded routes")
+    except (ExpertRangeError, DuplicateExpertError) as exc:
+        at = exc.token
+        if at is None:
+            raise
+        hint = (
+            ""
+            if spec.num_experts is not None
+            else f" (spec storage {spec.dtype}, num_experts unknown)"
+        )
+        raise type(exc)(
+            f"{exc.message}{hint}; trajectory row {int(traj[at])}, token {int(tok[at])}",
+            row=int(traj[at]),
+            token=int(tok[at]),
+            layer=exc.layer,
+        ) from None
+
+
+__all__ = ["uncollate_routes"]

@@ -1,0 +1,506 @@
+"""Layer-group routes storage and layer projection (``docs/storage.md``).
+
+A routes-typed column is stored as
+
+    ``large_list<item: struct<l0_6: fixed_size_binary(6*K*itemsize), l6_12: ..., ...>>``
+
+(format ``layer_groups/v1``): one struct field per group of consecutive layers, each
+field the little-endian ``[layers, K]`` ids of that group for one token. Parquet keeps
+every struct field in its own column chunk, so a reader that needs some layers (a
+pipeline stage, a per-layer analysis) reads only the chunks of the groups that hold
+them. Field ``l{a}_{b}`` holds the file's route rows ``a`` to ``b - 1`` (half-open); the
+groups partition ``[0, num_layers)`` in order and are also recorded in the
+``r3arrow.routes_storage`` metadata (``{"format", "columns", "groups"}``), sealed by the
+metadata SHA-256 (`r3arrow.io._verify`), and the reader checks the two agree.
+
+Restoring gives the normal in-memory type ``large_list<fixed_size_list<fixed_size_list<
+dtype, K>, L>>``: zero-copy when one group is wanted whole, else one interleave copy of
+the wanted bytes (vectorised per group, never per token or layer). A projected table
+(``layers=``) holds only the wanted layers (ascending global ids) with a `RouteSpec` of
+that shape and the global ids under ``r3arrow.route_layers`` (`r3arrow.table.route_layers`,
+contract C2 of ``docs/storage.md``). Files in the older single ``fixed_size_binary`` form
+and portable files restore through `r3arrow.io._storage.from_storage` and are projected
+in memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import orjson
+import pyarrow as pa
+
+from r3arrow._checks import check_int
+from r3arrow.errors import RouteShapeError, SchemaError
+from r3arrow.io._storage import STORAGE_FORMAT, STORAGE_KEY, decode_tokens, from_storage
+from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
+from r3arrow.table._schema import ROUTE_LAYERS_KEY, route_layers
+
+GROUP_FORMAT = "layer_groups/v1"
+#: Default number of groups: a stage of a 4-stage pipeline reads 2 of 8 (L divisible by 8).
+DEFAULT_GROUPS = 8
+_FIELD = re.compile(r"^l([0-9]+)_([0-9]+)$")
+
+Groups = tuple[tuple[int, int], ...]
+
+
+# ------------------------------------------------------------------ grouping
+def plan_groups(num_layers: int, layer_group: int | Sequence[int] | None = None) -> Groups:
+    """The ``(start, stop)`` layer ranges of the stored groups.
+
+    ``None``: groups of ``max(1, num_layers // 8)`` layers (the last one holds the
+    rest). An int ``n >= 1``: groups of ``n`` layers. A sequence of positive ints
+    summing to ``num_layers``: those group sizes (e.g. the layers of each pipeline
+    stage). Raises ``TypeError`` / ``ValueError`` for anything else.
+    """
+    if layer_group is None:
+        sizes = [max(1, num_layers // DEFAULT_GROUPS)]
+    elif isinstance(layer_group, int) and not isinstance(layer_group, bool):
+        sizes = [check_int(layer_group, "layer_group", minimum=1)]
+    elif isinstance(layer_group, Sequence) and not isinstance(layer_group, str | bytes):
+        given = [check_int(n, "layer_group", minimum=1) for n in layer_group]
+        if sum(given) != num_layers:
+            raise ValueError(
+                f"layer_group: expected group sizes summing to num_layers={num_layers}, "
+                f"found {given} (sum {sum(given)})"
+            )
+        bounds = np.concatenate([[0], np.cumsum(given)]).tolist()
+        return tuple((int(a), int(b)) for a, b in itertools.pairwise(bounds))
+    else:
+        raise TypeError(
+            f"layer_group: expected None, an int or a sequence of ints, "
+            f"found {type(layer_group).__name__}"
+        )
+    n = sizes[0]
+    return tuple((a, min(a + n, num_layers)) for a in range(0, num_layers, n))
+
+
+def field_name(group: tuple[int, int]) -> str:
+    """The struct field of a group: ``l{start}_{stop}``."""
+    return f"l{group[0]}_{group[1]}"
+
+
+def group_storage_type(spec: RouteSpec, groups: Groups) -> pa.DataType:
+    """``large_list<struct<l{a}_{b}: fixed_size_binary((b-a)*K*itemsize), ...>>``, no nulls."""
+    width = spec.topk * spec.dtype.itemsize
+    struct = pa.struct(
+        [pa.field(field_name(g), pa.binary((g[1] - g[0]) * width), nullable=False) for g in groups]
+    )
+    return pa.large_list(pa.field("item", struct, nullable=False))
+
+
+def storage_info(meta: dict[bytes, bytes] | None) -> dict[str, Any] | None:
+    """The parsed ``r3arrow.routes_storage`` metadata (``None`` without it).
+
+    Raises `SchemaError` if it is not ``{format, columns[, groups]}`` JSON.
+    """
+    raw = (meta or {}).get(STORAGE_KEY)
+    if raw is None:
+        return None
+    try:
+        info = orjson.loads(raw)
+        names = [str(n) for n in info["columns"]]
+        fmt = str(info["format"])
+        groups = info.get("groups")
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise SchemaError(
+            f"routes storage metadata: expected {{format, columns}} JSON, found {raw!r:.120}"
+        ) from exc
+    return {"format": fmt, "columns": names, "groups": groups}
+
+
+def file_groups(info: dict[str, Any], spec: RouteSpec) -> Groups:
+    """The checked groups of ``layer_groups/v1`` storage metadata.
+
+    Raises `SchemaError` unless they are ``[start, stop]`` int pairs that partition
+    ``[0, spec.num_layers)`` in order.
+    """
+    raw = info.get("groups")
+    try:
+        groups = tuple((int(a), int(b)) for a, b in raw)  # type: ignore[union-attr]
+        ok = all(type(v) is int for pair in raw for v in pair)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        groups, ok = (), False
+    bounds = [g[0] for g in groups] + [groups[-1][1]] if groups else []
+    if (
+        not ok
+        or not groups
+        or bounds[0] != 0
+        or bounds[-1] != spec.num_layers
+        or any(a >= b for a, b in groups)
+        or any(groups[i][1] != groups[i + 1][0] for i in range(len(groups) - 1))
+    ):
+        raise SchemaError(
+            f"routes storage metadata: expected layer groups [start, stop] partitioning "
+            f"[0, {spec.num_layers}) in order, found {raw!r:.120}"
+        )
+    return groups
+
+
+def check_group_schema(schema: pa.Schema, spec: RouteSpec) -> None:
+    """Footer check of a ``layer_groups/v1`` file: every stored column has the recorded groups.
+
+    Raises `SchemaError` (the caller adds the path) if a listed column is not
+    ``group_storage_type(spec, groups)`` (missing, reordered or resized fields).
+    """
+    info = storage_info(cast("dict[bytes, bytes] | None", schema.metadata))
+    if info is None or info["format"] != GROUP_FORMAT:
+        return
+    groups = file_groups(info, spec)
+    want = group_storage_type(spec, groups)
+    for name in info["columns"]:
+        if name not in schema.names:
+            if name == "routes":
+                raise SchemaError(f"column 'routes': expected {want}, found no such column")
+            continue
+        found = schema.field(name).type
+        if not (
+            pa.types.is_large_list(found)
+            and pa.types.is_struct(found.value_type)
+            and found.value_type == want.value_type  # type: ignore[attr-defined]
+        ):
+            raise SchemaError(
+                f"column {name!r}: expected layer-group storage {want} (metadata "
+                f"{STORAGE_KEY.decode()!r}), found {found}"
+            )
+
+
+# ------------------------------------------------------------------- encode
+def _encode(col: pa.Array[Any], spec: RouteSpec, groups: Groups) -> pa.Array[Any]:
+    """One ``large_list<nested>`` chunk as layer-group storage (one copy per group, vectorised)."""
+    lists = cast("pa.LargeListArray[Any]", col)
+    offsets = np.asarray(lists.offsets, dtype=np.int64)
+    rows = routes_to_numpy(lists.flatten(), spec)  # [T, L, K], a view when contiguous
+    t = rows.shape[0]
+    width = spec.topk * spec.dtype.itemsize
+    as_bytes = np.ascontiguousarray(rows).reshape(t, spec.num_layers * spec.topk).view(np.uint8)
+    children: list[pa.Array[Any]] = []
+    for a, b in groups:
+        part = np.ascontiguousarray(as_bytes[:, a * width : b * width])
+        children.append(
+            pa.Array.from_buffers(
+                pa.binary((b - a) * width),
+                t,
+                [None, pa.py_buffer(part)],  # type: ignore[arg-type]  # ndarray is a buffer
+            )
+        )
+    typ = group_storage_type(spec, groups)
+    struct = pa.StructArray.from_arrays(children, fields=list(typ.value_type))  # type: ignore[attr-defined]
+    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), struct, type=typ)
+
+
+def to_group_storage(table: pa.Table, groups: Groups) -> pa.Table:
+    """The table with every routes-typed column in ``layer_groups/v1`` storage.
+
+    The spec comes from the schema metadata (`SchemaError` without it); a
+    multi-chunk column is converted chunk by chunk (never combined). The metadata
+    gains ``r3arrow.routes_storage`` = ``{"format", "columns", "groups"}``.
+    """
+    spec = RouteSpec.from_schema(table.schema)
+    names = [f.name for f in table.schema if f.type == spec.routes_type]
+    typ = group_storage_type(spec, groups)
+    for name in names:
+        idx = table.schema.get_field_index(name)
+        chunks = [_encode(c, spec, groups) for c in table.column(idx).chunks]
+        col = pa.chunked_array(chunks, type=typ)  # type: ignore[call-overload]  # any DataType
+        table = table.set_column(idx, table.schema.field(idx).with_type(typ), col)
+    info = {"format": GROUP_FORMAT, "columns": names, "groups": [list(g) for g in groups]}
+    return table.replace_schema_metadata(
+        {**(table.schema.metadata or {}), STORAGE_KEY: orjson.dumps(info)}
+    )
+
+
+# --------------------------------------------------------------- projection
+def projected_spec(spec: RouteSpec, local: Sequence[int]) -> RouteSpec:
+    """The spec of the route rows ``local`` (ascending indices into ``spec``'s layers).
+
+    ``moe_layers`` become the local indices of the router layers kept (``None`` if
+    all are). Raises ``ValueError`` if none of ``local`` is a router layer.
+    """
+    router = set(spec.router_layers)
+    moe = [i for i, layer in enumerate(local) if layer in router]
+    if not moe:
+        raise ValueError(
+            f"layers: expected at least one router layer of {list(spec.router_layers)}, "
+            f"found only dense layers"
+        )
+    return RouteSpec(
+        num_layers=len(local),
+        topk=spec.topk,
+        num_experts=spec.num_experts,
+        moe_layers=tuple(moe),
+        id_dtype=spec.id_dtype,
+    )
+
+
+def local_layers(schema: pa.Schema, layers: Sequence[int]) -> list[int]:
+    """Indices into the table's route rows of the global ``layers`` (sorted, unique).
+
+    Raises ``TypeError`` for a non-int or a non-sequence, ``ValueError`` for an
+    empty list or a layer outside ``[0, num_layers)`` of a full table, and
+    `RouteShapeError` naming the layers a projected table does not hold.
+    """
+    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence | set | frozenset):
+        raise TypeError(f"layers: expected a sequence of ints, found {type(layers).__name__}")
+    wanted = sorted({check_int(i, "layers", minimum=0) for i in layers})
+    if not wanted:
+        raise ValueError("layers: expected at least one layer id, found none")
+    present = route_layers(schema)
+    index = {g: i for i, g in enumerate(present)}
+    missing = [g for g in wanted if g not in index]
+    if missing:
+        meta = schema.metadata or {}
+        if ROUTE_LAYERS_KEY not in meta:
+            raise ValueError(f"layers: expected ids in [0, {len(present)}), found {missing}")
+        raise RouteShapeError(
+            f"expected layers {missing} in the routes, found a projected table with layers "
+            f"{list(present)}"
+        )
+    return [index[g] for g in wanted]
+
+
+def _projected_meta(meta: dict[bytes, bytes], spec: RouteSpec, local: Sequence[int]) -> Any:
+    present = route_layers(pa.schema([], metadata=cast("Any", meta)))
+    out = dict(meta)
+    out[SPEC_METADATA_KEY] = projected_spec(spec, local).to_json()
+    out[ROUTE_LAYERS_KEY] = orjson.dumps([present[i] for i in local])
+    return out
+
+
+def _wrap(data: Any, rows: int, spec: RouteSpec, num_layers: int, offset: int) -> pa.Array[Any]:
+    """Per-token nested routes of ``num_layers`` layers over buffer ``data`` (zero-copy)."""
+    per = num_layers * spec.topk
+    leaf = pa.Array.from_buffers(
+        spec.arrow_value_type, rows * per, [None, data], offset=offset * per
+    )
+    return pa.FixedSizeListArray.from_arrays(
+        pa.FixedSizeListArray.from_arrays(leaf, spec.topk), num_layers
+    )
+
+
+def _parts(values: pa.Array[Any], spec: RouteSpec, name: str) -> list[tuple[int, int, Any]]:
+    """(start, stop, fixed_size_binary array) of each stored group of a token array."""
+    if pa.types.is_fixed_size_binary(values.type):  # older single-value form
+        decode_tokens(values, spec, what=f"column {name!r}")  # checks the width
+        return [(0, spec.num_layers, values)]
+    if not pa.types.is_struct(values.type):
+        raise SchemaError(
+            f"column {name!r}: expected layer-group routes storage (struct of "
+            f"fixed_size_binary), found {values.type}"
+        )
+    struct = cast("pa.StructArray", values)
+    if struct.null_count:
+        raise SchemaError(f"column {name!r}: expected no null tokens, found {struct.null_count}")
+    width = spec.topk * spec.dtype.itemsize
+    out = []
+    for field, child in zip(struct.type, struct.flatten(), strict=True):
+        m = _FIELD.match(field.name)
+        a, b = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        if (
+            m is None
+            or not 0 <= a < b <= spec.num_layers
+            or field.type != pa.binary((b - a) * width)
+        ):
+            raise SchemaError(
+                f"column {name!r}: expected layer-group fields l<start>_<stop> of "
+                f"fixed_size_binary((stop-start)*{width}) within {spec.num_layers} layers, "
+                f"found {field.name}: {field.type}"
+            )
+        if child.null_count:
+            raise SchemaError(
+                f"column {name!r}: expected no null values in {field.name}, "
+                f"found {child.null_count}"
+            )
+        out.append((a, b, child))
+    return out
+
+
+def _assemble(
+    parts: list[tuple[int, int, Any]], local: Sequence[int], spec: RouteSpec, name: str
+) -> pa.Array[Any]:
+    """The route rows ``local`` of every token, from the stored groups ``parts``."""
+    t = len(parts[0][2]) if parts else 0
+    n = len(local)
+    lo, hi = local[0], local[-1] + 1
+    for a, b, child in parts:  # one whole group wanted: no copy
+        if (a, b) == (lo, hi) and hi - lo == n:
+            return _wrap(child.buffers()[1], t, spec, n, child.offset)
+    width = spec.topk * spec.dtype.itemsize
+    want = np.asarray(local, dtype=np.int64)
+    out = np.empty((t, n, width), dtype=np.uint8)
+    covered = np.zeros(n, dtype=bool)
+    moves: list[tuple[Any, np.ndarray, Any]] = []
+    for a, b, child in parts:
+        dst = np.flatnonzero((want >= a) & (want < b))
+        if not dst.size:
+            continue
+        size = (b - a) * width
+        src = np.frombuffer(
+            child.buffers()[1], dtype=np.uint8, count=t * size, offset=child.offset * size
+        ).reshape(t, b - a, width)
+        sel = want[dst] - a
+        if dst[-1] - dst[0] + 1 == dst.size and sel[-1] - sel[0] + 1 == sel.size:  # ranges
+            moves.append((slice(dst[0], dst[-1] + 1), src, slice(sel[0], sel[-1] + 1)))
+        else:
+            moves.append((dst, src, sel))
+        covered[dst] = True
+    # Interleave in blocks of rows whose output stays in cache (~2 MiB): about twice the
+    # speed of whole-column strided copies, which stream the output from memory per group.
+    block = max(1, (2 << 20) // max(1, n * width))
+    for lo_row in range(0, t, block):
+        rows = slice(lo_row, lo_row + block)
+        for dst_i, src, sel_i in moves:
+            out[rows, dst_i] = src[rows, sel_i]
+    if not covered.all():
+        absent = want[~covered].tolist()
+        raise SchemaError(f"column {name!r}: expected stored groups holding layers {absent}")
+    return _wrap(pa.py_buffer(out), t, spec, n, 0)  # type: ignore[arg-type]
+
+
+def _restore_chunk(
+    chunk: pa.Array[Any], spec: RouteSpec, local: Sequence[int], name: str
+) -> pa.Array[Any]:
+    lists = cast("pa.LargeListArray[Any]", chunk)
+    if not pa.types.is_large_list(lists.type):
+        raise SchemaError(
+            f"column {name!r}: expected large_list routes storage, found {lists.type}"
+        )
+    offsets = np.asarray(lists.offsets, dtype=np.int64)
+    tokens = _assemble(_parts(lists.flatten(), spec, name), local, spec, name)
+    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), tokens)
+
+
+def _project_nested(
+    chunk: pa.Array[Any], spec: RouteSpec, local: Sequence[int], name: str
+) -> pa.Array[Any]:
+    """A restored ``large_list<nested>`` chunk's route rows ``local`` (one gather copy)."""
+    lists = cast("pa.LargeListArray[Any]", chunk)
+    rows = routes_to_numpy(lists.flatten(), spec)
+    kept = np.ascontiguousarray(rows[:, np.asarray(local, dtype=np.int64)])
+    offsets = np.asarray(lists.offsets, dtype=np.int64)
+    tokens = _wrap(pa.py_buffer(kept), kept.shape[0], spec, len(local), 0)  # type: ignore[arg-type]
+    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), tokens)
+
+
+def _set_columns(
+    table: pa.Table, names: Sequence[str], fn: Any, spec: RouteSpec, typ: pa.DataType
+) -> pa.Table:
+    for name in names:
+        idx = table.schema.get_field_index(name)
+        if idx < 0:  # projected away
+            continue
+        chunks = [fn(c, name) for c in table.column(idx).chunks]
+        col = pa.chunked_array(chunks, type=typ)  # type: ignore[call-overload]  # any DataType
+        table = table.set_column(idx, table.schema.field(idx).with_type(typ), col)
+    return table
+
+
+def project_layers(table: pa.Table, layers: Sequence[int]) -> pa.Table:
+    """An in-memory rollout table with only the global ``layers`` in its routes columns.
+
+    The result follows contract C2 (``docs/storage.md``): routes-typed columns hold
+    the wanted layers in ascending global order as the normal nested type with
+    ``L' = len(set(layers))``; the schema metadata carries the projected spec and
+    the global ids under ``r3arrow.route_layers``. One gather copy per chunk; chunks
+    are never combined. Raises like `local_layers`, and `SchemaError` for a table
+    without a spec.
+    """
+    spec = RouteSpec.from_schema(table.schema)
+    local = local_layers(table.schema, layers)
+    names = [f.name for f in table.schema if f.type == spec.routes_type]
+    meta = _projected_meta(dict(table.schema.metadata or {}), spec, local)
+    new = projected_spec(spec, local)
+    out = _set_columns(
+        table, names, lambda c, n: _project_nested(c, spec, local, n), spec, new.routes_type
+    )
+    return out.replace_schema_metadata(meta)
+
+
+def restore(table: pa.Table, layers: Sequence[int] | None = None) -> pa.Table:
+    """A storage-form table (any r3arrow format) with its routes restored, maybe projected.
+
+    ``layers`` (global ids, see `local_layers`): only those route rows come back,
+    per contract C2; layer-group files decode only the groups read. ``None``: every
+    layer. The storage key is dropped from the metadata. A table without a spec is
+    returned as is. Raises `SchemaError` for storage that does not match its
+    metadata, and the errors of `local_layers`.
+    """
+    meta = cast("dict[bytes, bytes]", dict(table.schema.metadata or {}))
+    if SPEC_METADATA_KEY not in meta:
+        return table
+    info = storage_info(meta)
+    if info is None or info["format"] != GROUP_FORMAT:
+        restored = from_storage(table)
+        return restored if layers is None else project_layers(restored, layers)
+    spec = RouteSpec.from_schema(table.schema)
+    file_groups(info, spec)
+    local = list(range(spec.num_layers)) if layers is None else local_layers(table.schema, layers)
+    meta.pop(STORAGE_KEY)
+    new_meta = meta if layers is None else _projected_meta(meta, spec, local)
+    new = spec if layers is None else projected_spec(spec, local)
+    out = _set_columns(
+        table,
+        info["columns"],
+        lambda c, n: _restore_chunk(c, spec, local, n),
+        spec,
+        new.routes_type,
+    )
+    return out.replace_schema_metadata(new_meta)
+
+
+def token_rows(values: pa.Array[Any], spec: RouteSpec, name: str) -> np.ndarray:
+    """``[T, L, K]`` rows of stored per-token values (struct of groups or one value per token)."""
+    return routes_to_numpy(
+        _assemble(_parts(values, spec, name), list(range(spec.num_layers)), spec, name), spec
+    )
+
+
+def read_leaves(
+    schema: pa.Schema, columns: Sequence[str] | None, layers: Sequence[int] | None
+) -> list[str] | None:
+    """The Parquet column paths to read for ``columns`` (names) and ``layers`` (global ids).
+
+    For a ``layer_groups/v1`` file with ``layers`` given, a routes column becomes the
+    paths of the groups holding those layers (``routes.list.item.l0_6``); other names
+    pass through (``step``, not a file column, is dropped). ``None`` reads every column.
+    """
+    names = None if columns is None else [c for c in columns if c in schema.names or c != "step"]
+    meta = cast("dict[bytes, bytes] | None", schema.metadata)
+    info = storage_info(meta)
+    if layers is None or info is None or info["format"] != GROUP_FORMAT:
+        return names
+    spec = RouteSpec.from_schema(schema)
+    groups = file_groups(info, spec)
+    local = local_layers(schema, layers)
+    need = [g for g in groups if any(g[0] <= i < g[1] for i in local)]
+    out: list[str] = []
+    for name in names if names is not None else schema.names:
+        if name in info["columns"]:
+            out.extend(f"{name}.list.item.{field_name(g)}" for g in need)
+        else:
+            out.append(name)
+    return out
+
+
+__all__ = [
+    "DEFAULT_GROUPS",
+    "GROUP_FORMAT",
+    "STORAGE_FORMAT",
+    "check_group_schema",
+    "field_name",
+    "file_groups",
+    "group_storage_type",
+    "local_layers",
+    "plan_groups",
+    "project_layers",
+    "projected_spec",
+    "read_leaves",
+    "restore",
+    "storage_info",
+    "to_group_storage",
+    "token_rows",
+]

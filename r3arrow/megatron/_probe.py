@@ -1,0 +1,416 @@
+"""Agreement during replay: the routers' own top-k vs the replayed targets, no second pass.
+
+``docs/replay-probe.md`` states the contract; in short: inside
+``replay_schedule(measure_agreement=True)`` every ``REPLAY_FORWARD`` router call also takes
+the router's native top-k on the scores megatron-core computes anyway (the ``scores`` that
+``RouterReplay.get_replay_topk`` receives, expert bias and group-limited selection included:
+its ``default_compute_topk``) and compares it with the replayed target per token, order within
+top-k ignored, on tokens the router padding mask does not mark as padding (True = padding, the
+mask `r3arrow.megatron.model_inputs` passes; megatron-core flattens it like the logits).
+``REPLAY_BACKWARD`` (activation recompute) calls are not observed, so each token counts once.
+
+Hook points (megatron-core 0.16.1 and 0.19.x have both): ``RouterReplay.get_replay_topk``
+(scores, top-k, groups, the native top-k function) and ``TopKRouter.routing`` (the padding
+mask and the router, for its global layer). Both are patched on the classes only while a
+probing schedule is open (reference counted, restored when the last one closes) and pass
+straight through when the calling thread has no probe: the replayed indices and probabilities
+are the unpatched function's own return values, untouched.
+
+Device work per observed call (`_native_overlap`): on the GPU the native top-k of every row and
+a ``[T, K, K]`` comparison; on the CPU the native top-k only of rows whose target is not
+provably the unique top-k set. Counts accumulate in device tensors; one host sync when the
+schedule ends. A measurement that fails never fails the forward: `ReplayProbe.agreement`
+raises `ReplayError` with the reason instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from r3arrow.errors import ReplayError
+from r3arrow.megatron._routers import _global_layer, _router_replay
+
+if TYPE_CHECKING:
+    from r3arrow.stats import RouteAgreement
+
+_lock = threading.Lock()
+_originals: dict[str, Any] = {}
+_users = 0
+_local = threading.local()  # .probe: the open ReplayProbe; .frame: (instance, router, mask)
+
+
+class _Layer:
+    """One ``RouterReplay`` instance's observed calls: an int8 ``[T]`` row per call holding
+    ``|native ∩ target|`` per token, -1 on padding (reduced once, when the schedule ends)."""
+
+    __slots__ = ("layer", "rows", "topk")
+
+    def __init__(self, layer: int, topk: int) -> None:
+        self.layer, self.topk = layer, topk
+        self.rows: list[torch.Tensor] = []
+
+
+class ReplayProbe:
+    """Agreement of the routers' native top-k with the replayed targets over one schedule.
+
+    Yielded by ``replay_schedule(measure_agreement=True)``; read `agreement` after the
+    ``with`` block. Counts are local to this process (its routers and tokens): add the
+    `RouteAgreement`s of data-parallel (and context/sequence-parallel) ranks for a step;
+    pipeline stages hold different layers (compare them per stage).
+    """
+
+    def __init__(self) -> None:
+        self._layers: dict[int, _Layer] = {}  # id(RouterReplay instance) -> its calls
+        self._problem: str | None = None
+        self._state = "open"  # "open" -> "done" | "failed"
+        self._counts: tuple[Any, ...] | None = None  # RouteAgreement fields, on the host
+        self._agreement: RouteAgreement | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplayProbe({self._state}, layers={sorted(a.layer for a in self._layers.values())})"
+        )
+
+    @property
+    def agreement(self) -> RouteAgreement:
+        """`r3arrow.stats.RouteAgreement` of the schedule (needs the ``stats`` extra).
+
+        ``layers``: the global ids of the routers that replayed (ascending); ``tokens``: the
+        non-padding tokens of every observed call; ``identical``/``overlap`` per layer;
+        ``all_identical``: tokens identical on every layer. No replayed router call: no
+        layers, ``tokens == 0``. Raises `ReplayError` while the schedule is open, after it
+        raised, or when the calls could not be aligned (the message says why).
+        """
+        if self._state == "open":
+            raise ReplayError(
+                "ReplayProbe.agreement: expected a finished schedule, found it still open "
+                "(read it after the replay_schedule block)"
+            )
+        if self._state == "failed":
+            raise ReplayError(
+                "ReplayProbe.agreement: expected a schedule that completed, found one that "
+                "raised (its partial counts were dropped)"
+            )
+        if self._problem is not None:
+            raise ReplayError(f"ReplayProbe.agreement: {self._problem}")
+        if self._agreement is None:
+            from r3arrow.stats import RouteAgreement  # the stats extra, only when read
+
+            assert self._counts is not None
+            self._agreement = RouteAgreement(*self._counts)
+        return self._agreement
+
+    # ------------------------------------------------------------------ observation
+    def _fail(self, problem: str) -> None:
+        if self._problem is None:
+            self._problem = problem
+
+    def _layer_of(self, inst: Any, router: Any, topk: int) -> _Layer:
+        acc = self._layers.get(id(inst))
+        if acc is None:
+            acc = _Layer(_layer_id(inst, router), topk)
+            self._layers[id(inst)] = acc
+            if acc.layer < 0:
+                self._fail(
+                    "expected routers with a layer_number or registered RouterReplay "
+                    "instances, found a router with neither"
+                )
+        return acc
+
+    def _observe(
+        self,
+        inst: Any,
+        scores: torch.Tensor,
+        replayed: tuple[torch.Tensor, torch.Tensor],
+        topk: int,
+        groups: tuple[int | None, int | None],
+        default_compute_topk: Any,
+    ) -> None:
+        """Record one replayed call of ``inst``: ``scores`` ``[T, E]``, ``replayed`` (gathered
+        scores, ids ``[T, K]``) as ``REPLAY_FORWARD`` returned them."""
+        frame = getattr(_local, "frame", None)
+        router, pad = (None, None)
+        if frame is not None and frame[0] is inst:  # called from this router's routing()
+            router, pad = frame[1], frame[2]
+        tokens, k = int(scores.shape[0]), int(replayed[1].shape[-1])
+        acc = self._layer_of(inst, router, k)
+        if self._problem is not None:
+            return
+        if acc.topk != k or k > 127:
+            self._fail(
+                f"layer {acc.layer}: expected one top-k (at most 127) on every call, found "
+                f"{acc.topk} and {k}"
+            )
+            return
+        if pad is not None:
+            if pad.numel() != tokens:
+                self._fail(
+                    f"layer {acc.layer}: expected a padding mask of {tokens} tokens (the "
+                    f"router's rows), found {list(pad.shape)}"
+                )
+                return
+            pad = pad.reshape(-1).to(device=scores.device, dtype=torch.bool)
+        overlap = _native_overlap(scores, replayed, topk, groups, default_compute_topk, pad)
+        row = overlap.to(torch.int8)
+        if pad is not None:
+            row.masked_fill_(pad, -1)
+        acc.rows.append(row)
+
+    # ------------------------------------------------------------------ end of schedule
+    def _finish(self, ok: bool) -> None:
+        """Close: on success one host sync turns the recorded rows into `agreement`'s
+        counts; on an error they are dropped. Device tensors are released either way."""
+        layers = sorted(self._layers.values(), key=lambda a: a.layer)
+        self._layers = {}
+        if not ok:
+            self._state = "failed"
+            return
+        self._state = "done"
+        if self._problem is None:
+            try:
+                self._counts = _summed(layers, self._fail)
+            except Exception as exc:  # the schedule itself succeeded: report on read
+                self._fail(f"summing the counts raised {type(exc).__name__}: {exc}")
+
+
+def _summed(layers: list[_Layer], fail: Any) -> tuple[Any, ...] | None:
+    """`RouteAgreement` fields of the recorded rows (a few reductions over all of them, one
+    device-to-host copy), or None after ``fail(reason)`` when the calls cannot be combined.
+
+    Call n of every layer is the same microbatch (Megatron runs a model chunk's microbatches
+    in order), so the layers' rows stack into ``[layers, tokens]``."""
+    ids = [a.layer for a in layers]
+    if not layers:
+        return ((), 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
+    if len(set(ids)) != len(ids):
+        fail(f"expected one router per global layer, found layers {ids}")
+        return None
+    calls = [len(a.rows) for a in layers]
+    if len(set(calls)) != 1 or len({a.topk for a in layers}) != 1:
+        fail(
+            f"expected every router to replay the same number of calls with one top-k, found "
+            f"calls {calls} and top-k {[a.topk for a in layers]} for layers {ids}"
+        )
+        return None
+    shapes = [[int(r.shape[0]) for r in a.rows] for a in layers]
+    for a, got in zip(layers, shapes, strict=True):
+        for n, (want, found) in enumerate(zip(shapes[0], got, strict=True)):
+            if want != found:
+                fail(
+                    f"layer {a.layer}: expected call {n} to route the {want} tokens layer "
+                    f"{layers[0].layer}'s call {n} routed, found {found}"
+                )
+                return None
+    k = layers[0].topk
+    dev = layers[0].rows[0].device
+    grid = torch.stack([torch.cat(a.rows).to(dev) for a in layers])  # [L, tokens] int8
+    same = grid == k
+    counts = torch.cat(
+        [
+            same.sum(dim=1),
+            grid.clamp(min=0).sum(dim=1, dtype=torch.int64),
+            (grid >= 0).sum(dim=1),
+            same.all(dim=0).sum().reshape(1),
+        ]
+    )
+    host = counts.cpu().numpy().astype(np.int64)
+    n = len(layers)
+    identical, overlap, tokens, all_identical = (
+        host[:n],
+        host[n : 2 * n],
+        host[2 * n : 3 * n],
+        host[-1],
+    )
+    if (tokens != tokens[0]).any():
+        fail(
+            f"expected every layer to see the same non-padding tokens, found {tokens.tolist()} "
+            f"for layers {ids}"
+        )
+        return None
+    return (tuple(ids), k, int(tokens[0]), identical, overlap, int(all_identical))
+
+
+def _layer_id(inst: Any, router: Any) -> int:
+    """Global layer id of a router: ``_global_layer`` (``layer_number - 1``, MTP mapped) when
+    the router (or, 0.19, its ``RouterReplay``) has a ``layer_number``; otherwise the
+    instance's position in ``RouterReplay.global_router_replay_instances`` (build order);
+    -1 for an instance that is not registered there (`ReplayProbe.agreement` then raises)."""
+    if router is not None and getattr(router, "layer_number", None) is not None:
+        return _global_layer(router)
+    number = getattr(inst, "layer_number", None)
+    if number is not None:
+        return int(number) - 1
+    instances = _router_replay().RouterReplay.global_router_replay_instances
+    return next((i for i, x in enumerate(instances) if x is inst), -1)
+
+
+def _native_overlap(
+    scores: torch.Tensor,
+    replayed: tuple[torch.Tensor, torch.Tensor],
+    topk: int,
+    groups: tuple[int | None, int | None],
+    default_compute_topk: Any,
+    pad: torch.Tensor | None,
+) -> torch.Tensor:
+    """int64 ``[T]``: ``|N ∩ R|`` per row, N = the router's own top-k of ``scores``
+    (``default_compute_topk`` with ``groups`` = (num_groups, group_topk)), R = the replayed
+    ids ``replayed[1]`` (``replayed[0]`` = ``scores.gather(1, R)``, what ``REPLAY_FORWARD``
+    returns). Rows ``pad`` marks (bool ``[T]``, True = padding) may hold anything.
+
+    Exact either way. On the GPU (or with group-limited routing): N on every row, then a
+    ``[T, K, K]`` comparison; no host sync. On the CPU, where ``torch.topk`` costs about a
+    third of a router forward, N is needed only on non-padding rows R may not be the top-k
+    of: R is the unique top-k set when its ids are distinct and every other expert scores
+    below ``min(scores[R])`` (one scatter, one max and one gather per row). Only the remaining
+    rows (ties or disagreement) run the native top-k; that row selection would sync a GPU,
+    not a CPU.
+    """
+    probs, target = replayed
+    num_groups, group_topk = groups
+    k = int(target.shape[-1])
+    target = target.to(torch.int64)
+    if scores.device.type != "cpu" or group_topk or probs.shape != target.shape or k != topk:
+        native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        return _set_overlap(native[1], target)
+    floor = probs.detach().to(scores.dtype).amin(dim=1)  # the weakest replayed score
+    if scores.dtype in _MARKABLE:
+        # One scatter does both checks: replayed slots get distinct marks -(j+1)·2^100,
+        # below any router score, so the row max is the best non-replayed score, and
+        # reading the marks back finds a repeated id (its slot holds one mark for two j).
+        marks = _marks(k, scores.dtype).expand(target.shape)
+        marked = scores.detach().scatter(1, target, marks)
+        others = marked.amax(dim=1)
+        repeated = (marked.gather(1, target) != marks).any(dim=1)
+        unsure = (others >= floor) | repeated | (floor <= _MARK_FLOOR)
+    else:  # float16 cannot hold the marks
+        others = scores.detach().scatter(1, target, float("-inf")).amax(dim=1)
+        hits = torch.zeros_like(scores, dtype=torch.uint8).scatter_add_(
+            1, target, torch.ones((1, 1), dtype=torch.uint8).expand(target.shape)
+        )
+        unsure = (others >= floor) | (hits.gather(1, target).amax(dim=1) != 1)
+    if pad is not None:
+        unsure.masked_fill_(pad, False)
+    overlap = torch.full((int(target.shape[0]),), k, dtype=torch.int64)
+    rest = torch.nonzero(unsure).reshape(-1)
+    if rest.numel():
+        native = default_compute_topk(
+            scores.index_select(0, rest), topk, num_groups=num_groups, group_topk=group_topk
+        )
+        overlap[rest] = _set_overlap(native[1], target.index_select(0, rest))
+    return overlap
+
+
+_MARKABLE = (torch.float32, torch.float64, torch.bfloat16)
+_MARK_FLOOR = -(2.0**99)  # scores at or below it could meet the marks: always unsure
+
+
+@functools.lru_cache(maxsize=32)
+def _marks(k: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, k]``: -(j+1)·2^100, exact in float32/float64/bfloat16 for k <= 127."""
+    return (-(torch.arange(1, k + 1, dtype=torch.float64) * 2.0**100)).to(dtype).reshape(1, k)
+
+
+def _set_overlap(native: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """int64 ``[T]``: how many of each row's (distinct) native ids occur in the target row."""
+    return (native.unsqueeze(-1) == target.unsqueeze(-2)).any(-1).sum(-1)
+
+
+# ---------------------------------------------------------------------- class patches
+def _get_replay_topk(
+    self: Any,
+    scores: torch.Tensor,
+    topk: int,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    default_compute_topk: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RouterReplay.get_replay_topk``, observed by the thread's probe on ``REPLAY_FORWARD``."""
+    original = _originals["get_replay_topk"]
+    probe: ReplayProbe | None = getattr(_local, "probe", None)
+    action = getattr(self, "router_replay_action", None)
+    observe = (
+        probe is not None
+        and default_compute_topk is not None
+        and getattr(action, "value", None) == "replay_forward"
+    )
+    out = original(self, scores, topk, num_groups, group_topk, default_compute_topk)
+    if observe and probe is not None:
+        try:
+            with torch.no_grad():
+                groups = (num_groups, group_topk)
+                probe._observe(self, scores, out, topk, groups, default_compute_topk)
+        except Exception as exc:  # a failed measurement must not fail the replayed forward
+            probe._fail(f"observing a replayed router call raised {type(exc).__name__}: {exc}")
+    return out  # type: ignore[no-any-return]
+
+
+def _routing(self: Any, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``TopKRouter.routing``, remembering (instance, router, padding mask) for the probe."""
+    original = _originals["routing"]
+    inst = getattr(self, "router_replay", None)
+    if inst is None or getattr(_local, "probe", None) is None:
+        return original(self, logits, *args, **kwargs)
+    pad = kwargs.get("padding_mask", args[0] if args else None)
+    saved = getattr(_local, "frame", None)
+    _local.frame = (inst, self, pad)
+    try:
+        return original(self, logits, *args, **kwargs)
+    finally:
+        _local.frame = saved
+
+
+_get_replay_topk._r3arrow_probe = True  # type: ignore[attr-defined]
+_routing._r3arrow_probe = True  # type: ignore[attr-defined]
+
+
+def _patch() -> None:
+    global _users
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    rr = _router_replay().RouterReplay
+    with _lock:
+        if _users == 0:
+            _originals["get_replay_topk"] = rr.__dict__["get_replay_topk"]
+            _originals["routing"] = TopKRouter.__dict__["routing"]
+            rr.get_replay_topk = _get_replay_topk
+            TopKRouter.routing = _routing
+        _users += 1
+
+
+def _unpatch() -> None:
+    global _users
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    rr = _router_replay().RouterReplay
+    with _lock:
+        _users -= 1
+        if _users == 0:
+            rr.get_replay_topk = _originals.pop("get_replay_topk")
+            TopKRouter.routing = _originals.pop("routing")
+
+
+def open_probe() -> ReplayProbe:
+    """Start observing this thread's replayed router calls (class patches in place)."""
+    _patch()
+    probe = ReplayProbe()
+    _local.probe = probe
+    _local.frame = None
+    return probe
+
+
+def close_probe(probe: ReplayProbe, *, ok: bool) -> None:
+    """Stop observing; finish ``probe`` (counts on success, dropped on error)."""
+    _local.probe = None
+    _local.frame = None
+    try:
+        probe._finish(ok)
+    finally:
+        _unpatch()
+
+
+__all__ = ["ReplayProbe", "close_probe", "open_probe"]

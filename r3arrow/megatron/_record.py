@@ -1,0 +1,140 @@
+"""Record schedule: the trainer routers' own top-k, collected per microbatch.
+
+See ``docs/train-routes.md``: inside `record_schedule` every router of the given model (or
+router list) runs megatron-core's ``RECORD`` action, i.e. it routes natively with its own
+weights and keeps the top-k indices of its last forward pass. megatron-core overwrites them
+on every forward, so `RouteRecorder.take` is called once per microbatch, after that
+microbatch's forward and before the next one; it returns the indices keyed by global layer
+id, ready for `r3arrow.collate.uncollate_routes`. Replay state is cleared on entry and in
+``finally`` (docs/design.md, "Schedule scope"), errors included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from r3arrow._checks import check_int
+from r3arrow.errors import ReplayError
+from r3arrow.megatron._routers import _global_layer, _instances, _is_mtp, _replay_of, _routers
+from r3arrow.megatron._schedule import clear_replay_state, set_replay_action
+
+_scope = threading.local()
+
+
+class RouteRecorder:
+    """Handle yielded by `record_schedule`: the recorded routers and their global layer ids.
+
+    ``layers``: the global (0-based) layer id of each recorded router, in router order.
+    """
+
+    def __init__(self, instances: Sequence[Any], layers: Sequence[int]) -> None:
+        self._instances = list(instances)
+        self.layers: tuple[int, ...] = tuple(layers)
+        self._open = True
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """The top-k indices each router recorded in its last forward, keyed by global layer id.
+
+        Each value is an int64 ``[tokens, K]`` tensor in Megatron's router token order (the
+        flat ``s * b + b_idx`` order of the ``[s, b]`` hidden states, after context- and
+        sequence-parallel slicing), on the router's device. The recorded state is then
+        dropped, so the next `take` needs another forward. Raises `ReplayError` when a
+        router recorded nothing since the last `take` (no forward ran, or the router was
+        not called) and after the schedule has ended.
+        """
+        if not self._open:
+            raise ReplayError("take: expected an open record_schedule, found it ended")
+        got = [inst.get_recorded_indices() for inst in self._instances]
+        missing = [g for g, t in zip(self.layers, got, strict=True) if t is None]
+        if missing:
+            raise ReplayError(
+                f"take: expected routes recorded by a forward pass since the last take on every "
+                f"recorded router, found none on layers {missing} (run the microbatch's forward "
+                f"first; call take once per microbatch)"
+            )
+        for inst in self._instances:
+            inst.record_indices(None)  # the next take needs a fresh forward
+        return {g: t.detach() for g, t in zip(self.layers, got, strict=True)}
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "ended"
+        return f"RouteRecorder(layers={list(self.layers)}, {state})"
+
+
+def _layer_ids(routers: Sequence[Any], layers: Sequence[int] | None) -> list[int]:
+    if layers is not None:
+        ids = [check_int(g, "layers[i]", minimum=0) for g in layers]
+        if len(ids) != len(routers):
+            raise ValueError(
+                f"layers: expected one global layer id per recorded router ({len(routers)}), "
+                f"found {len(ids)}"
+            )
+    else:
+        unnumbered = [type(r).__name__ for r in routers if getattr(r, "layer_number", None) is None]
+        if unnumbered:
+            raise ReplayError(
+                "record_schedule: expected routers with a layer_number (1-based, global) or "
+                f"layers= naming their global ids, found {len(unnumbered)} without one"
+            )
+        ids = [_global_layer(r) for r in routers]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"layers: expected distinct global layer ids, found {ids}")
+    return ids
+
+
+@contextlib.contextmanager
+def record_schedule(
+    model_or_routers: Any, *, layers: Sequence[int] | None = None, mtp: bool = False
+) -> Iterator[RouteRecorder]:
+    """Scope in which the routers of ``model_or_routers`` record their own top-k.
+
+    ``model_or_routers``: a model (``torch.nn.Module``, its MoE routers found among its
+    modules), a router, or a list of either, as built with ``moe_enable_routing_replay``.
+    ``layers``: the routers' global layer ids in router order (default: from each router's
+    ``layer_number``; megatron-core 0.16 routers built outside a ``TransformerLayer`` have
+    none). ``mtp``: also record multi-token-prediction routers (global ids past the
+    decoder); by default they are left routing natively and unrecorded.
+
+    On entry every router's replay state is cleared and ``RECORD`` set on the selected
+    routers (every other router routes freely); on exit, errors included, the replay state
+    of every router is cleared. Yields a `RouteRecorder`: call ``take()`` after each
+    microbatch's forward. Record passes do not replay, so a recompute in backward routes
+    natively again (megatron-core's ``RECORD`` overwrites the indices; ``take`` before it).
+
+    Raises `ReplayError` if a record or replay schedule is already in progress in this
+    thread (a router has an action set), if no router is found, or a router has no
+    ``RouterReplay``/``layer_number``; `TypeError`/`ValueError` for misuse of ``layers``.
+    """
+    if getattr(_scope, "active", False):
+        raise ReplayError("record_schedule: expected no record schedule in progress, found one")
+    busy = [i for i in _instances() if i.router_replay_action is not None]
+    if busy:
+        raise ReplayError(
+            f"record_schedule: expected no replay action set, found {len(busy)} router(s) with "
+            f"one (a replay_schedule in progress?); record and replay schedules do not nest"
+        )
+    routers = _routers(model_or_routers)
+    if not mtp:
+        routers = [r for r in routers if not _is_mtp(r)]
+    if not routers:
+        raise ReplayError("record_schedule: expected at least one MoE router, found none")
+    ids = _layer_ids(routers, layers)
+    instances = [_replay_of(r) for r in routers]
+    clear_replay_state()
+    _scope.active = True
+    recorder = RouteRecorder(instances, ids)
+    try:
+        set_replay_action("record", routers)
+        yield recorder
+    finally:
+        recorder._open = False
+        _scope.active = False
+        clear_replay_state()
+
+
+__all__ = ["RouteRecorder", "record_schedule"]

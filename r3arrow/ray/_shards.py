@@ -1,0 +1,289 @@
+"""Shard-aware delivery on Ray: each (DP rank, PP stage) gets its trajectories and its layers.
+
+`shard_microbatches` plans every step once on the driver (`r3arrow.collate._directory.
+plan_steps`: token columns only, the DP plan of `r3arrow.microbatch.split_microbatches`)
+and builds one lazy Ray Dataset per (DP rank, PP stage): one read task per step, which
+reads with `read_share` only the row groups holding the rank's rows, only the stage's
+layers (a layer-projected read, ``docs/storage.md``) and at most
+``max_memory`` of taken rows plus one row group at a time, and yields the rank's
+microbatch tables in plan order. A worker (an actor standing for a rank) iterates its
+`Shard` with `Shard.iter_tables`, which reassembles each microbatch from Ray blocks
+(Ray may split or merge blocks), restores its schema metadata and hands it to the
+rank's collator.
+
+Bounded object store: each shard's dataset runs Ray Data's streaming executor with
+order preserved, at most ``read_tasks`` read tasks at a time and, when given, a
+``object_store_memory`` limit on its own `DataContext` copy (the executor's
+backpressure: ``docs/ray.md``, "Knobs"). Nothing is materialised on the driver.
+
+Ray drops Arrow schema metadata, so every delivered row carries its microbatch's
+schema metadata (the spec, the projected layers, the padding marker) serialised as an
+Arrow IPC schema in a binary column, with the step, the microbatch index and its row
+count; `Shard.iter_tables` strips them again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from r3arrow._checks import check_int, check_optional_int, check_positive_int
+from r3arrow._typing import PathLike
+from r3arrow._validated import mark_validated
+from r3arrow.errors import SchemaError
+from r3arrow.spec import RouteSpec
+
+if TYPE_CHECKING:
+    from r3arrow.collate._directory import StepPlan
+
+#: Columns `shard_microbatches` adds to every delivered row (`Shard.iter_tables` drops them).
+STEP_COLUMN = "_r3arrow_step"
+MICROBATCH_COLUMN = "_r3arrow_microbatch"
+ROWS_COLUMN = "_r3arrow_rows"
+METADATA_COLUMN = "_r3arrow_metadata"
+_INTERNAL = (STEP_COLUMN, MICROBATCH_COLUMN, ROWS_COLUMN, METADATA_COLUMN)
+
+
+def _tagged(table: pa.Table, step: int | None, j: int) -> pa.Table:
+    """``table`` with the delivery columns (step, microbatch, rows, metadata) appended."""
+    n = table.num_rows
+    metadata: dict[bytes | str, bytes | str] = {
+        k: v for k, v in (table.schema.metadata or {}).items()
+    }
+    meta = pa.schema([], metadata=metadata).serialize().to_pybytes()
+    cols: dict[str, pa.Array[Any]] = {
+        STEP_COLUMN: pa.array([step] * n, type=pa.int64()),
+        MICROBATCH_COLUMN: pa.array(np.full(n, j, dtype=np.int64)),
+        ROWS_COLUMN: pa.array(np.full(n, n, dtype=np.int64)),
+        METADATA_COLUMN: pa.array([meta] * n, type=pa.large_binary()),
+    }
+    out = table.replace_schema_metadata(None)
+    for name, col in cols.items():
+        out = out.append_column(name, col)
+    return out
+
+
+class _ReadShard:
+    """Read task: step units → the microbatch tables of one (DP rank, PP stage), in order."""
+
+    def __init__(
+        self,
+        plans: list[StepPlan],
+        dp_rank: int,
+        layers: tuple[int, ...],
+        spec_json: bytes,
+        max_memory: int,
+        validate: bool,
+    ) -> None:
+        self.plans = plans
+        self.dp_rank = dp_rank
+        self.layers = layers
+        self.spec_json = spec_json
+        self.max_memory = max_memory
+        self.validate = validate
+
+    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
+        from r3arrow.collate._directory import read_share
+
+        spec = RouteSpec.from_json(self.spec_json)
+        units: list[Any] = batch.column("unit").to_pylist()
+        for unit in units:  # one step each: not a hot loop
+            plan = self.plans[int(unit)]
+            share = read_share(
+                plan,
+                self.dp_rank,
+                layers=self.layers,
+                spec=spec,
+                max_memory=self.max_memory,
+                validate=self.validate,
+            )
+            for j, table in share:
+                yield _tagged(table, plan.step, j)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """What one (DP rank, PP stage) consumes: a lazy Ray Dataset and its plan.
+
+    ``layers``: the stage's global layer ids; ``steps`` and ``num_microbatches``: the
+    steps in order and each one's microbatch count (the same on every DP rank);
+    ``dataset``: the streaming Ray Dataset of the shard's rows (pass the `Shard` to the
+    worker; iterate it there with `iter_tables`).
+    """
+
+    dp_rank: int
+    pp_stage: int
+    layers: tuple[int, ...]
+    steps: tuple[int | None, ...]
+    num_microbatches: tuple[int, ...]
+    dataset: Any
+    validate: bool = True
+
+    def iter_tables(self) -> Iterator[tuple[int | None, int, pa.Table]]:
+        """Yield ``(step, j, table)`` for every microbatch of the shard, in plan order.
+
+        ``table`` holds the microbatch's trajectories with only the stage's layers (a
+        projected table: `r3arrow.table.route_layers`), its schema metadata restored (the spec; the
+        padding marker on a DP padding microbatch), marked validated when the shard was
+        read validating; collate it with the rank's collator. Raises `SchemaError` if
+        the stream does not deliver the plan (a microbatch out of order or cut short).
+        """
+        expected = [
+            (step, j)
+            for step, count in zip(self.steps, self.num_microbatches, strict=True)
+            for j in range(count)
+        ]
+        keys = iter(expected)
+        pending: list[pa.Table] = []
+        have = 0
+        batches = self.dataset.iter_batches(batch_format="pyarrow", batch_size=None)
+        for batch in batches:
+            if not batch.num_rows:
+                continue
+            steps = np.asarray(batch.column(STEP_COLUMN).fill_null(-1).to_numpy(), dtype=np.int64)
+            mbs = np.asarray(batch.column(MICROBATCH_COLUMN).to_numpy(), dtype=np.int64)
+            change = np.flatnonzero((np.diff(steps) != 0) | (np.diff(mbs) != 0)) + 1
+            for a, b in zip([0, *change.tolist()], [*change.tolist(), batch.num_rows], strict=True):
+                pending.append(batch.slice(a, b - a))  # per microbatch piece: not a hot loop
+                have += b - a
+                want = int(batch.column(ROWS_COLUMN)[a].as_py())
+                if have > want:
+                    raise SchemaError(
+                        f"shard (dp {self.dp_rank}, pp {self.pp_stage}): expected {want} rows "
+                        f"in a microbatch, found {have} (blocks out of order)"
+                    )
+                if have == want:
+                    yield self._finish(pending, next(keys, None))
+                    pending, have = [], 0
+        left = next(keys, None)
+        if pending or left is not None:
+            raise SchemaError(
+                f"shard (dp {self.dp_rank}, pp {self.pp_stage}): expected every microbatch of "
+                f"the plan, found the stream ended before step {left[0] if left else None} "
+                f"microbatch {left[1] if left else None}"
+            )
+
+    def _finish(
+        self, pieces: list[pa.Table], key: tuple[int | None, int] | None
+    ) -> tuple[int | None, int, pa.Table]:
+        table = pa.concat_tables(pieces)
+        step_value = table.column(STEP_COLUMN)[0].as_py()
+        j = int(table.column(MICROBATCH_COLUMN)[0].as_py())
+        tags = set(
+            zip(table[STEP_COLUMN].to_pylist(), table[MICROBATCH_COLUMN].to_pylist(), strict=True)
+        )
+        if key is None or key != (step_value, j) or len(tags) != 1:
+            raise SchemaError(
+                f"shard (dp {self.dp_rank}, pp {self.pp_stage}): expected microbatch {key}, "
+                f"found step {step_value} microbatch {j}"
+            )
+        meta = pa.ipc.read_schema(pa.py_buffer(table.column(METADATA_COLUMN)[0].as_py()))
+        out = table.drop_columns(list(_INTERNAL)).replace_schema_metadata(meta.metadata)
+        if self.validate:
+            mark_validated(out)  # read validated by the shard's read task (`read_share`)
+        return step_value, j, out
+
+
+def shard_microbatches(
+    path: PathLike,
+    *,
+    dp_size: int,
+    pp_layers: Sequence[Sequence[int]],
+    steps: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    num_microbatches: int | None = None,
+    multiple: int = 1,
+    packed: bool = True,
+    max_memory: int | None = None,
+    read_tasks: int = 1,
+    object_store_memory: int | None = None,
+    dp_assign: str = "balanced",
+    validate: bool = True,
+) -> dict[tuple[int, int], Shard]:
+    """One `Shard` per ``(dp_rank, pp_stage)`` of a rollout file or step root.
+
+    Every step is planned on the driver (token columns only) with
+    `r3arrow.microbatch.plan_dp_microbatches` (``dp_size``, ``max_tokens`` and
+    ``num_microbatches`` per rank, the collator's ``multiple`` and ``packed``: pass
+    ``collator.multiple``/``collator.packed``), so the microbatches of shard
+    ``(d, p)`` are those of ``split_microbatches(step, dp_size=..., dp_rank=d)`` with the
+    layers ``pp_layers[p]`` (global ids, e.g. each stage's router layers), padding
+    microbatches last, the same count on every DP rank. Each read task holds at most
+    ``max_memory`` bytes of rows (default `r3arrow.collate._directory.DEFAULT_MAX_MEMORY`)
+    plus one row group; at most ``read_tasks`` run per shard; ``object_store_memory``
+    (bytes) caps each shard dataset's object store use in Ray Data's streaming executor.
+    ``dp_assign="contiguous"``: each DP rank a contiguous row range (`r3arrow.collate.
+    _directory.plan_contiguous`), so it reads only its own row groups.
+
+    Needs the ``torch`` extra (the plan lives in `r3arrow.collate`). Raises
+    ``TypeError``/``ValueError`` for argument misuse (sizes not positive ints, a stage
+    without layers, layers not ints or repeated across stages), `SchemaError` (``path``
+    set) for foreign or corrupt files or mixed specs, and the readers' errors of the
+    token columns (while planning) and of the routes (while a worker iterates).
+    """
+    import ray.data
+
+    from r3arrow.collate._directory import DEFAULT_MAX_MEMORY, plan_steps
+
+    dp = check_positive_int(dp_size, "dp_size")
+    stages = [tuple(check_int(i, "pp_layers") for i in stage) for stage in pp_layers]
+    if not stages or not all(stages):
+        raise ValueError(f"pp_layers: expected one non-empty layer list per stage, found {stages}")
+    flat = [i for stage in stages for i in stage]
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"pp_layers: expected each layer in one stage only, found {stages}")
+    tasks = check_positive_int(read_tasks, "read_tasks")
+    store = check_optional_int(object_store_memory, "object_store_memory", minimum=1)
+    budget = check_positive_int(
+        DEFAULT_MAX_MEMORY if max_memory is None else max_memory, "max_memory"
+    )
+    spec, plan_iter = plan_steps(
+        path,
+        steps=steps,
+        dp_size=dp,
+        max_tokens=max_tokens,
+        num_microbatches=num_microbatches,
+        multiple=multiple,
+        packed=packed,
+        dp_assign=dp_assign,
+        validate=validate,
+    )
+    missing = sorted(set(flat) - set(range(spec.num_layers)))
+    if missing:
+        raise ValueError(f"pp_layers: expected layers in 0..{spec.num_layers - 1}, found {missing}")
+    plans = list(plan_iter)
+    shards: dict[tuple[int, int], Shard] = {}
+    for d in range(dp):
+        for p, stage in enumerate(stages):
+            read: Any = _ReadShard(plans, d, stage, spec.to_json(), budget, validate)
+            units = ray.data.from_items(
+                [{"unit": i} for i in range(len(plans))], override_num_blocks=max(1, len(plans))
+            )
+            ds = units.map_batches(
+                read,
+                batch_format="pyarrow",
+                batch_size=1,
+                # At most one task per step (Ray warns when the limit exceeds the inputs).
+                compute=ray.data.TaskPoolStrategy(size=min(tasks, max(1, len(plans)))),
+            )
+            options = ds.context.execution_options
+            options.preserve_order = True  # microbatches arrive in plan order
+            if store is not None:
+                options.resource_limits = options.resource_limits.copy(object_store_memory=store)
+            shards[d, p] = Shard(
+                dp_rank=d,
+                pp_stage=p,
+                layers=stage,
+                steps=tuple(plan.step for plan in plans),
+                num_microbatches=tuple(plan.num_microbatches for plan in plans),
+                dataset=ds,
+                validate=validate,
+            )
+    return shards
+
+
+__all__ = ["Shard", "shard_microbatches"]
