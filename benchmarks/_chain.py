@@ -13,6 +13,13 @@ installed into real megatron-core ``RouterReplay`` instances (CPU harness):
   ``[1, T, L_local, K]`` row, a per-layer int32 split and ``RouterReplay.set_replay_data``.
   Routes only (no model inputs) and no id checks (SkyRL installs what it got): both favour
   the baseline, whose padding rows (zeros) would fail the duplicate-expert rule anyway.
+* **skyrl** (SkyRL's real code, imported from the installed package: ``_skyrl_real.py``):
+  ``convert_prompts_responses_to_batch_tensors`` (the trainer's dense left-padded batch),
+  the worker's int32 widening and ``setup_per_microbatch_replay_forward`` (packed) into the
+  same real instances, the stage picked by SkyRL's ``patch_topk_router_layer_number``
+  numbers (13..24); its installed targets are checked equal to r3arrow's (and to the
+  rollout's ids) on every captured token before the timing. Without an importable skyrl the
+  side returns ``{"na": reason}``.
 
 `run_chain` returns a JSON-able dict of timings; ``bench_collate.py`` runs each side in its
 own process (peak memory above the input is the side's own) and prints the table.
@@ -27,6 +34,8 @@ from typing import Any
 
 import numpy as np
 from _common import best_of, proc_status_mb, reset_peak_rss
+
+import _skyrl_real
 
 
 def _inputs(n_traj: int, tokens: int, layers: int, topk: int, experts: int) -> dict[str, Any]:
@@ -88,11 +97,15 @@ def _skyrl_style(
 
 
 def run_chain(args: Any, side: str) -> dict[str, Any]:
-    """One side (``"r3arrow"`` or ``"baseline"``) of the chain; timings in seconds."""
+    """One side (``"r3arrow"``, ``"baseline"`` or ``"skyrl"``) of the chain; timings in
+    seconds (``{"side", "na"}`` when skyrl is unavailable)."""
     import torch
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # megatron-core's import-time notices
+    sk, note = _skyrl_real.load() if side == "skyrl" else (None, "")
+    if side == "skyrl" and sk is None:
+        return {"side": side, "na": note}
     import r3arrow
     from r3arrow.megatron import install_replay, replay_schedule
     from r3arrow.megatron.cpu import build_routers, cpu_router_harness
@@ -104,7 +117,7 @@ def run_chain(args: Any, side: str) -> dict[str, Any]:
     collate = r3arrow.MegatronCollator(
         spec, layers=layers, packed=True, align=args.align, num_threads=args.threads
     )
-    finals = _traces(spec, data) if side == "r3arrow" else []
+    finals = _traces(spec, data) if side != "baseline" else []
 
     def build() -> Any:
         return r3arrow.rollout_table(
@@ -119,18 +132,37 @@ def run_chain(args: Any, side: str) -> dict[str, Any]:
         )
 
     times: dict[str, float] = {}
+    extra: dict[str, Any] = {}
     with cpu_router_harness() as mc, torch.no_grad():
+        if sk is not None:  # SkyRL's worker patches TopKRouter before it builds the model
+            _skyrl_real.patch_layer_numbers(sk)
         routers = build_routers(spec, layers)
         rr = mc.RouterReplay
+        skyrl_chain = None
+        if sk is not None:
+            _skyrl_real.check_layer_numbers(rr, layers)
+            inputs = _skyrl_real.prepare(data)
+            skyrl_chain = _skyrl_real.SkyrlChain(sk, inputs, routers[0].config, args.align)
+
+        def r3arrow_chain() -> list[Any]:
+            with replay_schedule():
+                return install_replay(collate(build()), routers)
 
         def chain() -> list[Any]:
             if side == "baseline":
                 return _skyrl_style(data["rows"], data["n"], layers, args.align, rr)
-            with replay_schedule():
-                return install_replay(collate(build()), routers)
+            if skyrl_chain is not None:
+                return skyrl_chain()
+            return r3arrow_chain()
 
         first = chain()  # warm: imports, kernel caches, pools
         out_bytes = sum(int(t.numel()) * t.element_size() for t in first)
+        if skyrl_chain is not None:  # SkyRL's targets == r3arrow's == the rollout's ids
+            extra["checked_tokens"] = _skyrl_real.verify(
+                first, r3arrow_chain(), data, layers, args.align
+            )
+            extra["held_bytes"] = _skyrl_real.held_bytes(first)
+            extra["note"] = note
         if side == "r3arrow":  # the same targets as the baseline's on every captured token
             ref = _skyrl_style(data["rows"], data["n"], layers, args.align, rr)
             mb = collate(build())
@@ -164,6 +196,17 @@ def run_chain(args: Any, side: str) -> dict[str, Any]:
                     install_replay(mb, routers)
 
             times["install_s"] = best_of(install, args.repeat)
+        if skyrl_chain is not None:
+            dense, mask = skyrl_chain.convert()
+            times["convert_s"] = best_of(skyrl_chain.convert, args.repeat)
+            times["widen_s"] = best_of(lambda: dense.to(torch.int32), args.repeat)
+            wide = dense.to(torch.int32)
+
+            def setup() -> None:
+                skyrl_chain.setup(wide, mask)
+                skyrl_chain.sk.replay_utils.clear_router_replay()
+
+            times["setup_s"] = best_of(setup, args.repeat)
     return {
         "side": side,
         "warm_s": warm,
@@ -173,4 +216,5 @@ def run_chain(args: Any, side: str) -> dict[str, Any]:
         "peak_extra_mb": peak,
         "tokens": int(data["n"].sum()),
         **times,
+        **extra,
     }

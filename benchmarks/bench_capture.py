@@ -13,6 +13,8 @@ Cases (each in its own subprocess, so peak memory is per case; ``--quick`` runs 
                  keep each turn's array, concatenate them at finalize; no id checks
   trace_handover r3arrow: RouteTrace.record(..., copy=False) per turn (validated once) +
                  finalize (one write of the trace's bytes)
+  trace_unchecked  trace_handover with `r3arrow.ids.check_turn_routes` stubbed out (breakdown
+                 only: the cost of capture without validation, as the baseline has none)
   trace_copy     r3arrow default, record(...) copies each writable turn (the caller may reuse
                  its buffer), then finalize joins
   store          the capture path: store.trace(tid).record(..., copy=False) + finalize (the
@@ -61,7 +63,7 @@ from r3arrow.testing import random_routes
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
 SPEC = RouteSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
-CAPTURE = ("baseline", "trace_handover", "trace_copy", "store")
+CAPTURE = ("baseline", "trace_handover", "trace_unchecked", "trace_copy", "store")
 TABLES = ("table_traces", "table_store", "table_copy")
 CASES = ("copy_warm", "copy_fresh", *CAPTURE, *TABLES, "recv_full")
 
@@ -228,6 +230,22 @@ def make_case(
             return out
 
         return run_baseline, check_arrays, nothing
+    if name == "trace_unchecked":
+        import r3arrow.trace as trace_mod
+
+        def stub(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> int:
+            return EXPERTS - 1  # what the check returns for valid ids of this spec
+
+        def run_unchecked() -> list[pa.Array[Any]]:
+            names = vars(trace_mod)  # the name trace.py calls (imported, not re-exported)
+            real = names["check_turn_routes"]
+            names["check_turn_routes"] = stub
+            try:
+                return _capture(convs, parts, copy=False)
+            finally:
+                names["check_turn_routes"] = real
+
+        return run_unchecked, check_arrays, nothing
     if name in ("trace_handover", "trace_copy"):
         copy = name == "trace_copy"
         return (lambda: _capture(convs, parts, copy=copy)), check_arrays, nothing
@@ -357,6 +375,7 @@ def main() -> None:
             [
                 wl,
                 _verdict(cap["seconds"] / base, 1.0),
+                f"{res['trace_unchecked']['seconds'] / base:.2f}",
                 _verdict(cap["alloc_peak_bytes"] / final, 1.1),
                 _verdict(res["table_traces"]["seconds"] / warm, 0.2),
                 _verdict(res["table_store"]["seconds"] / warm, 0.2),
@@ -369,6 +388,7 @@ def main() -> None:
             [
                 "workload",
                 "capture / baseline time (<=1.0)",
+                "the same, id checks stubbed",
                 "capture peak / trace bytes (<=1.1)",
                 "table_traces / memcpy (<=0.2)",
                 "table_store / memcpy (<=0.2)",

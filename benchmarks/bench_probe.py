@@ -11,8 +11,11 @@ Reported, measured in this run:
 
 * plain replay: ``replay_schedule()`` (the baseline);
 * probed replay: ``replay_schedule(measure_agreement=True)``, and its overhead over the
-  baseline (target <= 10 %);
-* native routing (no replay action) for reference, and the machine's memory-copy speed.
+  baseline (target <= 10 %), on the numba kernel (the ``fast`` extra; when numba imports)
+  and on the torch fallback (``R3ARROW_NO_NUMBA=1``, switched per run in this process);
+* native routing (no replay action) for reference, and the machine's memory-copy speed;
+* the kernel's first call in a fresh process, cold (compiling into an empty numba cache)
+  and warm (loading the ``cache=True`` machine code), each in its own subprocess.
 
 Default: 8192 tokens, hidden 2048, 128 experts, top-8 (the router shape of Qwen3-30B-A3B),
 4 routers; ``--quick``: 2048 tokens, 2 routers. Run: ``.venv/bin/python benchmarks/bench_probe.py``.
@@ -22,6 +25,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -52,6 +59,50 @@ def _targets(
     return out
 
 
+_FIRST_CALL = """
+import importlib
+import time
+
+import numpy as np
+import r3arrow.megatron  # torch and megatron-core: not the kernel's cost
+
+t0 = time.perf_counter()
+k = importlib.import_module("r3arrow.megatron._probe_numba")
+ids = np.zeros((4, 2), np.int32)
+ids[:, 1] = 1
+for s in (np.ones((4, 8), np.float32), np.ones((4, 8), np.float64)):
+    k.overlap_rows(s, ids, np.zeros(0, np.uint8), np.empty(4, np.int8))
+    k.overlap_rows(s, ids.astype(np.int64), np.zeros(0, np.uint8), np.empty(4, np.int8))
+k.overlap_rows_bf16(np.ones((4, 8), np.uint16), ids, np.zeros(0, np.uint8), np.empty(4, np.int8))
+print(time.perf_counter() - t0)
+"""
+
+
+def _first_call_s() -> tuple[float, float] | None:
+    """Seconds of importing the kernel module and its first calls (float32/float64 with
+    int32/int64 ids, bfloat16) in a fresh process: (cold: empty numba cache, warm: cached),
+    or None without numba."""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        out = [
+            float(
+                subprocess.run(
+                    [sys.executable, "-c", _FIRST_CALL],
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                ).stdout.split()[-1]
+            )
+            for _ in range(2)
+        ]
+    return out[0], out[1]
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=None)
@@ -77,6 +128,7 @@ def main() -> None:
 
     from r3arrow import RouteSpec
     from r3arrow.megatron import install_replay, replay_schedule
+    from r3arrow.megatron._probe import _kernels
     from r3arrow.megatron.cpu import build_routers, cpu_router_harness
 
     spec = RouteSpec(num_layers=layers, topk=args.topk, num_experts=args.experts)
@@ -106,6 +158,13 @@ def main() -> None:
             results["tokens_counted"] = probe.agreement.tokens
             results["identical_fraction"] = probe.agreement.summary()["identical"]
 
+        def probed_torch(grad: bool) -> None:
+            os.environ["R3ARROW_NO_NUMBA"] = "1"  # read on every router call
+            try:
+                probed(grad)
+            finally:
+                del os.environ["R3ARROW_NO_NUMBA"]
+
         def native(grad: bool) -> None:
             with replay_schedule(None):
                 forward(grad)
@@ -115,7 +174,12 @@ def main() -> None:
         cases = [
             (f"{name} {mode}", functools.partial(fn, mode == "grad"))
             for mode in ("no_grad", "grad")
-            for name, fn in (("plain", plain), ("probed", probed), ("native", native))
+            for name, fn in (
+                ("plain", plain),
+                ("probed", probed),
+                ("torch", probed_torch),
+                ("native", native),
+            )
         ]
         times: dict[str, list[float]] = {name: [] for name, _ in cases}
         for _, fn in cases:
@@ -124,22 +188,29 @@ def main() -> None:
             for name, fn in cases:
                 times[name].append(best_of(fn, 1, warmup=0))
     best = {name: min(v) for name, v in times.items()}
+    path = "numba" if _kernels() is not None else "torch"
+    first = _first_call_s()
     gbps = memcpy_gbps(tokens * hidden_size * 4)
     rows, out = [], dict(results)
     per = 1e9 / (tokens * layers)
     for mode in ("no_grad", "grad"):
-        base, probe_t, nat = (best[f"{c} {mode}"] for c in ("plain", "probed", "native"))
-        over = probe_t / base - 1.0
+        base, probe_t, torch_t, nat = (
+            best[f"{c} {mode}"] for c in ("plain", "probed", "torch", "native")
+        )
+        over, over_t = probe_t / base - 1.0, torch_t / base - 1.0
         rows += [
             [f"replay, {mode} (baseline)", base * 1e3, base * per, "-"],
-            [f"replay + probe, {mode}", probe_t * 1e3, probe_t * per, f"{over:+.1%}"],
+            [f"replay + probe ({path}), {mode}", probe_t * 1e3, probe_t * per, f"{over:+.1%}"],
+            [f"replay + probe (torch), {mode}", torch_t * 1e3, torch_t * per, f"{over_t:+.1%}"],
             [f"native routing, {mode}", nat * 1e3, nat * per, f"{nat / base - 1.0:+.1%}"],
         ]
         out |= {
             f"replay_ms_{mode}": base * 1e3,
             f"probe_ms_{mode}": probe_t * 1e3,
+            f"probe_torch_ms_{mode}": torch_t * 1e3,
             f"native_ms_{mode}": nat * 1e3,
             f"overhead_{mode}": over,
+            f"overhead_torch_{mode}": over_t,
         }
     print(machine_line(), f"torch={torch.__version__} threads={args.threads}")
     print(
@@ -150,7 +221,14 @@ def main() -> None:
     for mode in ("no_grad", "grad"):
         over = out[f"overhead_{mode}"]
         verdict = "ok" if over <= 0.10 else "ABOVE TARGET"
-        print(f"probe overhead, {mode}: {over:+.1%} (target <= +10 %): {verdict}")
+        print(f"probe overhead ({path}), {mode}: {over:+.1%} (target <= +10 %): {verdict}")
+    if first is not None:
+        print(
+            f"numba kernel, first call in a fresh process: cold {first[0]:.2f} s (compiles), "
+            f"warm {first[1]:.2f} s (cache=True)"
+        )
+        out |= {"first_call_cold_s": first[0], "first_call_warm_s": first[1]}
+    out["path"] = path
     out |= {
         "tokens": tokens,
         "hidden": hidden_size,

@@ -24,10 +24,17 @@ Three paths, all returning the smallest failing token index (``-1``: no duplicat
 * general (any strides): a chunk of rows is transposed into a ``[K, chunk]`` buffer, then each
   rotation and position is one contiguous vector comparison.
 
+Top-8 uint8 rows (the usual shape) have kernels of their own with constant shifts and masks
+(`r3arrow._kernels_top8`): numba passes ``k``/``bits`` as runtime values, so the generic word
+kernels cannot fold them, and those run about twice as fast. `scan_top8` is the fused
+per-turn check of `r3arrow.ids.check_turn_routes` (range and duplicates, one pass);
+`gather_widen` of top-8 uint8 runs `_gather8` (test in registers, widen without staging).
+
 Compilation: ``cache=True`` stores the machine code in ``__pycache__`` next to this file (or
 numba's user cache where that is not writable; ``NUMBA_CACHE_DIR`` overrides), so the first
 call in a fresh environment compiles for about 2-6 s per (dtype, layout, writable) signature
-(5.5 s for C-contiguous uint8 on a busy 2-core machine, then 0.1 s in a later process);
+(5.5 s for C-contiguous uint8 on a busy 2-core machine; a later process loads the cached
+code: 0.26 s for its first check including numba's import, 0.01 s per other kernel);
 `warm_up` compiles the common signatures outside any timed code. ``nogil=True``: the checks
 run in parallel with other Python threads.
 """
@@ -39,6 +46,8 @@ from typing import Any
 
 import numba
 import numpy as np
+
+from r3arrow._kernels_top8 import _first_row8, _gather8, _scan8
 
 _CHUNK = 1024  # rows per chunk: the chunk's words (or transposed ids) stay in L1
 
@@ -103,15 +112,22 @@ def _first_row_fail(words: Any, rows: Any, start: int, stop: int, k: int, bits: 
         acc = np.uint64(0)
         for j in range(i, end):  # branch-free: vectorised across words
             v = words[j]
+            t = np.uint64(0)  # `& highs` once per word, not per rotation (half the time)
             for r in range(1, k // 2 + 1):
                 s = r * bits
-                low = np.uint64(0)  # per row: the bits that move down by s (rotation)
-                for q in range(per):
-                    low |= ((np.uint64(1) << np.uint64(kb - s)) - np.uint64(1)) << np.uint64(q * kb)
-                high = field & ~low
-                rot = ((v >> np.uint64(s)) & low) | ((v << np.uint64(kb - s)) & high)
+                if kb == 64:  # one row per word: a plain rotation
+                    rot = (v >> np.uint64(s)) | (v << np.uint64(64 - s))
+                else:
+                    low = np.uint64(0)  # per row: the bits that move down by s (rotation)
+                    for q in range(per):
+                        low |= ((np.uint64(1) << np.uint64(kb - s)) - np.uint64(1)) << np.uint64(
+                            q * kb
+                        )
+                    high = field & ~low
+                    rot = ((v >> np.uint64(s)) & low) | ((v << np.uint64(kb - s)) & high)
                 x = v ^ rot
-                acc |= (x - ones) & ~x & highs
+                t |= (x - ones) & ~x
+            acc |= t & highs
         if acc != 0:
             for j in range(i * per, end * per):  # this chunk fails: its first failing row
                 if _row_fails(np.uint64(rows[j]), k, bits):
@@ -123,6 +139,34 @@ def _first_row_fail(words: Any, rows: Any, start: int, stop: int, k: int, bits: 
     return -1
 
 
+def scan_top8(x: np.ndarray, bound: int | None) -> int | None:
+    """One fused pass over C-contiguous uint8 ids ``x`` ``[..., 8]`` (the usual top-8 of at
+    most 256 experts): every id ``< bound`` and no row repeating an id. Returns an upper
+    bound of the largest id (the largest lane of the OR of all rows, capped at ``bound - 1``)
+    when both hold, None when some row fails (or ``x`` does not fit: the caller
+    then runs the reference checks)."""
+    if (
+        x.dtype != np.uint8
+        or x.ndim < 1
+        or x.shape[-1] != 8
+        or not x.flags.c_contiguous
+        or sys.byteorder != "little"
+    ):
+        return None
+    lane = _LANE8.get(bound)
+    if lane is None:  # a few bounds per process (one per model): cached, not per call
+        mode, c = range_constant(8, bound, False)
+        lane = _LANE8[bound] = (mode, np.uint64(c))
+    seen, bad = _scan8(x.reshape(-1).view(np.uint64), lane[0], lane[1])
+    if bad:
+        return None
+    top = max(int(seen).to_bytes(8, "little"))  # per lane, an OR is >= every id it covers
+    return top if bound is None else min(top, bound - 1)  # every id passed ``< bound``
+
+
+_LANE8: dict[int | None, tuple[int, Any]] = {}  # bound -> (mode, lane constant) of scan_top8
+
+
 @numba.njit(cache=True, nogil=True)
 def _first_row(words: Any, rows: Any, start: int, stop: int, k: int, bits: int) -> int:
     """`_first_row_fail` with literal ``k`` and ``bits``, one branch per row width of ``rows``
@@ -130,7 +174,7 @@ def _first_row(words: Any, rows: Any, start: int, stop: int, k: int, bits: int) 
     width = rows.itemsize
     if width == 8:
         if k == 8:
-            return int(_first_row_fail(words, rows, start, stop, 8, 8))
+            return int(_first_row8(rows, start, stop))
         if k == 4:
             return int(_first_row_fail(words, rows, start, stop, 4, 16))
         return int(_first_row_fail(words, rows, start, stop, 2, 32))
@@ -490,8 +534,8 @@ def _gather_words(
 ) -> int:
     """`_gather_words_fail` with literal ``k`` and ``bits`` (one word per row)."""
     args = (words, n_layers, layer_index, pos_row, out, span, dummy, mode, c, check)
-    if k == 8:
-        return int(_gather_words_fail(*args, 8, 8))
+    if k == 8:  # top-8 uint8: constant shifts, no staging buffer (`_gather8`)
+        return int(_gather8(*args))
     if k == 4:
         return int(_gather_words_fail(*args, 4, 16))
     return int(_gather_words_fail(*args, 2, 32))
@@ -566,8 +610,9 @@ def gather_widen(
 
 def warm_up() -> None:
     """Compile (or load from the cache) the kernels for the common route dtypes and layouts:
-    writable and read-only (Arrow buffers), C-contiguous and strided, both layouts. The fused
-    gather (`gather_widen`) compiles on its first call (a collator's warm-up call)."""
+    writable and read-only (Arrow buffers), C-contiguous and strided, both layouts, and the
+    fused top-8 check (`scan_top8`). The fused gather (`gather_widen`) compiles on its first
+    call (a collator's warm-up call)."""
     for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
         for k in (2, 8):
             x = np.zeros((2, 3, k), dtype=dtype)
@@ -577,6 +622,9 @@ def warm_up() -> None:
             for layers_first in (False, True):
                 for v in (x, ro, x[:, ::2]):
                     first_duplicate_token(v, layers_first)
+    top8 = np.tile(np.arange(8, dtype=np.uint8), (2, 3, 1))
+    for bound in (None, 128, 200):  # the fused per-turn check, each range mode
+        scan_top8(top8, bound)
 
 
-__all__ = ["first_duplicate_token", "gather_widen", "range_constant", "warm_up"]
+__all__ = ["first_duplicate_token", "gather_widen", "range_constant", "scan_top8", "warm_up"]

@@ -21,7 +21,9 @@ offending token and layer, runs only on the first block that fails, so both back
 the same error (``benchmarks/bench_validate.py`` measures both against a memory copy).
 numba is imported on the first CPU check, never by ``import r3arrow``; the first call per
 (dtype, layout) in a fresh environment compiles for about 2-6 s, later processes load the
-cached machine code.
+cached machine code. `check_routes` and the per-turn `check_turn_routes` first try a lean
+path for valid unsigned ids of an all-router spec (cached bounds, one kernel call; top-8
+uint8: one fused range + duplicate pass), falling back to the checks above on any failure.
 """
 
 from __future__ import annotations
@@ -523,6 +525,57 @@ def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -
     return lo, hi
 
 
+# id(spec) -> (spec, largest storable value, exclusive id bound or -1): `np.iinfo` per call
+# costs microseconds on a per-turn path. The spec is kept (so its id is not reused while
+# cached) and compared by identity.
+_BOUNDS: dict[int, tuple[RouteSpec, int, int]] = {}
+
+
+def _lean_check(arr: Any, spec: RouteSpec, *, exact: bool = True) -> int | None:
+    """`check_routes`' fast path: the largest id when ``arr`` passes both rules, else None.
+
+    ``exact=False`` (`check_turn_routes`): an upper bound of it (below ``num_experts``) is
+    enough, and top-8 uint8 ids take the fused `scan_top8` pass instead of max + duplicates.
+
+    Applies to a non-empty C-contiguous native unsigned numpy ``arr`` ``[rows, L, K]``
+    (``K >= 2``) of a spec whose every layer is a router layer (``moe_layers`` None), with
+    the numba backend: one ``max`` (range: ``< num_experts`` and ``<= storage_cap``; unsigned
+    ids are ``>= 0``) and one call of the word kernel for duplicates, without the per-call
+    dispatch of `check_router_ids`. None (not applicable, or some rule fails): the caller
+    runs the reference checks, which raise the usual errors.
+    """
+    if (
+        type(arr) is not np.ndarray
+        or spec.moe_layers is not None
+        or arr.ndim != 3
+        or arr.dtype.kind != "u"
+        or not arr.flags.c_contiguous
+        or not arr.dtype.isnative
+        or arr.size == 0
+        or arr.shape[2] < 2
+    ):
+        return None
+    kernels = _KERNELS if isinstance(_KERNELS, ModuleType) else _numba_kernels()
+    if kernels is None:
+        return None
+    entry = _BOUNDS.get(id(spec))
+    if entry is None or entry[0] is not spec:  # by identity: hashing a spec costs a call
+        e = spec.num_experts
+        if len(_BOUNDS) > 64:  # specs are few; never grow without bound
+            _BOUNDS.clear()
+        entry = _BOUNDS[id(spec)] = (spec, storage_cap(spec), -1 if e is None else int(e))
+    bounds = entry[1:]
+    if not exact and arr.dtype.itemsize == 1 and arr.shape[2] == 8 and bounds[1] >= 0:
+        bound: int | None = kernels.scan_top8(arr, bounds[1])  # uint8: always <= the cap
+        return bound
+    hi = int(arr.max())
+    if hi > bounds[0] or 0 <= bounds[1] <= hi:
+        return None
+    if kernels.first_duplicate_token(arr, False) >= 0:
+        return None
+    return hi
+
+
 def check_distinct_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> None:
     """Raise `DuplicateExpertError` if a router-layer row of ``arr`` ``[rows, L, K]`` repeats one.
 
@@ -555,10 +608,35 @@ def check_distinct_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "rou
 
 
 def check_routes(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
-    """Both rules on ``arr`` ``[rows, L, K]``: `check_route_ids`, then `check_distinct_experts`."""
+    """Both rules on ``arr`` ``[rows, L, K]``: `check_route_ids`, then `check_distinct_experts`.
+
+    The common valid case takes a lean path (`_lean_check`: one max and one duplicate-kernel
+    call, bounds cached per spec; a capture turn calls this once); whenever it does not
+    apply or finds a violation, the two checks run as written, so errors are theirs.
+    """
+    lean = _lean_check(arr, spec)
+    if lean is not None:
+        return 0, lean
     lo_hi = check_route_ids(arr, spec, what=what)
     check_distinct_experts(arr, spec, what=what)
     return lo_hi
+
+
+def check_turn_routes(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> int:
+    """`check_routes` for the capture path: the same rules and errors; returns an upper
+    bound of the largest id (-1 for no rows) instead of (min, max).
+
+    The bound is exact when ``spec.num_experts`` is None (the trace widens its dtype by it);
+    otherwise it may exceed the largest id but stays ``< num_experts`` (for top-8 uint8 ids
+    it is the largest lane of the OR of all rows, capped at ``num_experts - 1``: one fused
+    range + duplicate pass,
+    `r3arrow._kernels_numba.scan_top8`, about half the time of a max plus a duplicate test).
+    """
+    if spec.num_experts is not None:
+        lean = _lean_check(arr, spec, exact=False)
+        if lean is not None:
+            return lean
+    return check_routes(arr, spec, what=what)[1]
 
 
 __all__ = [
@@ -566,6 +644,7 @@ __all__ = [
     "check_route_ids",
     "check_router_ids",
     "check_routes",
+    "check_turn_routes",
     "gather_router_ids",
     "storage_cap",
 ]

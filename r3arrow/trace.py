@@ -48,7 +48,7 @@ from r3arrow.errors import (
     TerminalGapError,
     TraceStateError,
 )
-from r3arrow.ids import check_routes, storage_cap
+from r3arrow.ids import check_turn_routes, storage_cap
 from r3arrow.spec import RouteSpec, as_route_rows, numpy_to_routes
 
 #: Receives each validated turn of a bound `RouteTrace`: ``(token_start, rows, spec)``, rows
@@ -530,9 +530,10 @@ def validate_route_rows(
 def _validated_rows(
     routes: Any, spec: RouteSpec, *, what: str
 ) -> tuple[np.ndarray, RouteSpec, int]:
-    """`validate_route_rows`, plus the largest id (-1 for no rows)."""
+    """`validate_route_rows`, plus an upper bound of the largest id, exact when
+    ``spec.num_experts`` is None (-1 for no rows; `r3arrow.ids.check_turn_routes`)."""
     arr = as_route_rows(routes, spec, what=what)
-    _, hi = check_routes(arr, spec, what=what)
+    hi = check_turn_routes(arr, spec, what=what)
     if spec.num_experts is None and hi >= 0:
         spec = spec.widened_for(hi)
     return arr, spec, hi

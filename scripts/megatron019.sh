@@ -25,7 +25,7 @@ fi
 }
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 "$venv/bin/pip" install -q "torch==2.13.0" "megatron-core==0.19.2"
-"$venv/bin/pip" install -q -e ".[stats,dev]"
+"$venv/bin/pip" install -q -e ".[stats,fast,dev]"
 "$venv/bin/python" -c 'import megatron.core, torch; print("megatron-core", megatron.core.__version__, "torch", torch.__version__)'
 "$venv/bin/pytest" -q -p no:cacheprovider tests/integrations/test_megatron.py \
   tests/integrations/test_megatron_sp.py tests/integrations/test_megatron_mtp.py \

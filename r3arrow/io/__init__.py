@@ -13,7 +13,9 @@ This package is the only owner of the on-disk layout (see ``docs/design.md``,
   little-endian values; Parquet would store nested lists value by value, slow and
   ~4x larger), so a reader of some layers reads only their groups, and restored to
   the nested type on read (`from_storage`, `route_rows`; `project_layers` projects
-  in memory). Files of the older single ``fixed_size_binary`` form still read.
+  in memory; the interleave copy of a multi-group read is `r3arrow.io._interleave`).
+  Files of the older single ``fixed_size_binary`` form still read.
+  `scan_rollout_files` reports each file's stored groups (``RolloutFile.layer_groups``).
 - **Streaming** (`r3arrow.io._stream`): readers go row group by row group under a
   ``max_memory`` budget (`DEFAULT_MAX_MEMORY`); writers cut row groups by bytes
   (`DEFAULT_ROW_GROUP_BYTES`).

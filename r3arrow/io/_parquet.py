@@ -38,7 +38,7 @@ from r3arrow._checks import check_int
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import SchemaError
-from r3arrow.io._groups import plan_groups, read_leaves, to_group_storage
+from r3arrow.io._groups import plan_groups, read_leaves, stored_layer_groups, to_group_storage
 from r3arrow.io._layout import (
     STEP_PARTITIONING,
     atomic_path,
@@ -182,12 +182,22 @@ def check_rollout_schema(schema: pa.Schema, path: Path) -> RouteSpec:
     return spec
 
 
-def _footer(path: Path) -> tuple[pa.Schema, tuple[int, ...], RouteSpec | None]:
-    """(Arrow schema, decoded bytes per row group, spec) from a checked Parquet footer."""
+def _footer(
+    path: Path, footers: dict[Path, pq.FileMetaData] | None = None
+) -> tuple[pa.Schema, tuple[int, ...], RouteSpec | None, tuple[tuple[int, ...], ...] | None]:
+    """(Arrow schema, decoded bytes per row group, spec, layer groups) of a checked footer.
+
+    ``footers``: where to keep the checked footer, so the read that follows does not
+    parse and check it again (`r3arrow.io._stream.iter_pieces`).
+    """
     with reading(path), open_parquet(path) as pf:
         md = pf.metadata
         sizes = tuple(md.row_group(g).total_byte_size for g in range(md.num_row_groups))
-        return pf.schema_arrow, sizes, footer_spec(pf, path)
+        schema = pf.schema_arrow
+        spec = footer_spec(pf, path)
+        if footers is not None:
+            footers[path] = md
+        return schema, sizes, spec, stored_layer_groups(schema, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,22 +207,29 @@ class RolloutFile:
     ``row_group_bytes``: each row group's decoded size from the footer (every
     column; a layer projection reads about its fraction of the routes part), for
     callers that plan reads under a memory budget (Ray, directory collation).
+    ``layer_groups``: the global layer ids of each stored layer group, in order
+    (``((0, ..., 5), (6, ..., 11), ...)``; they partition the file's layers), for a
+    file in ``layer_groups/v1`` storage; ``None`` for the older single-value and the
+    portable layouts and for R3-off files (``docs/storage.md``, "Layout"). Reading
+    ``layers=`` one whole group at a time restores without a copy.
     """
 
     path: Path
     step: int | None
     num_row_groups: int
     row_group_bytes: tuple[int, ...] = ()
+    layer_groups: tuple[tuple[int, ...], ...] | None = None
 
 
 def _scan(
     pairs: Sequence[tuple[int | None, Path]],
+    footers: dict[Path, pq.FileMetaData] | None = None,
 ) -> tuple[RouteSpec | None, pa.Schema, list[RolloutFile]]:
     spec: RouteSpec | None = None
     first: tuple[Path, pa.Schema] | None = None
     out = []
     for step, f in pairs:
-        schema, sizes, s = _footer(f)
+        schema, sizes, s, groups = _footer(f, footers)
         if first is None:
             spec, first = s, (f, schema)
         elif s != spec:
@@ -221,7 +238,7 @@ def _scan(
             raise SchemaError(
                 f"{f}: expected the spec of {first[0]} ({want}), found {found}", path=f
             )
-        out.append(RolloutFile(f, step, len(sizes), sizes))
+        out.append(RolloutFile(f, step, len(sizes), sizes, groups))
     assert first is not None  # callers pass at least one file
     return spec, first[1], out
 
@@ -312,19 +329,22 @@ def read_rollouts_dataset(path: PathLike) -> ds.Dataset:
 
 
 def _files(
-    p: Path, wanted: Sequence[int] | None
+    p: Path, wanted: Sequence[int] | None, footers: dict[Path, pq.FileMetaData] | None = None
 ) -> tuple[list[tuple[int | None, Path]], list[RolloutFile]]:
-    """The (step, file) pairs to read under ``p`` (file or root) and all scanned files."""
+    """The (step, file) pairs to read under ``p`` (file or root) and all scanned files.
+
+    ``footers`` receives each checked footer (see `_footer`).
+    """
     if p.is_dir():
         pairs: list[tuple[int | None, Path]] = list(step_files(p))
         if not pairs:
             raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none", path=p)
-        _, _, scanned = _scan(pairs)
+        _, _, scanned = _scan(pairs, footers)
         keep = [(f.step, f.path) for f in scanned if wanted is None or f.step in wanted]
         return keep, scanned
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such rollout file or directory")
-    _, _, scanned = _scan([(None, p)])
+    _, _, scanned = _scan([(None, p)], footers)
     return [(None, p)], scanned
 
 
@@ -362,11 +382,13 @@ def read_rollouts(
     """
     wanted = check_steps(steps)
     p = Path(path)
-    pairs, scanned = _files(p, wanted)
+    footers: dict[Path, pq.FileMetaData] = {}
+    pairs, scanned = _files(p, wanted, footers)
     parts = [
         t
         for _, t in iter_pieces(
             pairs,
+            footers=footers,
             columns=columns,
             layers=layers,
             max_memory=None,
@@ -414,9 +436,11 @@ def iter_rollouts(
     """
     wanted = check_steps(steps)
     p = Path(path)
-    pairs, _ = _files(p, wanted)
+    footers: dict[Path, pq.FileMetaData] = {}
+    pairs, _ = _files(p, wanted, footers)
     yield from iter_pieces(
         pairs,
+        footers=footers,
         columns=columns,
         layers=layers,
         max_memory=max_memory,
@@ -446,9 +470,11 @@ def iter_rollout_tables(
     the data checks). `r3arrow.stats`, Ray reads and directory collation build on it.
     """
     spec_files = list(iter_rollout_files(path, steps=steps))
-    _scan(spec_files)
+    footers: dict[Path, pq.FileMetaData] = {}
+    _scan(spec_files, footers)
     yield from iter_pieces(
         spec_files,
+        footers=footers,
         columns=columns,
         layers=layers,
         max_memory=max_memory,

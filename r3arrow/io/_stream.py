@@ -19,7 +19,7 @@ written by r3arrow holds about one row group at a time whatever the step size.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import groupby, pairwise
 from pathlib import Path
 from typing import Any, cast
@@ -60,10 +60,18 @@ def check_budget(max_memory: Any) -> int | None:
     return check_int(max_memory, "max_memory", minimum=1)
 
 
-def open_parquet(path: Path, *, buffered: bool = False) -> pq.ParquetFile:
-    """A ParquetFile verifying page checksums; ``buffered`` streams pages of a column chunk."""
+def open_parquet(
+    path: Path, *, buffered: bool = False, metadata: pq.FileMetaData | None = None
+) -> pq.ParquetFile:
+    """A ParquetFile verifying page checksums; ``buffered`` streams pages of a column chunk.
+
+    ``metadata``: the file's footer, already read and checked (it is not read again).
+    """
     return pq.ParquetFile(
-        path, page_checksum_verification=True, buffer_size=_BUFFER if buffered else 0
+        path,
+        page_checksum_verification=True,
+        buffer_size=_BUFFER if buffered else 0,
+        metadata=metadata,
     )
 
 
@@ -98,21 +106,39 @@ def row_group_bounds(table: pa.Table, target: int) -> list[tuple[int, int]]:
 
 
 # --------------------------------------------------------------------- read
+#: Placeholder column of a unit read for ``step`` alone (dropped by `shape`).
+ROWS_COLUMN = "__r3arrow_rows"
+
+
+def _rows_only(rows: int, schema: pa.Schema) -> pa.Table:
+    """``rows`` rows of one all-null placeholder column, with the file's metadata.
+
+    Arrow drops the row count of a table without columns on ``replace_schema_metadata``
+    and ``concat_tables``, so a read of no file column (``columns=["step"]``) carries
+    its rows in this column; `shape` removes it.
+    """
+    meta = cast("Any", schema.metadata)
+    return pa.table({ROWS_COLUMN: pa.nulls(rows)}).replace_schema_metadata(meta)
+
+
 def _file_units(
     path: Path,
     columns: Sequence[str] | None,
     layers: Sequence[int] | None,
     target: int | None,
     batch_rows: int | None,
+    footer: pq.FileMetaData | None = None,
 ) -> Iterator[tuple[pa.Table, int]]:
     """(storage-form table, footer bytes) of a file's row groups, split to fit ``target``.
 
-    Each row group is read by its own reader and held to the footer's row count
-    (see `r3arrow.io._verify.check_rows`). Errors carry ``path``.
+    ``footer``: the file's footer, already checked by `r3arrow.io._verify.footer_spec`
+    (else it is read and checked here). Each row group is held to the footer's row
+    count (see `r3arrow.io._verify.check_rows`). Errors carry ``path``.
     """
-    with reading(path), open_parquet(path, buffered=target is not None) as pf:
+    with reading(path), open_parquet(path, buffered=target is not None, metadata=footer) as pf:
         schema = pf.schema_arrow
-        footer_spec(pf, path)
+        if footer is None:
+            footer_spec(pf, path)
         leaves = read_leaves(schema, columns, layers)
         md = pf.metadata
         for g in range(md.num_row_groups):
@@ -123,6 +149,9 @@ def _file_units(
             # process (no exception) on some corrupt column-chunk footers.
             nbytes = rg.total_byte_size
             fits = target is None or nbytes <= target
+            if leaves is not None and not leaves:  # only ``step``: the rows, no file column
+                yield _rows_only(rows, schema), 0
+                continue
             if fits and (batch_rows is None or rows <= batch_rows):
                 part = pf.read_row_group(g, columns=leaves)
                 check_rows(part, rows, path, f"row group {g}")
@@ -184,8 +213,9 @@ def shape(
     if want_step and "step" not in table.schema.names:
         values = pa.array(np.full(table.num_rows, step, dtype=np.int64))
         table = table.append_column(pa.field("step", pa.int64()), values)
-    if columns is not None:
-        order = [c for c in dict.fromkeys(columns) if c in table.schema.names]
+    if columns is not None or ROWS_COLUMN in table.schema.names:
+        names = table.schema.names if columns is None else columns
+        order = [c for c in dict.fromkeys(names) if c in table.schema.names and c != ROWS_COLUMN]
         if order != table.schema.names:
             table = table.select(order)
     return cast("pa.Table", mark_validated(table)) if validated else table
@@ -211,13 +241,16 @@ def iter_pieces(
     batch_rows: int | None,
     validate: bool,
     check: bool | None = None,
+    footers: Mapping[Path, pq.FileMetaData] | None = None,
 ) -> Iterator[tuple[int | None, pa.Table]]:
     """``(step, table)`` pieces of ``files`` in order, each within ``max_memory / 4`` bytes.
 
     Pieces are restored (and projected to ``layers``), checked like `read_rollouts`
     when ``validate`` (``check``, default ``validate``: the storage null checks),
     carry a ``step`` column for a root's files and never span two steps. A step (or
-    file) without rows yields one empty table. See the module docstring.
+    file) without rows yields one empty table. ``footers``: checked footers by path
+    (each file is then opened once, its footer not parsed again). See the module
+    docstring.
     """
     budget = check_budget(max_memory)
     target = None if budget is None else max(1, budget // PIECE_FRACTION)
@@ -230,7 +263,9 @@ def iter_pieces(
         held = rows = 0
         emitted = False
         for path in paths:
-            for unit, nbytes in _file_units(path, columns, layers, target, rows_cap):
+            footer = None if footers is None else footers.get(path)
+            units = _file_units(path, columns, layers, target, rows_cap, footer)
+            for unit, nbytes in units:
                 if pending and (
                     (target is not None and held + nbytes > target)
                     or (rows_cap is not None and rows + unit.num_rows > rows_cap)

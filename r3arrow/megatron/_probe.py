@@ -16,16 +16,21 @@ probing schedule is open (reference counted, restored when the last one closes) 
 straight through when the calling thread has no probe: the replayed indices and probabilities
 are the unpatched function's own return values, untouched.
 
-Device work per observed call (`_native_overlap`): on the GPU the native top-k of every row and
-a ``[T, K, K]`` comparison; on the CPU the native top-k only of rows whose target is not
-provably the unique top-k set. Counts accumulate in device tensors; one host sync when the
-schedule ends. A measurement that fails never fails the forward: `ReplayProbe.agreement`
-raises `ReplayError` with the reason instead.
+Device work per observed call: on the CPU with numba (the ``fast`` extra; `_compiled_row`,
+``_probe_numba``) one read of the scores per row decides ``|N ∩ R|`` and megatron's top-k runs
+only on rows with a tie across the K-th place (or a NaN); without numba, for float16, on the
+GPU or with group-limited routing `_native_overlap` (torch): on the CPU the native top-k of
+the rows whose target is not provably the unique top-k set, elsewhere of every row and a
+``[T, K, K]`` comparison. Counts accumulate in device tensors; one host sync when the
+schedule ends (on the CPU, the reductions run in numpy). A measurement that fails never
+fails the forward: `ReplayProbe.agreement` raises `ReplayError` with the reason instead.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -155,10 +160,12 @@ class ReplayProbe:
                 )
                 return
             pad = pad.reshape(-1).to(device=scores.device, dtype=torch.bool)
-        overlap = _native_overlap(scores, replayed, topk, groups, default_compute_topk, pad)
-        row = overlap.to(torch.int8)
-        if pad is not None:
-            row.masked_fill_(pad, -1)
+        row = _compiled_row(scores, replayed, topk, groups, default_compute_topk, pad)
+        if row is None:
+            overlap = _native_overlap(scores, replayed, topk, groups, default_compute_topk, pad)
+            row = overlap.to(torch.int8)
+            if pad is not None:
+                row.masked_fill_(pad, -1)
         acc.rows.append(row)
 
     # ------------------------------------------------------------------ end of schedule
@@ -207,18 +214,33 @@ def _summed(layers: list[_Layer], fail: Any) -> tuple[Any, ...] | None:
                 )
                 return None
     k = layers[0].topk
-    dev = layers[0].rows[0].device
-    grid = torch.stack([torch.cat(a.rows).to(dev) for a in layers])  # [L, tokens] int8
-    same = grid == k
-    counts = torch.cat(
-        [
-            same.sum(dim=1),
-            grid.clamp(min=0).sum(dim=1, dtype=torch.int64),
-            (grid >= 0).sum(dim=1),
-            same.all(dim=0).sum().reshape(1),
-        ]
-    )
-    host = counts.cpu().numpy().astype(np.int64)
+    n = len(layers)
+    if all(r.device.type == "cpu" for a in layers for r in a.rows):
+        # the host already holds the rows: numpy's reductions over small int8 arrays cost
+        # a fraction of torch's per-op dispatch (this runs once per schedule, on its clock)
+        grid = np.stack([np.concatenate([r.numpy() for r in a.rows]) for a in layers])
+        same = grid == k
+        host = np.concatenate(
+            [
+                np.count_nonzero(same, axis=1),
+                np.maximum(grid, 0).sum(axis=1, dtype=np.int64),
+                np.count_nonzero(grid >= 0, axis=1),
+                [np.count_nonzero(same.all(axis=0))],
+            ]
+        ).astype(np.int64)
+    else:
+        dev = layers[0].rows[0].device
+        grid_t = torch.stack([torch.cat(a.rows).to(dev) for a in layers])  # [L, tokens] int8
+        same_t = grid_t == k
+        counts = torch.cat(
+            [
+                same_t.sum(dim=1),
+                grid_t.clamp(min=0).sum(dim=1, dtype=torch.int64),
+                (grid_t >= 0).sum(dim=1),
+                same_t.all(dim=0).sum().reshape(1),
+            ]
+        )
+        host = counts.cpu().numpy().astype(np.int64)  # the schedule's one host sync
     n = len(layers)
     identical, overlap, tokens, all_identical = (
         host[:n],
@@ -266,9 +288,10 @@ def _native_overlap(
     ``[T, K, K]`` comparison; no host sync. On the CPU, where ``torch.topk`` costs about a
     third of a router forward, N is needed only on non-padding rows R may not be the top-k
     of: R is the unique top-k set when its ids are distinct and every other expert scores
-    below ``min(scores[R])`` (one scatter, one max and one gather per row). Only the remaining
-    rows (ties or disagreement) run the native top-k; that row selection would sync a GPU,
-    not a CPU.
+    below ``min(scores[R])`` (one scatter, one max and one gather per row; a NaN, which
+    torch.topk ranks first, leaves the row unsure). Only the remaining rows (ties or
+    disagreement) run the native top-k; that row selection would sync a GPU, not a CPU.
+    The torch path: on the CPU `_compiled_row` (numba) runs instead where it applies.
     """
     probs, target = replayed
     num_groups, group_topk = groups
@@ -286,13 +309,14 @@ def _native_overlap(
         marked = scores.detach().scatter(1, target, marks)
         others = marked.amax(dim=1)
         repeated = (marked.gather(1, target) != marks).any(dim=1)
-        unsure = (others >= floor) | repeated | (floor <= _MARK_FLOOR)
+        # not `>=`: a NaN (torch.topk ranks it first) must leave the row unsure
+        unsure = ~(others < floor) | repeated | (floor <= _MARK_FLOOR)
     else:  # float16 cannot hold the marks
         others = scores.detach().scatter(1, target, float("-inf")).amax(dim=1)
         hits = torch.zeros_like(scores, dtype=torch.uint8).scatter_add_(
             1, target, torch.ones((1, 1), dtype=torch.uint8).expand(target.shape)
         )
-        unsure = (others >= floor) | (hits.gather(1, target).amax(dim=1) != 1)
+        unsure = ~(others < floor) | (hits.gather(1, target).amax(dim=1) != 1)
     if pad is not None:
         unsure.masked_fill_(pad, False)
     overlap = torch.full((int(target.shape[0]),), k, dtype=torch.int64)
@@ -305,6 +329,73 @@ def _native_overlap(
     return overlap
 
 
+def _kernels() -> Any:
+    """`r3arrow.megatron._probe_numba` where numba imports and ``R3ARROW_NO_NUMBA`` is unset
+    (read on every call: tests switch paths), else None."""
+    global _NUMBA
+    if os.environ.get("R3ARROW_NO_NUMBA", "") not in ("", "0"):
+        return None
+    if _NUMBA is None:
+        try:
+            _NUMBA = importlib.import_module("r3arrow.megatron._probe_numba")
+        except ImportError:  # numba (the `fast` extra) not installed: the torch path
+            _NUMBA = False
+    return _NUMBA or None
+
+
+_NUMBA: Any = None  # None: not tried yet; False: numba missing; else the kernel module
+
+
+def _compiled_row(
+    scores: torch.Tensor,
+    replayed: tuple[torch.Tensor, torch.Tensor],
+    topk: int,
+    groups: tuple[int | None, int | None],
+    default_compute_topk: Any,
+    pad: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """int8 ``[T]`` row of `_Layer` (``|N ∩ R|``, -1 on padding) by the numba kernel, or None
+    where it does not apply (no numba, not the CPU, group-limited routing, a dtype other
+    than float32/float64/bfloat16, ``E <= K``): then `_native_overlap` runs.
+
+    One read of the scores, one int8 written per row (``_probe_numba``); only rows the kernel
+    leaves undecided (a tie across the K-th place, a NaN) run ``default_compute_topk``."""
+    kern = _kernels()
+    target = replayed[1]
+    k = int(target.shape[-1])
+    if (
+        kern is None
+        or scores.device.type != "cpu"
+        or groups[1]
+        or scores.dim() != 2
+        or target.shape != (scores.shape[0], k)
+        or k != topk
+        or int(scores.shape[1]) <= k
+        or target.dtype not in (torch.int32, torch.int64)
+        or scores.dtype not in (torch.float32, torch.float64, torch.bfloat16)
+    ):
+        return None
+    s = scores.detach()
+    if not s.is_contiguous():
+        s = s.contiguous()
+    ids = target if target.is_contiguous() else target.contiguous()
+    mask = _NO_PAD if pad is None else pad.contiguous().view(torch.uint8).numpy()
+    out = torch.empty(int(scores.shape[0]), dtype=torch.int8)
+    if s.dtype == torch.bfloat16:
+        fn, vals = kern.overlap_rows_bf16, s.view(torch.int16).numpy().view(np.uint16)
+    else:
+        fn, vals = kern.overlap_rows, s.numpy()
+    if fn(vals, ids.numpy(), mask, out.numpy()):
+        rest = torch.nonzero(out == kern.UNSURE).reshape(-1)
+        native = default_compute_topk(
+            scores.index_select(0, rest), topk, num_groups=groups[0], group_topk=groups[1]
+        )
+        overlap = _set_overlap(native[1], target.index_select(0, rest).to(torch.int64))
+        out[rest] = overlap.to(torch.int8)
+    return out
+
+
+_NO_PAD = np.zeros(0, np.uint8)
 _MARKABLE = (torch.float32, torch.float64, torch.bfloat16)
 _MARK_FLOOR = -(2.0**99)  # scores at or below it could meet the marks: always unsure
 

@@ -1,7 +1,7 @@
 """Shard-aware delivery on Ray: each (DP rank, PP stage) gets its trajectories and its layers.
 
-`shard_microbatches` plans every step once on the driver (`r3arrow.collate._directory.
-plan_steps`: token columns only, the DP plan of `r3arrow.microbatch.split_microbatches`)
+`shard_microbatches` plans every step once on the driver (`r3arrow._plan.plan_steps`, the
+torch-free core planner: token columns only, the DP plan of `r3arrow.microbatch.split_microbatches`)
 and builds one lazy Ray Dataset per (DP rank, PP stage): one read task per step, which
 reads with `read_share` only the row groups holding the rank's rows, only the stage's
 layers (a layer-projected read, ``docs/storage.md``) and at most
@@ -38,7 +38,7 @@ from r3arrow.errors import SchemaError
 from r3arrow.spec import RouteSpec
 
 if TYPE_CHECKING:
-    from r3arrow.collate._directory import StepPlan
+    from r3arrow._plan import StepPlan
 
 #: Columns `shard_microbatches` adds to every delivered row (`Shard.iter_tables` drops them).
 STEP_COLUMN = "_r3arrow_step"
@@ -87,7 +87,7 @@ class _ReadShard:
         self.validate = validate
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
-        from r3arrow.collate._directory import read_share
+        from r3arrow._plan import read_share  # torch-free: a read task never imports torch
 
         spec = RouteSpec.from_json(self.spec_json)
         units: list[Any] = batch.column("unit").to_pylist()
@@ -213,13 +213,13 @@ def shard_microbatches(
     ``(d, p)`` are those of ``split_microbatches(step, dp_size=..., dp_rank=d)`` with the
     layers ``pp_layers[p]`` (global ids, e.g. each stage's router layers), padding
     microbatches last, the same count on every DP rank. Each read task holds at most
-    ``max_memory`` bytes of rows (default `r3arrow.collate._directory.DEFAULT_MAX_MEMORY`)
+    ``max_memory`` bytes of rows (default `r3arrow._plan.DEFAULT_MAX_MEMORY`, 1 GiB)
     plus one row group; at most ``read_tasks`` run per shard; ``object_store_memory``
     (bytes) caps each shard dataset's object store use in Ray Data's streaming executor.
-    ``dp_assign="contiguous"``: each DP rank a contiguous row range (`r3arrow.collate.
-    _directory.plan_contiguous`), so it reads only its own row groups.
+    ``dp_assign="contiguous"``: each DP rank a contiguous row range
+    (`r3arrow._plan.plan_contiguous`), so it reads only its own row groups.
 
-    Needs the ``torch`` extra (the plan lives in `r3arrow.collate`). Raises
+    Needs the ``ray`` extra only (the planner is torch-free core). Raises
     ``TypeError``/``ValueError`` for argument misuse (sizes not positive ints, a stage
     without layers, layers not ints or repeated across stages), `SchemaError` (``path``
     set) for foreign or corrupt files or mixed specs, and the readers' errors of the
@@ -227,7 +227,7 @@ def shard_microbatches(
     """
     import ray.data
 
-    from r3arrow.collate._directory import DEFAULT_MAX_MEMORY, plan_steps
+    from r3arrow._plan import DEFAULT_MAX_MEMORY, plan_steps
 
     dp = check_positive_int(dp_size, "dp_size")
     stages = [tuple(check_int(i, "pp_layers") for i in stage) for stage in pp_layers]

@@ -10,19 +10,21 @@ from __future__ import annotations
 import functools
 import importlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from r3arrow._checks import check_choice
 from r3arrow.errors import SchemaError
+from r3arrow.io import project_layers
 from r3arrow.spec import RouteSpec
 from r3arrow.stats._agreement import RouteAgreement
 from r3arrow.stats._counts import ExpertCounts
 from r3arrow.stats._layered import layered_counts
-from r3arrow.stats._selection import TokenSubset, check_subset
+from r3arrow.stats._selection import TokenSubset, check_column, check_layers, check_subset
 from r3arrow.stats._sources import (
     _NO_STEPS,
     BlockPartials,
@@ -81,9 +83,10 @@ def _ray_partials(
     steps: Sequence[int] | None,
     grouped: bool,
     reduce: str,
+    column: str = "routes",
 ) -> tuple[dict[int | None, np.ndarray], RouteSpec]:
     """Encoded partials from the Ray engine (not ``grouped``: one total under ``None``)."""
-    block = BlockPartials(kind, tokens, other)
+    block = BlockPartials(kind, tokens, other, column=column)
     # Imported by name at call time: r3arrow.ray sits above stats in the layers and
     # needs the ray extra; stats never imports it at module import time.
     ray_module = importlib.import_module("r3arrow.ray")
@@ -108,9 +111,18 @@ def _ray_total(
     spec: RouteSpec | None,
     steps: Sequence[int] | None,
     reduce: str,
+    column: str = "routes",
 ) -> ExpertCounts | RouteAgreement:
     parts, spec = _ray_partials(
-        source, kind, tokens, other, spec=spec, steps=steps, grouped=False, reduce=reduce
+        source,
+        kind,
+        tokens,
+        other,
+        spec=spec,
+        steps=steps,
+        grouped=False,
+        reduce=reduce,
+        column=column,
     )
     vec = parts.get(None, np.zeros(0, np.int64))
     if vec.size:
@@ -126,9 +138,18 @@ def _ray_by_step(
     spec: RouteSpec | None,
     steps: Sequence[int] | None,
     reduce: str,
+    column: str = "routes",
 ) -> dict[int, ExpertCounts | RouteAgreement]:
     parts, _ = _ray_partials(
-        source, kind, tokens, other, spec=spec, steps=steps, grouped=True, reduce=reduce
+        source,
+        kind,
+        tokens,
+        other,
+        spec=spec,
+        steps=steps,
+        grouped=True,
+        reduce=reduce,
+        column=column,
     )
     out: dict[int, ExpertCounts | RouteAgreement] = {}
     for step, vec in parts.items():
@@ -144,12 +165,51 @@ def _layered(
     steps: Sequence[int] | None,
     max_memory: int | None,
     validate: bool,
+    column: str,
+    layers: list[int] | None,
 ) -> dict[int | None, ExpertCounts] | None:
     """Per-step counts of a path in layer-group storage, a pass per group; else None."""
     if not is_path(source):
         return None
     check_subset(tokens)
-    return layered_counts(source, tokens, steps, max_memory, validate)
+    return layered_counts(source, tokens, steps, max_memory, validate, column=column, layers=layers)
+
+
+def _local_counts(
+    source: Any,
+    tokens: str,
+    steps: Sequence[int] | None,
+    max_memory: int | None,
+    validate: bool,
+    column: Any,
+    layers: Any,
+) -> Iterator[tuple[int | None, ExpertCounts]] | dict[int | None, ExpertCounts]:
+    """``(step, ExpertCounts)`` partials of a local source, or a dict of per-step totals
+    (the layer-group passes of a path). ``layers`` of a table: projected in memory."""
+    column = check_column(column)
+    wanted = check_layers(layers)
+    layered = _layered(source, tokens, steps, max_memory, validate, column, wanted)
+    if layered is not None:
+        return layered
+    if wanted is not None and isinstance(source, pa.Table | pa.RecordBatch):
+        table = source if isinstance(source, pa.Table) else pa.Table.from_batches([source])
+        source, wanted = project_layers(table, wanted), None
+    return batch_parts(
+        source,
+        tokens,
+        steps,
+        lambda batch: batch_counts(batch, tokens, column),
+        (),
+        max_memory,
+        validate,
+        column=column,
+        layers=wanted,
+    )
+
+
+def _local_only_layers(layers: object) -> None:
+    if layers is not None:
+        raise ValueError(f"layers: applies to engine='local' only, found {layers!r} with 'ray'")
 
 
 def expert_counts(
@@ -162,6 +222,8 @@ def expert_counts(
     reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
+    column: str = "routes",
+    layers: Sequence[int] | None = None,
 ) -> ExpertCounts:
     """Total `ExpertCounts` of a rollout table, a Parquet file or a step-partitioned root.
 
@@ -175,20 +237,28 @@ def expert_counts(
     counts do not depend on it. A path's footers and page checksums are always
     verified and every counted id is checked against ``num_experts``
     (`ExpertRangeError`); ``validate=True`` adds every row check of
-    `r3arrow.io.read_rollouts` (distinct ids, lengths, nulls; slower). Raises
-    ``ValueError`` / ``TypeError`` for bad arguments, `SchemaError` for missing
-    columns, steps or files.
+    `r3arrow.io.read_rollouts` (distinct ids, lengths, nulls; slower).
+    ``column``: the routes column to count (default ``routes``; e.g. ``"train_routes"``,
+    the trainer routers' own choices, ``docs/train-routes.md``): the token subsets
+    still come from ``prompt_ids`` / ``response_ids`` / ``loss_mask``, with the
+    column's list lengths. ``layers``: global layer ids to count (None: every router
+    layer); a path then reads only those layers (contract C2, ``docs/storage.md``),
+    a table is projected in memory; dense layers among them are skipped. Raises
+    ``ValueError`` / ``TypeError`` for bad arguments (``layers`` outside
+    ``[0, num_layers)`` or of dense layers only: ``ValueError``; ``layers`` with
+    ``engine="ray"``: ``ValueError``), `RouteShapeError` for layers a projected
+    source does not hold, `SchemaError` for missing columns, steps or files.
     """
     if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
         check_subset(tokens)
-        total = _ray_total(source, "counts", tokens, None, spec, steps, reduce)
+        _local_only_layers(layers)
+        total = _ray_total(
+            source, "counts", tokens, None, spec, steps, reduce, check_column(column)
+        )
         return cast(ExpertCounts, total)
-    layered = _layered(source, tokens, steps, max_memory, validate)
-    if layered is not None:
-        return functools.reduce(operator.add, layered.values())
-    parts = batch_parts(
-        source, tokens, steps, lambda batch: batch_counts(batch, tokens), (), max_memory, validate
-    )
+    parts = _local_counts(source, tokens, steps, max_memory, validate, column, layers)
+    if isinstance(parts, dict):
+        return functools.reduce(operator.add, parts.values())
     return sum_parts(parts, source, None, ExpertCounts.empty)
 
 
@@ -202,6 +272,8 @@ def expert_counts_by_step(
     reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
+    column: str = "routes",
+    layers: Sequence[int] | None = None,
 ) -> dict[int, ExpertCounts]:
     """`ExpertCounts` per step, ascending: a step-partitioned root or a table with ``step``.
 
@@ -210,22 +282,15 @@ def expert_counts_by_step(
     """
     if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
         check_subset(tokens)
-        per = _ray_by_step(source, "counts", tokens, None, spec, steps, reduce)
-        return cast(dict[int, ExpertCounts], per)
-    layered = _layered(source, tokens, steps, max_memory, validate)
-    if layered is not None:
-        return sum_by_step(iter(layered.items()))
-    return sum_by_step(
-        batch_parts(
-            source,
-            tokens,
-            steps,
-            lambda batch: batch_counts(batch, tokens),
-            (),
-            max_memory,
-            validate,
+        _local_only_layers(layers)
+        per = _ray_by_step(
+            source, "counts", tokens, None, spec, steps, reduce, check_column(column)
         )
-    )
+        return cast(dict[int, ExpertCounts], per)
+    parts = _local_counts(source, tokens, steps, max_memory, validate, column, layers)
+    if isinstance(parts, dict):
+        return sum_by_step(iter(parts.items()))
+    return sum_by_step(parts)
 
 
 def expert_load(
@@ -239,6 +304,8 @@ def expert_load(
     reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
+    column: str = "routes",
+    layers: Sequence[int] | None = None,
 ) -> pl.DataFrame:
     """Routed-token count per MoE layer and expert: columns ``layer``, ``expert``, ``tokens``.
 
@@ -248,7 +315,8 @@ def expert_load(
     layer has ``num_experts`` rows and sums to ``topk × tokens``). Sorted by
     (layer, expert); with ``by_step`` true, a leading ``step`` (Int64) column.
     ``source``, ``tokens``, ``steps``, ``engine``, ``spec``, ``reduce``,
-    ``max_memory``: as `expert_counts`; both engines return the same frame.
+    ``max_memory``, ``validate``, ``column``, ``layers``: as `expert_counts` (with
+    ``layers``, only those router layers have rows); both engines return the same frame.
     """
     kw: dict[str, Any] = {
         "tokens": tokens,
@@ -257,6 +325,8 @@ def expert_load(
         "spec": spec,
         "max_memory": max_memory,
         "validate": validate,
+        "column": column,
+        "layers": layers,
     }
     if not by_step:
         return expert_counts(source, reduce=reduce, **kw).to_polars()
@@ -275,6 +345,7 @@ def route_agreement(
     reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> RouteAgreement:
     """Agreement between two route sets for the same tokens, order within top-k ignored.
 
@@ -286,7 +357,10 @@ def route_agreement(
     ``engine="ray"``: a path or Ray Dataset (with ``spec``) and a column name.
     ``max_memory``, ``validate``: how a path is streamed (as `expert_counts`;
     the agreement kernels also refuse repeated ids within a top-k set).
-    Returns exact counts; see `RouteAgreement` for the per-layer fractions and
+    ``layers``: global layer ids to compare (with a table or path ``a`` and a column
+    name ``b``; a path then reads only those layers, contract C2); ``all_identical``
+    then counts tokens identical on every selected router layer. Returns exact
+    counts; see `RouteAgreement` for the per-layer fractions and
     `RouteAgreement.summary` for the R3 paper's quantities.
     """
     check_choice(reduce, "reduce", REDUCES)
@@ -298,11 +372,13 @@ def route_agreement(
                 f"found {type(b).__name__}"
             )
         subset = check_subset(tokens)
+        _local_only_layers(layers)
         return cast(RouteAgreement, _ray_total(a, "agreement", subset, b, spec, steps, reduce))
     if reduce != "driver":
         raise ValueError(f"reduce: applies to engine='ray' only, found {reduce!r} with 'local'")
     check_budget(max_memory)
-    parts = agreement_parts(a, b, spec, tokens, steps, max_memory, validate)
+    wanted = check_layers(layers)
+    parts = agreement_parts(a, b, spec, tokens, steps, max_memory, validate, wanted)
     return sum_parts(parts, a, spec, RouteAgreement.empty)
 
 
@@ -317,16 +393,20 @@ def route_agreement_by_step(
     reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> dict[int, RouteAgreement]:
     """`RouteAgreement` of ``routes`` vs column ``other`` per step (root or table with ``step``).
 
-    Arguments as `expert_counts`; raises `SchemaError` if the source has no steps.
+    Arguments as `expert_counts` (``layers`` as `route_agreement`); raises `SchemaError`
+    if the source has no steps.
     """
     if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
         check_subset(tokens)
+        _local_only_layers(layers)
         per = _ray_by_step(source, "agreement", tokens, other, spec, steps, reduce)
         return cast(dict[int, RouteAgreement], per)
-    parts = agreement_parts(source, other, None, tokens, steps, max_memory, validate)
+    wanted = check_layers(layers)
+    parts = agreement_parts(source, other, None, tokens, steps, max_memory, validate, wanted)
     return sum_by_step(parts)
 
 

@@ -7,65 +7,78 @@ C2: one group wanted whole restores without the interleave copy of a full read)
 and stacks the per-group counts, mapping each projected table's layers to global
 ids through `r3arrow.table.route_layers`. Every route byte is still read once; the
 small selection columns are read once per group. The integers equal a one-pass
-count's. Files in another form (older single-value storage, portable) or with one
-group take the one-pass path (`layered_counts` returns None).
+count's.
+
+Why the passes run concurrently: pyarrow decodes (and checksums) one column chunk on
+one thread, and a pass reads one chunk per row group, so one pass at a time keeps a
+single core busy reading. ``PASS_THREADS`` passes run at once (each reading ahead on
+its own thread, counting on the shared kernel pool), each with an equal share of the
+memory budget, so reads, checksums and counts fill every core and the disk sees
+several sequential streams at once (``docs/scale.md``).
+
+Files in another form (older single-value storage, portable) or with one group take
+the one-pass path (`layered_counts` returns None).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import orjson
-import pyarrow.parquet as pq
 
-from r3arrow._typing import PathLike, TableLike
+from r3arrow._typing import PathLike
 from r3arrow.errors import RouteShapeError
 from r3arrow.io import scan_rollout_files
 from r3arrow.spec import RouteSpec
-from r3arrow.stats._counts import ExpertCounts, count_routes
-from r3arrow.stats._selection import columns_for, token_selection
-from r3arrow.stats._sources import iter_source
-from r3arrow.table import flat_routes, route_layers, route_spec
+from r3arrow.stats._counts import ExpertCounts
+from r3arrow.stats._selection import columns_for
+from r3arrow.stats._sources import batch_counts, iter_source
+from r3arrow.stats._stream import check_budget
 
-_STORAGE_KEY = b"r3arrow.routes_storage"  # io's storage metadata (format, columns, groups)
-_GROUP_FORMAT = "layer_groups/v1"
+#: Layer-group passes read at once (at most; never more than the CPUs).
+PASS_THREADS = 2
 
 
-def stored_groups(path: PathLike, steps: Sequence[int] | None) -> list[list[int]] | None:
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def stored_groups(
+    path: PathLike, steps: Sequence[int] | None, layers: Sequence[int] | None = None
+) -> list[list[int]] | None:
     """The router layers of each stored layer group of ``path``'s files, or None.
 
-    None unless every file is in layer-group storage with the same groups and there
-    are at least two groups holding router layers. Files are checked by
-    `r3arrow.io.scan_rollout_files` (its errors).
+    ``layers``: keep only these global layers (None: every router layer). None unless
+    every file is in layer-group storage with the same groups
+    (`r3arrow.io.RolloutFile.layer_groups`) and at least two groups hold wanted
+    router layers. Files are checked by `r3arrow.io.scan_rollout_files` (its errors).
     """
     spec, files = scan_rollout_files(path, steps=steps)
-    seen: Any = None
-    for f in files:
-        meta = pq.read_schema(f.path).metadata or {}
-        try:
-            info = orjson.loads(meta[_STORAGE_KEY])
-            groups = [(int(a), int(b)) for a, b in info["groups"]]
-            ok = info["format"] == _GROUP_FORMAT
-        except (KeyError, TypeError, ValueError, orjson.JSONDecodeError):
-            return None
-        if not ok or (seen is not None and groups != seen):
-            return None
-        seen = groups
-    router = set(spec.router_layers)
-    passes = [[i for i in range(a, b) if i in router] for a, b in seen or []]
+    groups = {f.layer_groups for f in files}
+    if len(groups) != 1:
+        return None
+    (seen,) = groups
+    if seen is None:
+        return None
+    wanted = set(spec.router_layers)
+    if layers is not None:
+        present = {i for g in seen for i in g}
+        missing = sorted(set(layers) - present)
+        if missing:  # as contract C2 (io's layer projection) for a full table
+            raise ValueError(f"layers: expected ids in [0, {len(present)}), found {missing}")
+        wanted &= set(layers)
+        if not wanted:
+            raise ValueError(
+                f"layers: expected at least one router layer, found dense layers {list(layers)}"
+            )
+    passes = [[i for i in g if i in wanted] for g in seen]
     passes = [p for p in passes if p]
     return passes if len(passes) > 1 else None
-
-
-def _global_counts(batch: TableLike, tokens: str) -> ExpertCounts:
-    """`ExpertCounts` of a (projected) batch, its layers as global ids."""
-    spec = route_spec(batch)
-    rows, _ = flat_routes(batch)
-    local = count_routes(rows, spec, select=token_selection(batch, tokens))
-    ids = route_layers(batch)
-    return ExpertCounts(tuple(ids[i] for i in local.layers), local.counts, local.tokens)
 
 
 def _stack(parts: list[ExpertCounts], spec: RouteSpec) -> ExpertCounts:
@@ -78,7 +91,7 @@ def _stack(parts: list[ExpertCounts], spec: RouteSpec) -> ExpertCounts:
     width = max([p.num_experts for p in parts] + [spec.num_experts or 0])
     counts = np.zeros((sum(len(p.layers) for p in parts), width), dtype=np.int64)
     layers: list[int] = []
-    for p in parts:
+    for p in sorted(parts, key=lambda p: p.layers[0]):
         counts[len(layers) : len(layers) + len(p.layers), : p.num_experts] = p.counts
         layers += p.layers
     return ExpertCounts(tuple(layers), counts, parts[0].tokens)
@@ -90,25 +103,37 @@ def layered_counts(
     steps: Sequence[int] | None,
     max_memory: int | None,
     validate: bool,
+    *,
+    column: str = "routes",
+    layers: Sequence[int] | None = None,
 ) -> dict[int | None, ExpertCounts] | None:
-    """Per-step `ExpertCounts` of ``path``, one pass per stored layer group; None (one-pass
-    path) where the files are not in multi-group layer storage or hold no rows."""
-    passes = stored_groups(path, steps)
+    """Per-step `ExpertCounts` of routes column ``column`` of ``path``, a pass per stored
+    layer group (``layers``: only those global layers); None (one-pass path) where the
+    files are not in multi-group layer storage or hold no rows."""
+    passes = stored_groups(path, steps, layers)
     if passes is None:
         return None
     spec, _ = scan_rollout_files(path, steps=steps)
-    per: dict[int | None, list[ExpertCounts]] = {}
-    for layers in passes:
+    threads = max(1, min(PASS_THREADS, _cpus(), len(passes)))
+    share = max(1, check_budget(max_memory) // threads)  # the passes at once share the budget
+    columns = columns_for(tokens, column=column)
+
+    def one_pass(group: list[int]) -> dict[int | None, ExpertCounts]:
         sums: dict[int | None, ExpertCounts] = {}
-        pieces = iter_source(path, columns_for(tokens), steps, max_memory, validate, layers)
-        for step, batch in pieces:
-            part = _global_counts(batch, tokens)
+        for step, batch in iter_source(path, columns, steps, share, validate, group):
+            part = batch_counts(batch, tokens, column)  # global layer ids
             sums[step] = sums[step] + part if step in sums else part
-        for step, total in sums.items():
-            per.setdefault(step, []).append(total)
+        return sums
+
+    per: dict[int | None, list[ExpertCounts]] = {}
+    # A pool of its own: the passes wait on the kernels' shared pool, so they cannot run in it.
+    with ThreadPoolExecutor(threads, thread_name_prefix="r3arrow-pass") as pool:
+        for sums in pool.map(one_pass, passes):
+            for step, total in sums.items():
+                per.setdefault(step, []).append(total)
     if not per:
         return None
     return {step: _stack(parts, spec) for step, parts in per.items()}
 
 
-__all__ = ["layered_counts", "stored_groups"]
+__all__ = ["PASS_THREADS", "layered_counts", "stored_groups"]

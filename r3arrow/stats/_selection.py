@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._checks import check_choice
@@ -41,9 +42,59 @@ def check_subset(tokens: object) -> str:
     return check_choice(tokens, "tokens", TOKEN_SUBSETS)
 
 
-def columns_for(tokens: str, extra: Sequence[str] = ()) -> list[str]:
-    """The columns a statistic over subset ``tokens`` reads: ``routes``, ``extra``, the subset's."""
-    return list(dict.fromkeys(["routes", *extra, *SEL_COLUMNS[tokens]]))
+def columns_for(tokens: str, extra: Sequence[str] = (), *, column: str = "routes") -> list[str]:
+    """The columns a statistic over subset ``tokens`` reads: ``column``, ``extra``, the subset's."""
+    return list(dict.fromkeys([column, *extra, *SEL_COLUMNS[tokens]]))
+
+
+def check_column(column: object) -> str:
+    """``column`` (the routes column a statistic counts) if it is a non-empty ``str``."""
+    if not isinstance(column, str):
+        raise TypeError(f"column: expected a column name (str), found {type(column).__name__}")
+    if not column:
+        raise ValueError("column: expected a column name, found ''")
+    return column
+
+
+def check_layers(layers: object) -> list[int] | None:
+    """``layers`` (global layer ids) as a sorted list without duplicates; None passes.
+
+    Raises ``TypeError`` for a non-sequence, a string or a non-int, ``ValueError`` for an
+    empty selection or a negative id (where the ids are looked up, a missing one raises
+    as contract C2 says: ``ValueError`` on a full table, `RouteShapeError` on a projected
+    one).
+    """
+    if layers is None:
+        return None
+    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence | range | set):
+        raise TypeError(f"layers: expected a sequence of ints, found {type(layers).__name__}")
+    out = set()
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, int | np.integer):
+            raise TypeError(f"layers: expected ints, found {type(i).__name__}")
+        if i < 0:
+            raise ValueError(f"layers: expected ids >= 0, found {int(i)}")
+        out.add(int(i))
+    if not out:
+        raise ValueError("layers: expected at least one layer id, found none")
+    return sorted(out)
+
+
+def use_column(table: TableLike, column: str) -> TableLike:
+    """``table`` with the routes column ``column`` as its ``routes`` (zero-copy; the
+    original ``routes``, if any, dropped). Raises `SchemaError` if ``column`` is missing."""
+    if column == "routes":
+        return table
+    names = table.schema.names
+    if column not in names:
+        raise SchemaError(f"expected a routes column {column!r}, found {names}")
+    keep = [n for n in names if n != "routes"]
+    out_names = ["routes" if n == column else n for n in keep]
+    meta = table.schema.metadata
+    if isinstance(table, pa.RecordBatch):
+        cols = [table.column(n) for n in keep]
+        return pa.RecordBatch.from_arrays(cols, names=out_names, metadata=meta)
+    return pa.Table.from_arrays([table.column(n) for n in keep], names=out_names, metadata=meta)
 
 
 def token_selection(table: TableLike, tokens: str) -> np.ndarray | None:
@@ -90,4 +141,13 @@ def token_selection(table: TableLike, tokens: str) -> np.ndarray | None:
     return np.asarray(ok & (mask[idx] != 0))
 
 
-__all__ = ["TOKEN_SUBSETS", "TokenSubset", "check_subset", "columns_for", "token_selection"]
+__all__ = [
+    "TOKEN_SUBSETS",
+    "TokenSubset",
+    "check_column",
+    "check_layers",
+    "check_subset",
+    "columns_for",
+    "token_selection",
+    "use_column",
+]

@@ -12,6 +12,7 @@ the same `BlockPartials` on every block and sums the encoded vectors with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -24,13 +25,13 @@ import pyarrow.compute as pc
 from r3arrow._checks import check_int
 from r3arrow._typing import ArrowArray, PathLike, TableLike
 from r3arrow.errors import RouteShapeError, SchemaError
-from r3arrow.io import route_rows
+from r3arrow.io import project_layers, route_rows
 from r3arrow.spec import RouteSpec, as_route_rows
 from r3arrow.stats._agreement import RouteAgreement, compare_routes
 from r3arrow.stats._counts import ExpertCounts, count_routes
-from r3arrow.stats._selection import check_subset, columns_for, token_selection
+from r3arrow.stats._selection import check_subset, columns_for, token_selection, use_column
 from r3arrow.stats._stream import check_budget, iter_pieces
-from r3arrow.table import flat_routes, list_lengths, route_spec
+from r3arrow.table import flat_routes, list_lengths, route_layers, route_spec
 
 Source: TypeAlias = "TableLike | PathLike"
 Kind = Literal["counts", "agreement"]
@@ -129,11 +130,20 @@ def iter_source(
 
 
 # ============================================================ batch partials
-def batch_counts(batch: TableLike, tokens: str = "all") -> ExpertCounts:
-    """`ExpertCounts` of one rollout table or record batch (routes restored, spec in metadata)."""
+def batch_counts(batch: TableLike, tokens: str = "all", column: str = "routes") -> ExpertCounts:
+    """`ExpertCounts` of routes column ``column`` of one rollout table or record batch.
+
+    Routes restored, spec in the metadata; the layers are global ids, also for a
+    layer-projected batch (contract C2, mapped through `r3arrow.table.route_layers`).
+    """
+    batch = use_column(batch, column)
     spec = route_spec(batch)
     rows, _ = flat_routes(batch)
-    return count_routes(rows, spec, select=token_selection(batch, tokens))
+    local = count_routes(rows, spec, select=token_selection(batch, tokens))
+    ids = route_layers(batch)
+    if ids == tuple(range(spec.num_layers)):
+        return local
+    return ExpertCounts(tuple(ids[i] for i in local.layers), local.counts, local.tokens)
 
 
 def aligned_rows(batch: TableLike, col: ArrowArray, spec: RouteSpec, other: str) -> np.ndarray:
@@ -157,7 +167,11 @@ def batch_agreement(batch: TableLike, other: str, tokens: str = "all") -> RouteA
     if other not in batch.schema.names:
         raise SchemaError(f"expected a second routes column {other!r}, found {batch.schema.names}")
     rows_b = aligned_rows(batch, batch.column(other), spec, other)
-    return compare_routes(rows_a, rows_b, spec, select=token_selection(batch, tokens))
+    local = compare_routes(rows_a, rows_b, spec, select=token_selection(batch, tokens))
+    ids = route_layers(batch)  # a layer-projected batch (contract C2): global ids
+    if ids == tuple(range(spec.num_layers)):
+        return local
+    return dataclasses.replace(local, layers=tuple(ids[i] for i in local.layers))
 
 
 def batch_parts(
@@ -168,14 +182,18 @@ def batch_parts(
     extra: Sequence[str] = (),
     max_memory: int | None = None,
     validate: bool = False,
+    *,
+    column: str = "routes",
+    layers: Sequence[int] | None = None,
 ) -> Iterator[tuple[int | None, Part]]:
     """(step, partial) per batch of ``source``, reading only the columns the statistic needs.
 
-    ``max_memory``, ``validate``: how a path is streamed (`iter_source`).
+    ``max_memory``, ``validate``, ``layers``: how a path is streamed (`iter_source`);
+    ``column``: the routes column read (instead of ``routes``).
     """
     check_subset(tokens)
-    columns = columns_for(tokens, extra)
-    for step, batch in iter_source(source, columns, steps, max_memory, validate):
+    columns = columns_for(tokens, extra, column=column)
+    for step, batch in iter_source(source, columns, steps, max_memory, validate, layers):
         part = part_of(batch)
         del batch  # not resident while the next step is read
         yield step, part
@@ -234,8 +252,22 @@ def agreement_parts(
     steps: Sequence[int] | None,
     max_memory: int | None = None,
     validate: bool = False,
+    layers: list[int] | None = None,
 ) -> Iterator[tuple[int | None, RouteAgreement]]:
-    """(step, `RouteAgreement`) partials of the local ``route_agreement`` inputs (see there)."""
+    """(step, `RouteAgreement`) partials of the local ``route_agreement`` inputs (see there).
+
+    ``layers`` (checked global ids; with ``b`` a column name only): a path reads only
+    those layers, a table is projected in memory (`r3arrow.io.project_layers`).
+    """
+    if layers is not None and not (
+        isinstance(b, str) and (isinstance(a, pa.Table | pa.RecordBatch) or is_path(a))
+    ):
+        raise TypeError("layers: applies to a table or path and the name of a routes column b")
+    if layers is not None and isinstance(a, pa.Table | pa.RecordBatch):
+        a, layers = (
+            project_layers(a if isinstance(a, pa.Table) else pa.Table.from_batches([a]), layers),
+            None,
+        )
     if isinstance(a, pa.Table | pa.RecordBatch) or is_path(a):
         if isinstance(tokens, np.ndarray):
             raise TypeError(
@@ -251,6 +283,7 @@ def agreement_parts(
                 (b,),
                 max_memory,
                 validate,
+                layers=layers,
             )
             return
         check_subset(tokens)
@@ -314,29 +347,35 @@ def combiner(kind: Kind) -> Callable[[Any, Any], np.ndarray]:
 class BlockPartials:
     """Table → ``{step or None: encoded partial}`` of one statistic (picklable; Ray's block map).
 
-    ``kind`` "counts" (`batch_counts`) or "agreement" (`batch_agreement` against
-    column ``other``); ``tokens`` the subset. The table needs the spec in its
-    schema metadata; a ``step`` column groups the rows.
+    ``kind`` "counts" (`batch_counts` of routes column ``column``) or "agreement"
+    (`batch_agreement` against column ``other``); ``tokens`` the subset. The table
+    needs the spec in its schema metadata; a ``step`` column groups the rows.
     """
 
-    def __init__(self, kind: Kind, tokens: str, other: str | None) -> None:
+    def __init__(
+        self, kind: Kind, tokens: str, other: str | None, *, column: str = "routes"
+    ) -> None:
         check_subset(tokens)
         if kind == "agreement" and other is None:
             raise TypeError("agreement partials: expected the name of a second routes column")
         self.kind = kind
         self.tokens = tokens
         self.other = other
+        self.column = column
 
     def columns(self) -> list[str]:
         """The columns the statistic reads."""
-        return columns_for(self.tokens, () if self.other is None else (self.other,))
+        extra = () if self.other is None else (self.other,)
+        return columns_for(self.tokens, extra, column=self.column)
 
     def __call__(self, table: pa.Table) -> dict[int | None, np.ndarray]:
         out: dict[int | None, np.ndarray] = {}
         parts: Iterator[tuple[int | None, ExpertCounts | RouteAgreement]]
         if self.kind == "counts":
-            tokens = self.tokens
-            parts = batch_parts(table, tokens, None, lambda b: batch_counts(b, tokens))
+            tokens, column = self.tokens, self.column
+            parts = batch_parts(
+                table, tokens, None, lambda b: batch_counts(b, tokens, column), column=column
+            )
         else:
             other = cast(str, self.other)
             parts = agreement_parts(table, other, None, self.tokens, None)

@@ -66,13 +66,13 @@ def test_bound_trace_validates_once_and_the_store_trusts_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[int] = []
-    real = r3arrow.ids.check_routes
+    real = r3arrow.ids.check_turn_routes
 
-    def counting(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
+    def counting(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> int:
         calls.append(arr.shape[0])
         return real(arr, spec, what=what)
 
-    monkeypatch.setattr(r3arrow.trace, "check_routes", counting)
+    monkeypatch.setattr(r3arrow.trace, "check_turn_routes", counting)
     store = TurnStore(SPEC)
     trace = store.trace("t")
     trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2)

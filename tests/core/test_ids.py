@@ -377,3 +377,62 @@ def test_gather_router_ids_literal(backend: str, dtype: str, k: int, experts: in
         ids.gather_router_ids(high, np.array([2, 0]), pos, out, experts, [20, 0])
     assert (rinfo.value.token, rinfo.value.layer) == (2, 20)
     ids.gather_router_ids(high, np.array([0]), pos, out[:1].copy(), experts, [0])  # not gathered
+
+
+# ------------------------------------------------- the lean per-turn check (capture)
+def _reference_routes(arr: np.ndarray, spec: RouteSpec) -> tuple[int, int]:
+    """`check_routes` without its lean path: the two rules as written."""
+    lo_hi = ids.check_route_ids(arr, spec)
+    check_distinct_experts(arr, spec)
+    return lo_hi
+
+
+@FAST
+@given(
+    data=st.data(),
+    shape=st.sampled_from([("uint8", 8, 128), ("uint8", 8, 200), ("uint8", 8, 256)]),
+    edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=3),
+    tokens=st.integers(1, 40),
+)
+def test_lean_checks_match_the_reference(
+    backend: str,
+    data: st.DataObject,
+    shape: tuple[str, int, int],
+    edits: list[tuple[int, int]],
+    tokens: int,
+) -> None:
+    """`check_routes` and `check_turn_routes` (fused `scan_top8` for top-8 uint8) raise what the
+    reference raises, token and layer included; valid: the exact max / an upper bound of it
+    below num_experts (exact without num_experts)."""
+    _, k, experts = shape
+    spec = RouteSpec(num_layers=3, topk=k, num_experts=experts)
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    arr = random_routes(np.random.default_rng(seed), tokens, spec)
+    flat = arr.reshape(-1)
+    for where, value in edits:  # may break the range or the distinct rule, or neither
+        flat[where % flat.size] = value
+    want = _raised(lambda: _reference_routes(arr, spec))
+    assert _raised(lambda: ids.check_routes(arr, spec)) == want
+    assert _raised(lambda: ids.check_turn_routes(arr, spec)) == want
+    if want is None:
+        hi = int(arr.max())
+        assert ids.check_routes(arr, spec) == (0, hi)
+        assert hi <= ids.check_turn_routes(arr, spec) < experts
+        open_spec = RouteSpec(num_layers=3, topk=k, num_experts=None)
+        assert ids.check_turn_routes(arr, open_spec) == hi
+
+
+def test_scan_top8_literal() -> None:
+    """The fused pass on literal rows: a duplicate, an id at the bound, the OR bound."""
+    kernels = pytest.importorskip("r3arrow._kernels_numba")
+    rows = np.array([[0, 1, 2, 3, 4, 5, 6, 7], [64, 9, 10, 11, 12, 13, 14, 15]], dtype=np.uint8)
+    assert kernels.scan_top8(rows, 128) == 64  # per lane OR, the largest: 0 | 64
+    rows[0, 1] = 66  # lane 1: 66 | 9 = 75, above every id
+    assert kernels.scan_top8(rows, 128) == 75
+    assert kernels.scan_top8(rows, 70) == 69  # capped: every id passed < 70
+    assert kernels.scan_top8(rows, 66) is None  # 66 is out of range
+    assert kernels.scan_top8(rows, None) == 75
+    dup = rows.copy()
+    dup[1, 7] = 64  # lanes 0 and 7: distance 1 the other way round
+    assert kernels.scan_top8(dup, 256) is None
+    assert kernels.scan_top8(rows.astype(np.uint16), 128) is None  # not top-8 uint8

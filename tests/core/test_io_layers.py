@@ -322,3 +322,33 @@ def test_a_group_column_of_the_wrong_width_raises_with_path(tmp_path: Path) -> N
         read_rollouts(path)
     assert info.value.path == str(path)
     assert SPEC_METADATA_KEY in meta
+
+
+# ----------------------------------------------------- stored layer groups
+def test_scanned_files_expose_their_stored_layer_groups(tmp_path: Path) -> None:
+    """`RolloutFile.layer_groups`: global ids per stored group; None for other layouts."""
+    write_rollouts(_table(0), tmp_path, step=0, layer_group=[3, 5])
+    write_rollouts(_table(1), tmp_path, step=1)  # default: max(1, 8 // 8) = 1 layer each
+    _, files = r3arrow.io.scan_rollout_files(tmp_path)
+    assert files[0].layer_groups == ((0, 1, 2), (3, 4, 5, 6, 7))
+    assert files[1].layer_groups == tuple((i,) for i in range(8))
+    old = _write_old(_table(), tmp_path / "old.parquet")
+    assert r3arrow.io.scan_rollout_files(old)[1][0].layer_groups is None
+    portable = write_rollouts(_table(), tmp_path / "p.parquet", portable=True)
+    assert r3arrow.io.scan_rollout_files(portable)[1][0].layer_groups is None
+    stage = read_rollouts(files[0].path, layers=[2, 4, 6])  # projected: global ids
+    again = write_rollouts(stage, tmp_path / "stage.parquet", layer_group=[1, 2])
+    assert r3arrow.io.scan_rollout_files(again)[1][0].layer_groups == ((2,), (4, 6))
+
+
+def test_an_empty_routes_chunk_encodes_and_reads_back(tmp_path: Path) -> None:
+    table = _table()
+    empty = table.slice(0, 0)
+    path = write_rollouts(empty, tmp_path / "e.parquet")
+    assert read_rollouts(path).num_rows == 0
+    assert read_rollouts(path, layers=[1, 2]).num_rows == 0
+    # a chunk of trajectories without route rows (all lists empty), beside a full chunk
+    none = random_rollouts(np.random.default_rng(1), SPEC, [(2, 2, 0), (1, 3, 0)])
+    both = pa.concat_tables([none, table])
+    back = read_rollouts(write_rollouts(both, tmp_path / "b.parquet"))
+    assert_rollouts_equal(back, both)

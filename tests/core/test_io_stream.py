@@ -178,3 +178,30 @@ def test_unbounded_budget_yields_one_piece_per_step(
     path, _per_step = root
     got, _ = _pieces(iter_rollouts(path, max_memory=None))
     assert [s for s, _ in got] == [0, 1, 2]
+
+
+# ------------------------------------------------------------ step alone
+def test_reading_only_the_step_column_keeps_every_row(tmp_path: Path) -> None:
+    """``columns=["step"]`` reads no file column, yet every row comes back (issue 14, "ray")."""
+    tables = {
+        s: random_rollouts(np.random.default_rng(s), SPEC, [(3, 2, 4)] * (s + 2)) for s in (0, 2)
+    }
+    for s, t in tables.items():
+        write_rollouts(t, tmp_path, step=s, row_group_rows=1)
+    got = read_rollouts(tmp_path, columns=["step"])
+    assert got.schema.names == ["step"]
+    assert got.column("step").to_pylist() == [0, 0, 2, 2, 2, 2]
+    pieces = list(iter_rollouts(tmp_path, columns=["step"], batch_rows=2))
+    assert [(s, t.column("step").to_pylist()) for s, t in pieces] == [
+        (0, [0, 0]),
+        (2, [2, 2]),
+        (2, [2, 2]),
+    ]
+    both = read_rollouts(tmp_path, columns=["step", "reward"], steps=[2])
+    assert both.schema.names == ["step", "reward"]
+    assert both.num_rows == 4
+    assert read_rollouts(tmp_path, columns=["step"], steps=[5]).num_rows == 0
+
+
+def test_default_max_memory_is_exported() -> None:
+    assert DEFAULT_MAX_MEMORY == 1 << 30  # imported from r3arrow.io above

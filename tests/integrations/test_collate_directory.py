@@ -26,9 +26,9 @@ from r3arrow.table import route_layers, take_rows
 from r3arrow.testing import random_rollouts
 
 collate = pytest.importorskip("r3arrow.collate", reason="torch is not installed")
-import r3arrow.collate._directory as _directory  # noqa: E402
+import r3arrow._plan as _plan  # noqa: E402
+from r3arrow._plan import plan_contiguous, plan_steps, read_share  # noqa: E402
 from r3arrow.collate import MegatronCollator, Microbatch, collate_directory  # noqa: E402
-from r3arrow.collate._directory import plan_contiguous, plan_steps, read_share  # noqa: E402
 
 SPEC = RouteSpec(num_layers=8, topk=2, num_experts=16, moe_layers=tuple(range(1, 8)))
 STAGE = (3, 4, 5)  # PP stage 2 of 3 of the router layers 1..7 (not contiguous with 0)
@@ -265,13 +265,13 @@ def test_contiguous_ranks_read_only_their_row_groups(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: list[tuple[str, int]] = []
-    real_read = _directory._read
+    real_read = _plan._read
 
     def counting(ref: Any, *args: Any) -> Any:
         reads.append((ref.path, ref.row_group))
         return real_read(ref, *args)
 
-    monkeypatch.setattr(_directory, "_read", counting)
+    monkeypatch.setattr(_plan, "_read", counting)
     collator = MegatronCollator(SPEC, layers=STAGE, packed=True, align=4)
     _, plans = plan_steps(root, steps=[0], dp_size=2, max_tokens=96, multiple=4)
     groups = len(next(plans).groups)
@@ -306,13 +306,13 @@ def test_contiguous_ranks_read_only_their_row_groups(
 def test_waves_hold_at_most_the_budget(root: Path, budget: int) -> None:
     """A wave of several microbatches holds at most ``budget`` bytes of taken rows."""
     spec, plans = plan_steps(root, dp_size=2, max_tokens=40, multiple=4)
-    per_token = _directory._per_token(spec, STAGE)
-    columns = [*_directory.COLLATE_COLUMNS, "routes"]
+    per_token = _plan._per_token(spec, STAGE)
+    columns = [*_plan.COLLATE_COLUMNS, "routes"]
     shared = 0  # waves of several microbatches seen
     for plan in plans:
         for rank in range(2):
             waves = list(
-                _directory._load_waves(plan, rank, list(STAGE), columns, budget, per_token, True)
+                _plan._load_waves(plan, rank, list(STAGE), columns, budget, per_token, True)
             )
             assert [j for w in waves for j in w.js] == list(range(plan.num_microbatches))
             for wave in waves:

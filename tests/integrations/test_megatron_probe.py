@@ -55,6 +55,18 @@ def megatron() -> Iterator[CpuMegatron]:
         yield meg
 
 
+@pytest.fixture(params=["numba", "torch"], autouse=True)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both CPU paths of the probe: the numba kernel (the ``fast`` extra) and
+    the torch fallback (``R3ARROW_NO_NUMBA``, read on every router call)."""
+    if request.param == "numba":
+        pytest.importorskip("numba")
+        monkeypatch.delenv("R3ARROW_NO_NUMBA", raising=False)
+    else:
+        monkeypatch.setenv("R3ARROW_NO_NUMBA", "1")
+    return str(request.param)
+
+
 def _routers(meg: CpuMegatron, seed: int = 0) -> list[Any]:
     """Routers for MOE whose gate is a permutation: logits[e] = hidden[perm[e]] (exact)."""
     meg.RouterReplay.clear_global_router_replay_instances()
@@ -476,3 +488,68 @@ def test_calls_that_cannot_be_aligned_raise_on_read(megatron: CpuMegatron) -> No
     assert uneven is not None
     with pytest.raises(ReplayError, match=r"same number of calls.*calls \[2, 1\]"):
         _ = uneven.agreement
+
+
+@st.composite
+def _score_rows(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Scores (few distinct values: ties across the K-th place; sometimes a NaN), targets
+    (the native choice, reordered, partly or wholly replaced, repeating ids) and a mask."""
+    tokens, experts = draw(st.integers(1, 40)), draw(st.integers(2, 24))
+    k = draw(st.integers(1, experts - 1))
+    levels = draw(st.integers(2, 40))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    scores = (torch.randint(0, levels, (tokens, experts), generator=gen) / levels - 0.5).to(dtype)
+    if draw(st.booleans()):
+        scores[draw(st.integers(0, tokens - 1)), draw(st.integers(0, experts - 1))] = float("nan")
+    target = torch.topk(scores, k, dim=1).indices
+    kind = draw(st.sampled_from(["native", "order", "swap", "some", "random"]))
+    if kind == "order":
+        target = target[:, torch.randperm(k, generator=gen)]
+    elif kind == "swap":  # a few of the native experts replaced by others (any rank)
+        for row in range(tokens):
+            others = torch.randperm(experts, generator=gen)
+            others = others[~torch.isin(others, target[row])]
+            n = min(int(torch.randint(0, 4, (1,), generator=gen)), len(others), k)
+            slots = torch.randperm(k, generator=gen)[:n]
+            target[row, slots] = others[:n]
+    elif kind != "native":
+        rows = torch.rand(tokens, generator=gen) < (0.3 if kind == "some" else 1.0)
+        target[rows] = torch.randint(0, experts, (int(rows.sum()), k), generator=gen)
+    pad = torch.rand(tokens, generator=gen) < 0.2 if draw(st.booleans()) else None
+    return scores, target.to(draw(st.sampled_from([torch.int32, torch.int64]))), pad
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=_score_rows())
+def test_overlap_rows_match_megatron_topk(
+    case: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+) -> None:
+    """The probe's per-token ``|N ∩ R|`` row (numba kernel or torch path, ties and NaN left
+    to the native top-k) equals a direct set comparison with the native top-k (megatron's
+    ``compute_topk`` without groups is ``torch.topk(scores, k, dim=1)``, its tie-breaking)."""
+    from r3arrow.megatron import _probe
+
+    def _compute_topk(
+        s: torch.Tensor, k: int, num_groups: int | None = None, group_topk: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = torch.topk(s, k=k, dim=1)
+        return values, indices
+
+    scores, target, pad = case
+    k = int(target.shape[1])
+    native = _compute_topk(scores, k)[1]
+    want = torch.tensor(
+        [len(set(n.tolist()) & set(t.tolist())) for n, t in zip(native, target, strict=True)],
+        dtype=torch.int8,
+    )
+    if pad is not None:
+        want.masked_fill_(pad, -1)
+    replayed = (scores.gather(1, target.long()), target)
+    row = _probe._compiled_row(scores, replayed, k, (None, None), _compute_topk, pad)
+    if row is None:  # no numba, or float16: the torch path
+        overlap = _probe._native_overlap(scores, replayed, k, (None, None), _compute_topk, pad)
+        row = overlap.to(torch.int8)
+        if pad is not None:
+            row.masked_fill_(pad, -1)
+    assert torch.equal(row, want)
