@@ -32,10 +32,9 @@ import time
 import warnings
 from typing import Any
 
+import _skyrl_real
 import numpy as np
 from _common import best_of, proc_status_mb, reset_peak_rss
-
-import _skyrl_real
 
 
 def _inputs(n_traj: int, tokens: int, layers: int, topk: int, experts: int) -> dict[str, Any]:

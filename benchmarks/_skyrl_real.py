@@ -148,7 +148,7 @@ class Rows:
         return int(self.rows.shape[0])
 
     def __bool__(self) -> bool:
-        return self.rows.shape[0] > 0
+        return int(self.rows.shape[0]) > 0
 
     def __getitem__(self, key: Any) -> Any:
         return self.rows[key]

@@ -17,10 +17,15 @@ this): 32 trajectories of 4K tokens (131K), PP=4 stage 1, packed, align 8; r3arr
 ``rollout_table`` from finalized traces -> collate -> validated ``install_replay`` into real
 megatron-core ``RouterReplay`` instances vs an independent SkyRL-#1912-style baseline (dense
 left-padded ``[B, S_max, L, K]``, ``index_select``, aligned packing, per-layer int32 split,
-``set_replay_data``); ratios to the baseline and to a memcpy of the output, peak memory
-(targets: >= 10x faster than the baseline, <= 3x memcpy; ``docs/collation.md``). The chain
-runs once per thread count of ``--chain-threads`` (default ``1,2``: one core, both cores),
-both sides with the same threads; the memcpy is single-threaded.
+``set_replay_data``) and SkyRL's real code imported from the installed ``skyrl`` package
+(``benchmarks/_skyrl_real.py``: ``convert_prompts_responses_to_batch_tensors``, the worker's
+int32 widening, ``setup_per_microbatch_replay_forward`` packed, the stage chosen by SkyRL's
+``patch_topk_router_layer_number`` numbers; targets checked equal to r3arrow's first; an
+``n/a (reason)`` row without an importable skyrl); ratios to both and to a memcpy of the
+output, peak memory (targets: >= 10x faster than the baseline, <= 3x memcpy;
+``docs/collation.md``). The chain runs once per thread count of ``--chain-threads`` (default
+``1,2``: one core, both cores), every side with the same threads; the memcpy is
+single-threaded.
 
 Run: ``.venv/bin/python benchmarks/bench_collate.py`` (``--quick`` for a small size).
 """
@@ -222,7 +227,15 @@ def main() -> None:
     )
     p.add_argument(
         "--case",
-        choices=["packed", "unpacked", "dense", "r3off", "chain-r3arrow", "chain-baseline", "chain-skyrl"],
+        choices=[
+            "packed",
+            "unpacked",
+            "dense",
+            "r3off",
+            "chain-r3arrow",
+            "chain-baseline",
+            "chain-skyrl",
+        ],
         help=argparse_hidden(),
     )
     args = p.parse_args()
@@ -358,7 +371,6 @@ def print_chain(args: Any, forward: list[str]) -> None:
     fastest = min(b["warm_s"] for _, _, b, _ in runs)  # the baseline's best time at any threads
     sky_ok = [s for _, _, _, s in runs if "na" not in s]
     fastest_sky = min(s["warm_s"] for s in sky_ok) if sky_ok else float("nan")
-    nan = float("nan")
     rows: list[list[Any]] = []
     for t, r3_t, base_t, sky_t in runs:
         sides = (
@@ -370,7 +382,7 @@ def print_chain(args: Any, forward: list[str]) -> None:
             if "na" in r:
                 rows.append([f"{name}: n/a ({r['na']})", *["n/a"] * 9])
                 continue
-            sky_w = sky_t.get("warm_s", nan)
+            sky_w = sky_t.get("warm_s")
             rows.append(
                 [
                     name,
@@ -379,8 +391,8 @@ def print_chain(args: Any, forward: list[str]) -> None:
                     r["warm_s"] / copy_s,
                     base_t["warm_s"] / r["warm_s"],
                     fastest / r["warm_s"],
-                    sky_w / r["warm_s"],
-                    fastest_sky / r["warm_s"],
+                    "n/a" if sky_w is None else sky_w / r["warm_s"],
+                    fastest_sky / r["warm_s"] if sky_ok else "n/a",
                     r["out_bytes"] / 2**20,
                     r["peak_extra_mb"],
                 ]
@@ -418,8 +430,8 @@ def print_chain(args: Any, forward: list[str]) -> None:
         f"r3arrow parts (warm, {best[0]} thread(s)): "
         + ", ".join(f"{n} {r3[k] * 1e3:.2f} ms ({r3[k] / copy_s:.2f}x memcpy)" for n, k in parts)
         + f"; collate + validated install {(r3['collate_s'] + r3['install_s']) / copy_s:.2f}x "
-        f"memcpy; r3arrow / fastest baseline {r3['warm_s'] / fastest:.3f}; "
-        f"r3arrow / fastest SkyRL real {r3['warm_s'] / fastest_sky:.3f}"
+        f"memcpy; r3arrow / fastest baseline {r3['warm_s'] / fastest:.3f}; r3arrow / fastest "
+        + (f"SkyRL real {r3['warm_s'] / fastest_sky:.3f}" if sky_ok else "SkyRL real n/a")
     )
     if sky_ok:
         sky = min(sky_ok, key=lambda r: r["warm_s"])
@@ -431,8 +443,9 @@ def print_chain(args: Any, forward: list[str]) -> None:
         print(
             "SkyRL real parts (warm, fastest threads): "
             + ", ".join(f"{n} {sky[k] * 1e3:.2f} ms ({sky[k] / copy_s:.2f}x)" for n, k in sky_parts)
-            + f"; its {args.layers // args.pp} targets hold {sky['held_bytes'] / 2**20:.1f} MiB (views of one all-layer buffer; "
-            f"output {sky['out_bytes'] / 2**20:.1f} MiB); targets == r3arrow's == the rollout's "
+            + f"; its {args.layers // args.pp} targets hold {sky['held_bytes'] / 2**20:.1f} MiB "
+            f"(views of one all-layer buffer; output {sky['out_bytes'] / 2**20:.1f} MiB); "
+            "targets == r3arrow's == the rollout's "
             f"on {sky['checked_tokens']:,} captured tokens x {args.layers // args.pp} layers; "
             f"{sky['note']}"
         )
