@@ -38,6 +38,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ LAYERS, TOPK, EXPERTS = 48, 8, 128
 ROW_BYTES = LAYERS * TOPK  # uint8 ids
 STAGE = (12, 24)  # a stage of a 4-stage pipeline
 TOKENS_PER_TRAJECTORY = 32_768
+MICROBATCH_TOKENS = 131_072  # one-stage collation: a trainer-sized microbatch
 PROMPT = 1_024
 
 
@@ -168,7 +170,10 @@ def _stats(root: Path) -> None:
 
 
 def _collate(root: Path) -> None:
-    """One stage's share: layers 12-23, one DP rank, 4 microbatches per step.
+    """One stage's share: layers 12-23, one DP rank, microbatches of <= 131,072 tokens.
+
+    A trainer's microbatch is bounded in tokens, not a fixed fraction of the step: with
+    ``num_microbatches=4`` a 14 GB step's microbatch alone would be 3.5 GB of int32 targets.
 
     ``dp_assign="contiguous"``: with one DP rank (or ranks that own contiguous row ranges)
     each rank reads its row groups in file order instead of gathering length-balanced rows
@@ -182,7 +187,9 @@ def _collate(root: Path) -> None:
         raise NotImplementedError(f"r3arrow.collate.collate_directory: {exc}") from exc
     spec = r3arrow.RouteSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
     collator = r3arrow.MegatronCollator(spec, layers=range(*STAGE))
-    for _ in collate_directory(root, collator, num_microbatches=4, dp_assign="contiguous"):
+    for _ in collate_directory(
+        root, collator, max_tokens=MICROBATCH_TOKENS, dp_assign="contiguous"
+    ):
         pass
 
 
@@ -267,16 +274,18 @@ def _child(me: str, args: list[str], timeout: float) -> dict[str, Any]:
     return out
 
 
-def _measure(me: str, root: Path, label: str, route_bytes: int, warm: bool) -> list[list[Any]]:
+def _measure(
+    me: str, root: Path, label: str, route_bytes: int, warm: bool, cases: Sequence[str]
+) -> list[list[Any]]:
     """Every case on ``root``: table rows (case, s, GB/s, × raw read, peak RSS GB, read GB)."""
     res = {}
-    for case in CASES:
+    for case in [c for c in CASES if c in cases]:
         args = ["--case", case, "--root", str(root)] + (["--warm"] if warm else [])
         res[case] = _child(me, args, timeout=6 * 3600)
     raw = route_bytes / res["raw"]["seconds"]
     raw_crc = route_bytes / res["raw+crc"]["seconds"]
     rows: list[list[Any]] = []
-    for case in ("raw", "raw+crc", "iterate", "stats", "collate"):
+    for case in [c for c in ("raw", "raw+crc", "iterate", "stats", "collate") if c in res]:
         r = res[case]
         if "na" in r:
             rows.append([f"{label}: {case}", "n/a", "n/a", "n/a", "n/a", "n/a", r["na"][:60]])
@@ -295,6 +304,8 @@ def _measure(me: str, root: Path, label: str, route_bytes: int, warm: bool) -> l
         )
     warm_ups = ", ".join(f"{c} {r['warm_up_s']:.2f} s" for c, r in res.items() if "warm_up_s" in r)
     print(f"{label}: untimed warm-up per process (imports, numba cache, tiny run): {warm_ups}")
+    if "stage" not in res or "all-layers" not in res:
+        return rows
     full, stage = res["all-layers"]["read_bytes"], res["stage"]["read_bytes"]
     ratio = stage / full if full > 0 else float("nan")
     rows.append(
@@ -319,6 +330,11 @@ def main() -> None:
     p.add_argument("--no-big", action="store_true", help="skip the single step > memory / 2")
     p.add_argument("--warm", action="store_true", help="keep the page cache between cases")
     p.add_argument("--dir", default=None, help="where to generate (default: a temp dir)")
+    p.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"comma-separated subset of {','.join(CASES)} (raw and raw+crc always run)",
+    )
     p.add_argument("--case", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--gen", help=argparse.SUPPRESS)
@@ -331,6 +347,10 @@ def main() -> None:
         print(json.dumps(generate(Path(args.root), steps, parts, part_bytes, seed)))
         return
 
+    cases = sorted({"raw", "raw+crc", *args.cases.split(",")})
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"bench_scale: unknown cases {unknown}; expected names from {list(CASES)}")
     me = str(Path(__file__).resolve())
     gb = args.gb if args.gb is not None else (0.2 if args.quick else 30.0)
     steps, parts = (4, 2) if args.quick and args.gb is None else (args.steps, args.parts)
@@ -364,7 +384,7 @@ def main() -> None:
                 f"{label}: {gen['files']} files, {gen['route_bytes'] / GB:.2f} GB of routes, "
                 f"{gen['disk_bytes'] / GB:.2f} GB on disk, written in {gen['seconds']:.0f} s"
             )
-            rows += _measure(me, root, label, gen["route_bytes"], args.warm)
+            rows += _measure(me, root, label, gen["route_bytes"], args.warm, cases)
             shutil.rmtree(root, ignore_errors=True)  # free the disk before the next dataset
         print()
         print(

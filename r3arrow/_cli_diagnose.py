@@ -28,7 +28,7 @@ import pyarrow as pa
 from r3arrow.errors import SchemaError
 from r3arrow.stats import RouteAgreement
 
-#: Routes column of the trainer's own routing (contract C5).
+#: Routes column of the trainer's own routing (train routes).
 TRAIN_ROUTES = "train_routes"
 
 

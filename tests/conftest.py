@@ -40,6 +40,30 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 st.register_type_strategy(RouteSpec, specs())
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``vllm`` need a real vLLM at ``R3ARROW_VLLM_URL``: skipped without one.
+
+    CI (``.ci/run``) starts a real vLLM and sets ``R3ARROW_REQUIRE_VLLM=1``: there a missing
+    server is a failure of the whole run, never a skip.
+    """
+    vllm_items = [item for item in items if item.get_closest_marker("vllm") is not None]
+    if not vllm_items or os.environ.get("R3ARROW_VLLM_URL"):
+        return
+    if os.environ.get("R3ARROW_REQUIRE_VLLM") == "1":
+        pytest.exit(
+            "R3ARROW_REQUIRE_VLLM=1 but R3ARROW_VLLM_URL is not set: expected the URL of the "
+            "vLLM server that .ci/run starts",
+            returncode=1,
+        )
+    skip = pytest.mark.skip(
+        reason="no real vLLM server configured: set R3ARROW_VLLM_URL to a vLLM server started "
+        "with --enable-return-routed-experts --enable-scale-out (see README, 'Testing against a "
+        "real vLLM')"
+    )
+    for item in vllm_items:
+        item.add_marker(skip)
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)

@@ -53,12 +53,12 @@ def _flat_list(arr: ArrowArray) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(values), offsets - offsets[0]
 
 
-#: Schema metadata key of a layer-projected table's global layer ids (contract C2).
+#: Schema metadata key of a layer-projected table's global layer ids (layer projection).
 _ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
 
 
 def _route_layers(table: pa.Table | pa.RecordBatch, spec: RouteSpec) -> tuple[int, ...]:
-    """`r3arrow.table.route_layers` (contract C2): the global layer of each route row."""
+    """`r3arrow.table.route_layers` (layer projection): the global layer of each route row."""
     fn = getattr(_table, "route_layers", None)
     if fn is not None:
         return tuple(int(g) for g in fn(table))
@@ -83,7 +83,7 @@ class MegatronCollator:
     Routes are written by one fused pass per chunk of the routes column (the chunks are
     never joined): gather this stage's layers, check the ids while compact (with
     ``validate``; the microbatch is then marked so `install_replay` does not scan them
-    again), widen to int32 (``docs/collation.md``). A layer-projected table (contract C2:
+    again), widen to int32 (``docs/collation.md``). A layer-projected table (layer projection:
     ``r3arrow.table.route_layers``) must hold every layer the collator replays
     (`RouteShapeError` names the missing ones). ``device`` (e.g. ``"cuda"``): the ids stay
     compact on the host (pinned memory for CUDA), travel ``non_blocking`` and are widened on
@@ -260,7 +260,7 @@ class MegatronCollator:
         # A table r3arrow built or validated already passed the rollout checks.
         full = self.validate and not is_validated(table)
         spec = validate_rollouts(table, require_routes=True) if full else route_spec(table)
-        # The global layer of each route row present: a projected table (contract C2) holds
+        # The global layer of each route row present: a projected table (layer projection) holds
         # a subset, which must include this collator's layers, as router layers.
         projected = _ROUTE_LAYERS_KEY in (table.schema.metadata or {})
         if projected:
@@ -477,7 +477,7 @@ class MegatronCollator:
         seg_cols = lay.seg_col.tolist()
         row0 = 0
         # Routes: the source row of every output position (-1: dummy row), one route source
-        # per record batch (a chunk of the routes column: never joined, contract C1).
+        # per record batch (a chunk of the routes column: never joined, chunked routes).
         pos_row = np.empty((lay.positions, lay.columns), dtype=np.int64) if r3 else None
         sources: list[_RouteSource] = []
         for batch, segs in zip(batches, seg_rows, strict=True):

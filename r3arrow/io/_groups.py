@@ -18,7 +18,7 @@ dtype, K>, L>>``: zero-copy when one group is wanted whole, else one interleave 
 the wanted bytes (vectorised per group, never per token or layer). A projected table
 (``layers=``) holds only the wanted layers (ascending global ids) with a `RouteSpec` of
 that shape and the global ids under ``r3arrow.route_layers`` (`r3arrow.table.route_layers`,
-contract C2 of ``docs/storage.md``). Files in the older single ``fixed_size_binary`` form
+layer projection of ``docs/storage.md``). Files in the older single ``fixed_size_binary`` form
 and portable files restore through `r3arrow.io._storage.from_storage` and are projected
 in memory.
 """
@@ -414,7 +414,7 @@ def _set_columns(
 def project_layers(table: pa.Table, layers: Sequence[int]) -> pa.Table:
     """An in-memory rollout table with only the global ``layers`` in its routes columns.
 
-    The result follows contract C2 (``docs/storage.md``): routes-typed columns hold
+    The result follows layer projection (``docs/storage.md``): routes-typed columns hold
     the wanted layers in ascending global order as the normal nested type with
     ``L' = len(set(layers))``; the schema metadata carries the projected spec and
     the global ids under ``r3arrow.route_layers``. One gather copy per chunk; chunks
@@ -436,7 +436,7 @@ def restore(table: pa.Table, layers: Sequence[int] | None = None) -> pa.Table:
     """A storage-form table (any r3arrow format) with its routes restored, maybe projected.
 
     ``layers`` (global ids, see `local_layers`): only those route rows come back,
-    per contract C2; layer-group files decode only the groups read. ``None``: every
+    per layer projection; layer-group files decode only the groups read. ``None``: every
     layer. The storage key is dropped from the metadata. A table without a spec is
     returned as is. Raises `SchemaError` for storage that does not match its
     metadata, and the errors of `local_layers`.

@@ -5,7 +5,7 @@ one ``fixed_size_binary`` value per token, `r3arrow.io._storage`) and restored o
 read; the spec travels in the file metadata. Row groups are cut by bytes and every
 reader streams them (`r3arrow.io._stream`, ``docs/storage.md``): `iter_rollouts` and
 `iter_rollout_tables` yield bounded ``(step, table)`` pieces under ``max_memory``, and
-``layers=`` reads only the layer groups holding those layers (contract C2). Files are written
+``layers=`` reads only the layer groups holding those layers (layer projection). Files are written
 with Parquet page checksums (CRC-32 per page) and a SHA-256 over the r3arrow
 metadata (``r3arrow.meta_sha256``); readers verify both.
 
@@ -361,7 +361,7 @@ def read_rollouts(
     A directory reads in step order and adds an int64 ``step`` column (kept under
     ``columns`` only if listed); ``steps`` selects partitions (absent ones read
     as no rows). Every file must carry the same spec (or none: R3 off).
-    ``layers`` (global layer ids) returns a projected table (contract C2,
+    ``layers`` (global layer ids) returns a projected table (layer projection,
     ``docs/storage.md``): routes columns hold only those layers, ascending, the
     spec has ``num_layers = len(layers)`` and ``r3arrow.route_layers`` names them;
     a layer-group file reads only the groups holding them. For bounded memory
@@ -426,7 +426,7 @@ def iter_rollouts(
 
     A directory yields its steps in numeric order (``steps`` filters; absent
     ones are skipped), each piece with the ``step`` column like `read_rollouts`;
-    a file yields ``(None, piece)``. Contract C3 (``docs/storage.md``): a piece
+    a file yields ``(None, piece)``. The memory budget (``docs/storage.md``): a piece
     holds at most ``max_memory / 4`` bytes of restored rows (default budget
     1 GiB; ``None``: one piece per step) and at most ``batch_rows`` rows; pieces
     of one step are consecutive and never span two steps; only about one row

@@ -242,7 +242,7 @@ def expert_counts(
     the trainer routers' own choices, ``docs/train-routes.md``): the token subsets
     still come from ``prompt_ids`` / ``response_ids`` / ``loss_mask``, with the
     column's list lengths. ``layers``: global layer ids to count (None: every router
-    layer); a path then reads only those layers (contract C2, ``docs/storage.md``),
+    layer); a path then reads only those layers (layer projection, ``docs/storage.md``),
     a table is projected in memory; dense layers among them are skipped. Raises
     ``ValueError`` / ``TypeError`` for bad arguments (``layers`` outside
     ``[0, num_layers)`` or of dense layers only: ``ValueError``; ``layers`` with
@@ -358,7 +358,7 @@ def route_agreement(
     ``max_memory``, ``validate``: how a path is streamed (as `expert_counts`;
     the agreement kernels also refuse repeated ids within a top-k set).
     ``layers``: global layer ids to compare (with a table or path ``a`` and a column
-    name ``b``; a path then reads only those layers, contract C2); ``all_identical``
+    name ``b``; a path then reads only those layers, layer projection); ``all_identical``
     then counts tokens identical on every selected router layer. Returns exact
     counts; see `RouteAgreement` for the per-layer fractions and
     `RouteAgreement.summary` for the R3 paper's quantities.

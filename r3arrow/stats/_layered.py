@@ -2,8 +2,8 @@
 
 Counts are per layer, so they need no whole token: for files in layer-group storage
 (``docs/storage.md``) `layered_counts` reads each stored group of router layers in
-its own streamed pass (`r3arrow.io.iter_rollout_tables` with ``layers=``, contract
-C2: one group wanted whole restores without the interleave copy of a full read)
+its own streamed pass (`r3arrow.io.iter_rollout_tables` with ``layers=``, a layer
+projection: one group wanted whole restores without the interleave copy of a full read)
 and stacks the per-group counts, mapping each projected table's layers to global
 ids through `r3arrow.table.route_layers`. Every route byte is still read once; the
 small selection columns are read once per group. The integers equal a one-pass
@@ -69,7 +69,7 @@ def stored_groups(
     if layers is not None:
         present = {i for g in seen for i in g}
         missing = sorted(set(layers) - present)
-        if missing:  # as contract C2 (io's layer projection) for a full table
+        if missing:  # as layer projection (io's layer projection) for a full table
             raise ValueError(f"layers: expected ids in [0, {len(present)}), found {missing}")
         wanted &= set(layers)
         if not wanted:

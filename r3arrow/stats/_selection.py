@@ -61,7 +61,7 @@ def check_layers(layers: object) -> list[int] | None:
 
     Raises ``TypeError`` for a non-sequence, a string or a non-int, ``ValueError`` for an
     empty selection or a negative id (where the ids are looked up, a missing one raises
-    as contract C2 says: ``ValueError`` on a full table, `RouteShapeError` on a projected
+    as layer projection says: ``ValueError`` on a full table, `RouteShapeError` on a projected
     one).
     """
     if layers is None:

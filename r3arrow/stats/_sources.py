@@ -101,7 +101,7 @@ def iter_source(
 
     A path is streamed with only ``columns``, in pieces bounded by ``max_memory``
     bytes (`r3arrow.stats._stream.iter_pieces`; ``validate``: its full row
-    checks; ``layers``: a layer projection, contract C2); a table must have the
+    checks; ``layers``: a layer projection, layer projection); a table must have the
     columns (and ``layers`` must be None).
     Raises ``TypeError`` for another kind of source, `SchemaError` for missing
     columns or steps (see `r3arrow.io.scan_rollout_files`).
@@ -134,7 +134,7 @@ def batch_counts(batch: TableLike, tokens: str = "all", column: str = "routes") 
     """`ExpertCounts` of routes column ``column`` of one rollout table or record batch.
 
     Routes restored, spec in the metadata; the layers are global ids, also for a
-    layer-projected batch (contract C2, mapped through `r3arrow.table.route_layers`).
+    layer-projected batch (layer projection, mapped through `r3arrow.table.route_layers`).
     """
     batch = use_column(batch, column)
     spec = route_spec(batch)
@@ -168,7 +168,7 @@ def batch_agreement(batch: TableLike, other: str, tokens: str = "all") -> RouteA
         raise SchemaError(f"expected a second routes column {other!r}, found {batch.schema.names}")
     rows_b = aligned_rows(batch, batch.column(other), spec, other)
     local = compare_routes(rows_a, rows_b, spec, select=token_selection(batch, tokens))
-    ids = route_layers(batch)  # a layer-projected batch (contract C2): global ids
+    ids = route_layers(batch)  # a layer-projected batch (layer projection): global ids
     if ids == tuple(range(spec.num_layers)):
         return local
     return dataclasses.replace(local, layers=tuple(ids[i] for i in local.layers))

@@ -1,8 +1,8 @@
 """Streaming a rollout file or root: bounded pieces, read ahead on a thread.
 
 A statistic over a path never materialises a step: `iter_pieces` yields the
-bounded ``(step, table)`` pieces of `r3arrow.io.iter_rollout_tables` (contract
-C3: each piece at most a quarter of ``max_memory``, row groups merged or split
+bounded ``(step, table)`` pieces of `r3arrow.io.iter_rollout_tables` (memory
+budget: each piece at most a quarter of ``max_memory``, row groups merged or split
 to fit; every requested step must exist and all files share one spec) with only
 the columns the statistic needs. `prefetch` reads the next piece on a
 background thread while the caller counts the current one (Parquet decoding and
@@ -75,7 +75,7 @@ def iter_pieces(
     Raises what `r3arrow.io.iter_rollout_tables` raises (`SchemaError` with ``path``
     for corrupt, foreign or mismatched files, missing steps; the validation errors for
     bad rows), ``TypeError`` / ``ValueError`` for a bad ``max_memory``. ``layers``:
-    global layer ids to read (a projected table, contract C2; None: all).
+    global layer ids to read (a projected table, layer projection; None: all).
     """
     budget = check_budget(max_memory)
     pieces = iter_rollout_tables(

@@ -18,15 +18,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from r3arrow._validated import mark_validated
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.ids import check_distinct_experts, check_route_ids
-from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, numpy_to_routes, routes_to_numpy
-from r3arrow.table._schema import list_lengths, rollout_schema, trajectory_id_at
+from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
+from r3arrow.table._schema import rollout_schema, trajectory_id_at
 from r3arrow.table._validate import validate_table
-from r3arrow.trace import checked_for, first_terminal_gap_rows, terminal_gap_error
+from r3arrow.trace import checked_for
 
 
 def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> pa.Array[Any]:
@@ -323,43 +322,6 @@ def _check_distinct(
             raise
 
 
-def _validate_but_ids(table: pa.Table) -> None:
-    """`validate_table` without the id rules (checked per part by `rollout_table`).
-
-    The R3-off rules on the table without its routes, then the route rules that do not
-    read ids: at most one row per token, the terminal gap (`first_terminal_gap_rows`: the
-    same rule and error as validation, looking only at uncovered tokens). The routes column
-    has no null at any level by construction (`_routes_column` wraps null-free numpy rows,
-    finalized traces, or a `TurnStore`'s column built the same way), so the per-chunk null
-    scan is skipped.
-    """
-    meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != SPEC_METADATA_KEY}
-    validate_table(table.drop_columns(["routes"]).replace_schema_metadata(meta), ids="distinct")
-    plen = list_lengths(table.column("prompt_ids"))
-    rlen = list_lengths(table.column("response_ids"))
-    mlen = list_lengths(table.column("loss_mask"))
-    cap = list_lengths(table.column("routes"))
-    bad = np.flatnonzero(cap > plen + rlen)
-    if bad.size:
-        i = int(bad[0])
-        raise RouteShapeError(
-            f"row {i}: expected at most {plen[i] + rlen[i]} route rows (tokens), found {cap[i]}",
-            row=i,
-            trajectory_id=trajectory_id_at(table, i),
-        )
-    mask = np.asarray(pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False))
-    gap = first_terminal_gap_rows(mask, mlen, plen, cap)
-    if gap is not None:
-        row, token = gap
-        raise terminal_gap_error(
-            token=token,
-            captured=int(cap[row]),
-            num_tokens=int(plen[row] + rlen[row]),
-            trajectory_id=trajectory_id_at(table, row),
-            row=row,
-        )
-
-
 def rollout_table(
     *,
     trajectory_id: Sequence[str] | pa.Array[Any] | pa.ChunkedArray[Any],
@@ -417,7 +379,7 @@ def rollout_table(
     if spec is None:
         validate_table(table, ids="distinct")
     else:  # the id range was checked per part above; distinct ids where the capture did not
-        _validate_but_ids(table)
+        validate_table(table, ids="none")
         _check_distinct(table, spec, owing)
     mark_validated(table)
     return table

@@ -40,7 +40,7 @@ from r3arrow.table._schema import (
     route_spec,
     trajectory_id_at,
 )
-from r3arrow.trace import first_terminal_gap, terminal_gap_error
+from r3arrow.trace import first_terminal_gap_rows, terminal_gap_error
 
 _SCALARS = ("trajectory_id", "group_id", "reward")
 _LISTS = {"prompt_ids": "token ids", "response_ids": "token ids", "loss_mask": "mask values"}
@@ -76,7 +76,7 @@ def _null_error(
     )
 
 
-def _check_nulls(table: TableLike, spec: RouteSpec | None) -> None:
+def _check_nulls(table: TableLike, spec: RouteSpec | None, *, routes: bool = True) -> None:
     for name in _SCALARS:
         base = 0
         for ch in _chunks(table.column(name)):
@@ -96,7 +96,7 @@ def _check_nulls(table: TableLike, spec: RouteSpec | None) -> None:
                 shift = 0 if name == "prompt_ids" else _prompt_length(table, base + row)
                 _null_error(table, name, what, values.null_count, base + row, token=shift + pos)
             base += len(ch)
-    if spec is not None:
+    if spec is not None and routes:
         _check_route_nulls(table, spec)
 
 
@@ -170,9 +170,18 @@ def validate_rollouts(table: TableLike, *, require_routes: bool = False) -> Rout
 
 
 def validate_table(
-    table: TableLike, *, ids: Literal["all", "distinct"], require_routes: bool = False
+    table: TableLike,
+    *,
+    ids: Literal["all", "distinct", "none"],
+    require_routes: bool = False,
 ) -> RouteSpec | None:
-    """`validate_rollouts` with a choice of id checks (``"distinct"``: the range was checked)."""
+    """`validate_rollouts` with a choice of id checks.
+
+    ``ids``: ``"all"`` (range and distinct experts), ``"distinct"`` (the range was
+    checked), ``"none"``: the routes were built by r3arrow from checked rows
+    (`r3arrow.rollout_table`): neither the ids nor the routes' nulls are read (its routes
+    column has no null at any level by construction); every other rule still runs.
+    """
     meta = table.schema.metadata or {}
     if has_routes(table):
         spec: RouteSpec | None = route_spec(table)
@@ -196,7 +205,7 @@ def validate_table(
         found = table.schema.field(f.name).type
         if found != f.type:
             raise SchemaError(f"column {f.name!r}: expected {f.type}, found {found}")
-    _check_nulls(table, spec)
+    _check_nulls(table, spec, routes=ids != "none")
     plen = list_lengths(table.column("prompt_ids"))
     rlen = list_lengths(table.column("response_ids"))
     mlen = list_lengths(table.column("loss_mask"))
@@ -219,7 +228,8 @@ def validate_table(
             row=i,
             trajectory_id=trajectory_id_at(table, i),
         )
-    _check_ids(table, spec, ids=ids)
+    if ids != "none":
+        _check_ids(table, spec, ids=ids)
     _check_terminal_gap(table, plen, rlen, mlen, cap)
     return spec
 
@@ -227,19 +237,17 @@ def validate_table(
 def _check_terminal_gap(
     table: TableLike, plen: np.ndarray, rlen: np.ndarray, mlen: np.ndarray, cap: np.ndarray
 ) -> None:
-    """A loss-active response token t (absolute position P + j) needs route row t - 1."""
+    """A loss-active response token t (absolute position P + j) needs route row t - 1.
+
+    `first_terminal_gap_rows` looks only at each row's uncovered tail (usually one token).
+    """
     mask = table.column("loss_mask")
     flat = np.asarray(pc.list_flatten(mask).to_numpy(zero_copy_only=False))
-    if not flat.size:
-        return
-    parent = np.repeat(np.arange(mlen.size, dtype=np.int64), mlen)
-    starts = np.concatenate([[0], np.cumsum(mlen)[:-1]])
-    pos = plen[parent] + (np.arange(flat.size) - starts[parent])
-    k = first_terminal_gap(flat, pos, cap[parent])
-    if k >= 0:
-        row = int(parent[k])
+    gap = first_terminal_gap_rows(flat, mlen, plen, cap) if flat.size else None
+    if gap is not None:
+        row, token = gap
         raise terminal_gap_error(
-            token=int(pos[k]),
+            token=token,
             captured=int(cap[row]),
             num_tokens=int(plen[row] + rlen[row]),
             trajectory_id=trajectory_id_at(table, row),

@@ -1,4 +1,4 @@
-"""Layer-projected storage (r3arrow.io._groups, docs/storage.md): contract C2 on real files.
+"""Layer-projected storage (r3arrow.io._groups, docs/storage.md): layer projection on real files.
 
 Routes are stored as layer-group columns; a reader of some layers reads about that
 fraction of the route bytes and gets a projected table (spec of L' layers, global ids
@@ -222,7 +222,7 @@ def test_route_rows_reads_raw_layer_group_storage(tmp_path: Path) -> None:
 
 def test_multi_chunk_routes_are_written_chunk_by_chunk(tmp_path: Path) -> None:
     a, b = _table(1), _table(2)
-    both = pa.concat_tables([a, b])  # two chunks (contract C1): never combined on write
+    both = pa.concat_tables([a, b])  # two chunks (chunked routes): never combined on write
     assert both.column("routes").num_chunks == 2
     path = write_rollouts(both, tmp_path / "r.parquet")
     assert_rollouts_equal(read_rollouts(path), both)

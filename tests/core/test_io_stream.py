@@ -1,4 +1,4 @@
-"""Streaming reads under a memory budget (r3arrow.io._stream, contract C3; docs/storage.md).
+"""Streaming reads under a memory budget (r3arrow.io._stream, memory budget; docs/storage.md).
 
 Real Parquet files larger than a tiny budget: the pieces stay within it, the Arrow
 allocations at every yield stay bounded, and the pieces put together are exactly
@@ -131,7 +131,7 @@ def test_default_budget_reads_a_small_step_as_one_piece(
     got = list(iter_rollouts(path, steps=[1], columns=["trajectory_id", "routes", "step"]))
     assert [s for s, _ in got] == [1]
     assert got[0][1].schema.names == ["trajectory_id", "routes", "step"]
-    assert got[0][1].column("routes").num_chunks > 1  # row groups are kept as chunks (C1)
+    assert got[0][1].column("routes").num_chunks > 1  # row groups kept as chunks
 
 
 def test_batch_rows_and_layers_bound_the_pieces(root: tuple[Path, dict[int, pa.Table]]) -> None:

@@ -33,24 +33,8 @@ NUM_EXPERTS = (
     else None
 )
 
-# CI (.ci/run) starts a real vLLM and sets R3ARROW_REQUIRE_VLLM=1: there a missing server is a
-# failure, never a skip.
-if os.environ.get("R3ARROW_REQUIRE_VLLM") == "1" and not URL:
-    pytest.fail(
-        "R3ARROW_REQUIRE_VLLM=1 but R3ARROW_VLLM_URL is not set: expected the URL of the vLLM "
-        "server that .ci/run starts",
-        pytrace=False,
-    )
-
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not URL,
-        reason="no real vLLM server configured: set R3ARROW_VLLM_URL to a vLLM server started "
-        "with --enable-return-routed-experts --enable-scale-out (see README, 'Testing against a "
-        "real vLLM')",
-    ),
-]
+# Skipped without R3ARROW_VLLM_URL, a failure under R3ARROW_REQUIRE_VLLM=1 (tests/conftest.py).
+pytestmark = pytest.mark.vllm
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 

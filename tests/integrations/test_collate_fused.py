@@ -1,8 +1,8 @@
 """The fused collation pass: gather + id check + widening, both backends, chunks, projection.
 
 `r3arrow.ids.gather_router_ids` against a numpy reference (property-based, numba and numpy
-backends); the collator on multi-chunk routes columns (contract C1) and layer-projected
-tables (contract C2); `install_replay` skipping the id scan the fused pass already ran.
+backends); the collator on multi-chunk routes columns (chunked routes) and layer-projected
+tables (layer projection); `install_replay` skipping the id scan the fused pass already ran.
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _rollouts(seed: int, spec: RouteSpec = SPEC, rows: int = 6) -> pa.Table:
 
 
 def _chunked(table: pa.Table) -> pa.Table:
-    """One chunk per trajectory (as a zero-copy capture builds it: contract C1)."""
+    """One chunk per trajectory (as a zero-copy capture builds it: chunked routes)."""
     out = pa.concat_tables([table.slice(i, 1) for i in range(table.num_rows)])
     assert out.column("routes").num_chunks == table.num_rows
     return out
@@ -230,7 +230,7 @@ def test_threaded_chunks_equal_single(monkeypatch: pytest.MonkeyPatch, backend: 
 
 
 def _project(table: pa.Table, spec: RouteSpec, layers: list[int]) -> pa.Table:
-    """A layer-projected table as contract C2 describes it (what read_rollouts(layers=) returns):
+    """A layer-projected table (what read_rollouts(layers=) returns):
     routes of ``layers`` only, their spec, the global ids under ``r3arrow.route_layers``."""
     routes, offsets = r3arrow.table.flat_routes(table)
     moe = tuple(i for i, g in enumerate(layers) if g in spec.router_layers)

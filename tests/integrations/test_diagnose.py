@@ -263,7 +263,7 @@ def test_diagnose_computes_from_train_routes_when_no_diagnostics(
     want = {}
     for step, changes in plans.items():
         table = with_train_routes(random_rollouts(rng, SPEC, SHAPES, tag=f"s{step}"), changes)
-        if chunked:  # contract C1: a routes column in several chunks
+        if chunked:  # chunked routes: a routes column in several chunks
             table = pa.concat_tables([table.slice(0, 2), table.slice(2)])
             assert table.column("train_routes").num_chunks == 2
         write_rollouts(table, root, step=step)

@@ -196,7 +196,7 @@ def test_known_disagreement_counts_exactly(
 ) -> None:
     routers = _routers(megatron)
     case = _case(routers, LENGTHS, CAPTURED, CHANGES, seed=1)
-    if chunks:  # contract C1: a routes column of many chunks
+    if chunks:  # chunked routes: a routes column of many chunks
         case.table = pa.concat_tables([case.table.slice(0, 1), case.table.slice(1)])
     mb = _collate(case, packed)
     hidden, pad = _inputs(case, mb)

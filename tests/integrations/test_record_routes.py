@@ -164,7 +164,7 @@ def test_record_uncollate_agreement(
     table, emb, want = _case(routers, flips)
     cp = int(layout.get("cp_size", 1))
     parts = []
-    # two microbatches of whole trajectories: the result is a multi-chunk table (contract C1)
+    # two microbatches of whole trajectories: the result is a multi-chunk table (chunked routes)
     for rows in (np.array([0, 1]), np.array([2, 3])):
         sub = table.take(pa.array(rows))
         mbs = [MegatronCollator(SPEC, cp_rank=c, **layout)(sub) for c in range(cp)]
@@ -287,7 +287,7 @@ def test_layers_argument_and_selection(megatron: CpuMegatron, routers: list[Any]
 
 
 def test_pipeline_stage_on_projected_table(routers: list[Any], tmp_path: Path) -> None:
-    """A PP stage holding layers 0 and 1 reads a layer-projected table (contract C2), records
+    """A PP stage holding layers 0 and 1 reads a layer-projected table (layer projection), records
     its two routers and uncollates with the table's global ``route_layers``."""
     flips = {(0, 1, 0), (2, 0, 1), (3, 1, 2)}  # the last one is on layer 3: not on this stage
     table, emb, want = _case(routers, flips)

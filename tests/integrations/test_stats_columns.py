@@ -2,7 +2,7 @@
 
 ``column="train_routes"`` counts a second routes column (the trainer routers' own choices,
 docs/train-routes.md) exactly as if it were ``routes``; ``layers=`` counts only those global
-layers, and a path then reads only them (contract C2). Both work for tables (one or many
+layers, and a path then reads only them (layer projection). Both work for tables (one or many
 chunks), files and step roots in every storage layout, with the numba and numpy kernels.
 """
 
@@ -90,7 +90,7 @@ def _write(root: Path, tables: list[pa.Table], layout: str) -> None:
 # ------------------------------------------------------------------ column=
 @pytest.mark.parametrize("tokens", SUBSETS)
 def test_column_counts_a_second_routes_column_of_a_table(backend: str, tokens: str) -> None:
-    table = pa.concat_tables([_table(1, tag="a"), _table(2, tag="b")])  # two chunks (C1)
+    table = pa.concat_tables([_table(1, tag="a"), _table(2, tag="b")])  # two chunks
     assert table.column("train_routes").num_chunks == 2
     want = stats.expert_counts(_swapped(table), tokens=tokens)  # type: ignore[arg-type]
     got = stats.expert_counts(table, tokens=tokens, column="train_routes")  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 Streamed statistics (a file or root read piece by piece under ``max_memory``, the next piece
 read while the current one is counted) must give the integers of the in-memory statistics on
 the whole table, for every row-group size, budget, token subset and kernel backend (numba or
-numpy, ``R3ARROW_NO_NUMBA``), also for multi-chunk tables (contract C1), and must hold about
+numpy, ``R3ARROW_NO_NUMBA``), also for multi-chunk tables (chunked routes), and must hold about
 the budget, not a step.
 """
 
@@ -211,7 +211,7 @@ def test_agreement_duplicates_raise_on_both_backends(backend: str) -> None:
         stats.compare_routes(a, b, spec)
 
 
-# ------------------------------------------------------ multi-chunk tables (C1)
+# ------------------------------------------------------ multi-chunk tables (chunked routes)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(table=rollout_tables(SPEC, max_rows=6, max_tokens=10), cuts=st.lists(st.integers(0, 6)))
 def test_multichunk_tables_count_like_one_chunk(table: pa.Table, cuts: list[int]) -> None:

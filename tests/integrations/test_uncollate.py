@@ -52,7 +52,7 @@ def _ranks(
 
 
 def _chunked(table: pa.Table, how: str) -> pa.Table:
-    if how == "per_row":  # one chunk per trajectory (contract C1)
+    if how == "per_row":  # one chunk per trajectory (chunked routes)
         return pa.Table.from_batches(table.to_batches(max_chunksize=1), schema=table.schema)
     if how == "two" and table.num_rows > 1:
         k = table.num_rows // 2
