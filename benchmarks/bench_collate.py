@@ -256,24 +256,13 @@ def main() -> None:
         print(json.dumps(run_case(args)))
         return
 
-    import subprocess
-
     forward = [a for a in sys.argv[1:]]
     print_chain(args, forward)
     if args.chain_only:
         return
     results: dict[str, dict[str, Any]] = {}
     for case in ("packed", "unpacked", "dense", "r3off"):
-        proc = subprocess.run(
-            [sys.executable, __file__, *forward, "--case", case],
-            capture_output=True,
-            text=True,
-            check=False,
-            env=dict(os.environ),
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"case {case} failed:\n{proc.stderr[-4000:]}")
-        results[case] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[case] = _case(forward, case)
     packed = results["packed"]
     copy_s = packed["copy_s"]
     gbps = packed["out_bytes"] / copy_s / 1e9

@@ -48,22 +48,13 @@ from r3arrow._checks import check_choice, check_int, check_optional_int, check_p
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import SchemaError
-from r3arrow.io import read_row_group, scan_rollout_files
+from r3arrow.io import DEFAULT_MAX_MEMORY, read_row_group, scan_rollout_files
 from r3arrow.microbatch import padding_table, plan_dp_microbatches, split_microbatch_indices
 from r3arrow.spec import RouteSpec
-from r3arrow.table import list_lengths
+from r3arrow.table import ROLLOUT_COLUMNS, list_lengths
 
-#: Default ``max_memory`` of `read_share` / `collate_directory`: 1 GiB (io's readers' default).
-DEFAULT_MAX_MEMORY = 1 << 30
-#: Columns a collator reads (``routes`` added with a spec); other columns are not read.
-COLLATE_COLUMNS = (
-    "trajectory_id",
-    "group_id",
-    "prompt_ids",
-    "response_ids",
-    "loss_mask",
-    "reward",
-)
+#: Columns a collator reads: the core columns; ``routes`` is added with a spec.
+COLLATE_COLUMNS = tuple(c for c in ROLLOUT_COLUMNS if c != "routes")
 T = TypeVar("T")
 #: Bytes per token of the non-route columns in the memory estimate (ids, mask, offsets).
 _TOKEN_BYTES = 16
