@@ -107,7 +107,7 @@ def run_chain(args: Any, side: str) -> dict[str, Any]:
         return {"side": side, "na": note}
     import r3arrow
     from r3arrow.megatron import install_replay, replay_schedule
-    from r3arrow.megatron.cpu import build_routers, cpu_router_harness
+    from r3arrow.testing.megatron import build_routers, cpu_router_harness
 
     spec = r3arrow.RouteSpec(num_layers=args.layers, topk=args.topk, num_experts=args.experts)
     per_stage = args.layers // args.pp

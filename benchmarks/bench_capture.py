@@ -231,7 +231,7 @@ def make_case(
 
         return run_baseline, check_arrays, nothing
     if name == "trace_unchecked":
-        import r3arrow.trace as trace_mod
+        import r3arrow.capture._trace as trace_mod
 
         def stub(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> int:
             return EXPERTS - 1  # what the check returns for valid ids of this spec

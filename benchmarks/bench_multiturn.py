@@ -60,7 +60,7 @@ ENGINE_CONFIG: dict[str, Any] = {
 
 _SERVER = """
 import sys, time
-from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
+from r3arrow.testing.engine import EngineServer, ReferenceEngine, TinyMoEConfig
 cfg = TinyMoEConfig(**{cfg!r})
 with EngineServer(ReferenceEngine(cfg)) as srv:
     print(srv.url, flush=True)

@@ -1,6 +1,6 @@
 """Cost of ``replay_schedule(measure_agreement=True)`` on megatron-core router forwards (CPU).
 
-Real megatron-core ``TopKRouter``s (r3arrow.megatron.cpu harness, gloo world of one), one
+Real megatron-core ``TopKRouter``s (r3arrow.testing.megatron harness, gloo world of one), one
 microbatch of ``tokens`` router tokens (5 % padding), ``layers`` routers, replayed from
 targets that are the routers' own choice with one expert swapped on ``--disagree`` of the rows
 (default 10 %, the R3 paper's rate). Each case runs one whole schedule: install the targets
@@ -129,7 +129,7 @@ def main() -> None:
     from r3arrow import RouteSpec
     from r3arrow.megatron import install_replay, replay_schedule
     from r3arrow.megatron._probe import _kernels
-    from r3arrow.megatron.cpu import build_routers, cpu_router_harness
+    from r3arrow.testing.megatron import build_routers, cpu_router_harness
 
     spec = RouteSpec(num_layers=layers, topk=args.topk, num_experts=args.experts)
     gen = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ drawn uniformly), so every check runs its full valid-case path. Per case, in one
   row is left out where numba is not installed). Kernels are compiled before timing;
 * ``check_routes``: both id rules as table validation and capture run them (the default
   backend: numba where installed);
-* ``quality``: `r3arrow.quality.check_route_quality` on the same rows.
+* ``quality``: `r3arrow.capture._quality.check_route_quality` on the same rows.
 
 GB/s counts route bytes; "x memcpy" is the case's time over the memcpy time (1.0 = as fast
 as copying the routes once). Run from the repository root::
@@ -32,8 +32,8 @@ import numpy as np
 from _common import best_of, machine_line, markdown_table, parser
 
 from r3arrow import ids
+from r3arrow.capture import check_route_quality
 from r3arrow.ids import check_router_ids, check_routes
-from r3arrow.quality import check_route_quality
 from r3arrow.spec import RouteSpec
 
 LAYERS = 48

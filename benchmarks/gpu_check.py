@@ -99,8 +99,8 @@ def _replay(table: Any, mb: Any, layers: list[int]) -> bool:
 
     import r3arrow
     from r3arrow.megatron import install_replay, replay_schedule
-    from r3arrow.megatron.cpu import build_routers, cpu_router_harness
     from r3arrow.table import flat_routes
+    from r3arrow.testing.megatron import build_routers, cpu_router_harness
 
     spec = r3arrow.route_spec(table)
     with cpu_router_harness(), torch.no_grad():  # gloo world of one; routers moved to CUDA

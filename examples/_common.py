@@ -63,8 +63,8 @@ async def _rollouts(url: str, spec: RouteSpec, args: argparse.Namespace) -> pa.T
 
 def rollout_stage(args: argparse.Namespace, stage: str) -> tuple[pa.Table, RouteSpec]:
     """Start the embedded MoE engine, run the rollouts over HTTP, print the ``stage`` line."""
-    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
     from r3arrow.table import captured_lengths, route_spec
+    from r3arrow.testing.engine import EngineServer, ReferenceEngine, TinyMoEConfig
 
     engine = ReferenceEngine(TinyMoEConfig(seed=args.seed, vocab_size=VOCAB))
     with EngineServer(engine) as server:
@@ -134,7 +134,7 @@ def replay(
         try:
             import megatron.core  # noqa: F401
 
-            from r3arrow.megatron.cpu import build_routers, cpu_router_harness, replay_check
+            from r3arrow.testing.megatron import build_routers, cpu_router_harness, replay_check
         except ImportError as exc:
             return 0, 0, exc
         with cpu_router_harness():

@@ -7,7 +7,7 @@ SkyRL's trainer batch (``to_training_inputs``) -> ``MegatronCollator`` -> replay
 megatron-core ``TopKRouters`` on this CPU.
 
 Needs the ``all`` extra (SkyRL itself is not imported: its types are plain dicts and lists).
-The replay stage runs real routers on this CPU with `r3arrow.megatron.cpu` (the harness
+The replay stage runs real routers on this CPU with `r3arrow.testing.megatron` (the harness
 for tests, demos and examples, not for training); without megatron-core it stops after
 collation. Prints one line per
 stage and exits 1 if a check fails::

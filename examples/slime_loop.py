@@ -9,7 +9,7 @@ megatron-core ``TopKRouters`` on this CPU.
 
 Needs the ``all`` extra; slime is not on PyPI, so samples are dicts with ``Sample``'s field
 names (``to_samples`` returns slime's own ``Sample`` when slime imports). The replay stage
-runs real routers on this CPU with `r3arrow.megatron.cpu` (the harness for tests, demos and
+runs real routers on this CPU with `r3arrow.testing.megatron` (the harness for tests, demos and
 examples, not for training); without megatron-core it stops after collation. Prints one
 line per stage and exits 1 if a check fails::
 

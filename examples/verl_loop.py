@@ -6,7 +6,7 @@ verl's agent loop hands the trainer) -> back to a table -> Parquet -> routing st
 
 Needs the ``all`` extra plus verl (``pip install --no-deps verl==0.9.1`` and
 ``-r ci/verl-requirements.txt``). The replay stage runs real routers on this CPU
-with `r3arrow.megatron.cpu` (the harness for tests, demos and examples, not for training);
+with `r3arrow.testing.megatron` (the harness for tests, demos and examples, not for training);
 without megatron-core it stops after collation. Prints one line per stage and
 exits 1 if a check fails::
 

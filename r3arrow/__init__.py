@@ -14,7 +14,7 @@ attribute                 defined in                                  extra
 ``expert_load``,          `r3arrow.stats` (polars)                    ``stats``
 ``load_summary``,
 ``route_agreement``
-``EngineServer``,         `r3arrow.engine` (torch)                    ``torch``
+``EngineServer``,         `r3arrow.testing.engine` (torch)                    ``torch``
 ``ReferenceEngine``,
 ``TinyMoEConfig``
 ========================  ==========================================  ==================
@@ -34,6 +34,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from r3arrow import codec, errors
+from r3arrow.capture import RouteTrace, TokenTrace, TurnStore
 from r3arrow.errors import (
     ContiguityError,
     DuplicateExpertError,
@@ -65,7 +66,6 @@ from r3arrow.io import (
 )
 from r3arrow.microbatch import split_microbatches
 from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
-from r3arrow.store import TurnStore
 from r3arrow.table import (
     ReplaceResult,
     filter_groups,
@@ -83,7 +83,6 @@ from r3arrow.table import (
     take_rows,
     validate_rollouts,
 )
-from r3arrow.trace import RouteTrace, TokenTrace
 
 __version__ = "0.1.0"
 
@@ -96,23 +95,18 @@ _LAZY: dict[str, str] = {
     "expert_load": "r3arrow.stats",
     "load_summary": "r3arrow.stats",
     "route_agreement": "r3arrow.stats",
-    "EngineServer": "r3arrow.engine",
-    "ReferenceEngine": "r3arrow.engine",
-    "TinyMoEConfig": "r3arrow.engine",
 }
 
 # integration module -> the extra that installs what it needs (pyproject.toml).
 _EXTRA_OF: dict[str, str] = {
     "client": "client",
     "collate": "torch",
-    "engine": "torch",
     "megatron": "megatron",
     "rollout": "client",
     "stats": "stats",
     "plot": "plot",
     "ray": "ray",
     "cli": "cli",
-    "demo": "all",
 }
 
 if TYPE_CHECKING:  # the lazy names, for type checkers ("X as X": an explicit re-export)
@@ -120,9 +114,6 @@ if TYPE_CHECKING:  # the lazy names, for type checkers ("X as X": an explicit re
     from r3arrow.client import GenerateOutput as GenerateOutput
     from r3arrow.collate import MegatronCollator as MegatronCollator
     from r3arrow.collate import Microbatch as Microbatch
-    from r3arrow.engine import EngineServer as EngineServer
-    from r3arrow.engine import ReferenceEngine as ReferenceEngine
-    from r3arrow.engine import TinyMoEConfig as TinyMoEConfig
     from r3arrow.stats import expert_load as expert_load
     from r3arrow.stats import load_summary as load_summary
     from r3arrow.stats import route_agreement as route_agreement

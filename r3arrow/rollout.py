@@ -32,10 +32,10 @@ from r3arrow._checks import (
     check_nonnegative_int,
     check_positive_int,
 )
+from r3arrow.capture import TurnStore
 from r3arrow.client import EngineClient, GenerateOutput
 from r3arrow.errors import EngineError, RouteShapeError
 from r3arrow.spec import RouteSpec
-from r3arrow.store import TurnStore
 from r3arrow.table import list_lengths, rollout_table
 
 

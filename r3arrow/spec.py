@@ -29,8 +29,6 @@ from r3arrow.errors import (
     RouteShapeError,
     SchemaError,
 )
-from r3arrow.ids import check_distinct_experts as check_no_duplicate_experts
-from r3arrow.ids import check_route_ids
 
 #: Schema/file metadata key under which the spec travels (JSON).
 SPEC_METADATA_KEY = b"r3arrow.spec"
@@ -348,8 +346,6 @@ __all__: Sequence[str] = [
     "SPEC_METADATA_KEY",
     "RouteSpec",
     "as_route_rows",
-    "check_no_duplicate_experts",
-    "check_route_ids",
     "dummy_route_row",
     "numpy_to_routes",
     "routes_to_numpy",

@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from r3arrow.engine import EngineServer, FaultPlan, ReferenceEngine
 from r3arrow.spec import RouteSpec
 from r3arrow.testing import random_rollouts
+from r3arrow.testing.engine import EngineServer, FaultPlan, ReferenceEngine
 from r3arrow.testing.strategies import specs
 
 _COMMON: dict[str, Any] = {

@@ -82,16 +82,11 @@ LAZY_NAMES = {
     "expert_load": "r3arrow.stats",
     "load_summary": "r3arrow.stats",
     "route_agreement": "r3arrow.stats",
-    "EngineServer": "r3arrow.engine",
-    "ReferenceEngine": "r3arrow.engine",
-    "TinyMoEConfig": "r3arrow.engine",
 }
 LAZY_MODULES = (
     "cli",
     "client",
     "collate",
-    "demo",
-    "engine",
     "megatron",
     "plot",
     "ray",

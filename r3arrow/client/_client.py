@@ -20,6 +20,7 @@ from r3arrow._checks import (
     check_optional_int,
     check_positive_int,
 )
+from r3arrow.capture import RouteTrace, check_route_quality
 from r3arrow.client import _sglang
 from r3arrow.client._models import GenerateOutput, ParsedResponse
 from r3arrow.client._protocol import (
@@ -43,9 +44,7 @@ from r3arrow.errors import (
     TraceStateError,
 )
 from r3arrow.ids import check_routes
-from r3arrow.quality import check_route_quality
 from r3arrow.spec import RouteSpec
-from r3arrow.trace import RouteTrace
 
 _OFFLOAD_BYTES = 1 << 20  # decode larger responses in a worker thread
 _BODY_SLACK_BYTES = 64 << 20  # JSON beside the route payload (token ids, logprobs)
@@ -70,7 +69,7 @@ def _check_seconds(**values: float) -> None:
 
 
 def _check_quality(routes: np.ndarray, spec: RouteSpec, url: str) -> None:
-    """`r3arrow.quality.check_route_quality` on one response's rows (`RouteQualityError`)."""
+    """`r3arrow.capture.check_route_quality` on one response's rows (`RouteQualityError`)."""
     check_route_quality(routes, spec, what=f"routed_experts from {url}")
 
 
@@ -112,7 +111,7 @@ class EngineClient:
     seed:
         Seed of the retry jitter.
     route_quality:
-        Check every decoded response with `r3arrow.quality.check_route_quality` before
+        Check every decoded response with `r3arrow.capture._quality.check_route_quality` before
         recording it (on by default); a failure is a data error: never retried, counted in
         ``stats["data_errors"]``, the trace untouched.
     transport:

@@ -23,12 +23,12 @@ from typing import Any, Literal
 import numpy as np
 import orjson
 
+from r3arrow._coverage import expected_rows
 from r3arrow.client._models import ParsedResponse
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_packed, decode_vllm
 from r3arrow.errors import EngineError, PayloadError, RouteDTypeError, RouteShapeError
 from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, as_route_rows
-from r3arrow.trace import expected_rows
 
 Endpoint = Literal["generate", "completions"]
 

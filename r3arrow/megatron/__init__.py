@@ -22,7 +22,7 @@
   padding) microbatch at 0 instead of NaN.
 * `stage_router_layers` / `router_layers` give the global ids of a stage's routers;
   `collator_for` builds this rank's `r3arrow.collate.MegatronCollator`.
-* `r3arrow.megatron.cpu` (import it explicitly): real megatron-core routers on a CPU
+* `r3arrow.testing.megatron` (import it explicitly): real megatron-core routers on a CPU
   machine for tests, demos and examples (`cpu_router_harness`, `build_routers`,
   `replay_check`), not for training.
 

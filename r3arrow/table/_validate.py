@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from r3arrow._coverage import first_terminal_gap_rows, terminal_gap_error
 from r3arrow._typing import TableLike
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.ids import check_distinct_experts, check_routes
@@ -40,7 +41,6 @@ from r3arrow.table._schema import (
     route_spec,
     trajectory_id_at,
 )
-from r3arrow.trace import first_terminal_gap_rows, terminal_gap_error
 
 _SCALARS = ("trajectory_id", "group_id", "reward")
 _LISTS = {"prompt_ids": "token ids", "response_ids": "token ids", "loss_mask": "mask values"}

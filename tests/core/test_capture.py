@@ -8,9 +8,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+import r3arrow.capture._trace
 import r3arrow.ids
-import r3arrow.trace
 from r3arrow import RouteSpec, RouteTrace, TurnStore
+from r3arrow._coverage import check_terminal_gap, first_terminal_gap
 from r3arrow._validated import is_validated
 from r3arrow.errors import (
     ContiguityError,
@@ -30,7 +31,6 @@ from r3arrow.table import (
     validate_rollouts,
 )
 from r3arrow.testing import random_routes
-from r3arrow.trace import check_terminal_gap, first_terminal_gap
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))
 
@@ -72,7 +72,7 @@ def test_bound_trace_validates_once_and_the_store_trusts_it(
         calls.append(arr.shape[0])
         return real(arr, spec, what=what)
 
-    monkeypatch.setattr(r3arrow.trace, "check_turn_routes", counting)
+    monkeypatch.setattr(r3arrow.capture._trace, "check_turn_routes", counting)
     store = TurnStore(SPEC)
     trace = store.trace("t")
     trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2)

@@ -1,4 +1,4 @@
-"""The route-quality guard (r3arrow/quality.py): the known engine-bug signatures, and only them.
+"""The route-quality guard (r3arrow.capture): the known engine-bug signatures, and only them.
 
 Valid random routes never trip it (property test over specs); each signature (an all-zero
 router layer, identical routing on every row) is planted on literal cases, at and around the
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from r3arrow.capture._quality import MIN_IDENTICAL_ROWS, ZERO_LAYER_BUGS, check_route_quality
 from r3arrow.errors import DuplicateExpertError, EngineError, RouteQualityError
 from r3arrow.ids import check_routes
-from r3arrow.quality import MIN_IDENTICAL_ROWS, ZERO_LAYER_BUGS, check_route_quality
 from r3arrow.spec import RouteSpec
 from r3arrow.testing import random_routes
 from r3arrow.testing.strategies import routes, specs

@@ -19,11 +19,10 @@ from r3arrow.errors import (
     RouteShapeError,
     SchemaError,
 )
+from r3arrow.ids import check_distinct_experts, check_route_ids
 from r3arrow.spec import (
     SPEC_METADATA_KEY,
     as_route_rows,
-    check_no_duplicate_experts,
-    check_route_ids,
     dummy_route_row,
     storage_dtype_for,
     validate_layers,
@@ -389,15 +388,15 @@ def test_check_route_ids_unknown_num_experts_has_no_upper_bound() -> None:
         check_route_ids(np.array([[[-1, 3]]]), spec)
 
 
-def test_check_no_duplicate_experts() -> None:
+def test_check_distinct_experts() -> None:
     spec = RouteSpec(num_layers=3, topk=3, num_experts=8, moe_layers=(0, 2))
     arr = np.zeros((2, 3, 3), dtype=np.uint8)
     arr[:, [0, 2]] = [5, 1, 7]
-    check_no_duplicate_experts(arr, spec)  # dense layer 1 is all zeros: not a duplicate
+    check_distinct_experts(arr, spec)  # dense layer 1 is all zeros: not a duplicate
     arr[1, 2] = [4, 6, 4]
     with pytest.raises(DuplicateExpertError, match=r"\[4, 6, 4\] \(token 1, layer 2\)"):
-        check_no_duplicate_experts(arr, spec)
-    check_no_duplicate_experts(
+        check_distinct_experts(arr, spec)
+    check_distinct_experts(
         np.zeros((4, 3, 1), dtype=np.uint8), RouteSpec(num_layers=3, topk=1, num_experts=8)
     )
 
@@ -407,7 +406,7 @@ def test_random_routes_pass_all_checks(seed: int, rows: int) -> None:
     spec = RouteSpec(num_layers=4, topk=3, num_experts=16, moe_layers=(0, 3))
     arr = random_routes(np.random.default_rng(seed), rows, spec)
     check_route_ids(arr, spec)
-    check_no_duplicate_experts(arr, spec)
+    check_distinct_experts(arr, spec)
     assert not arr[:, [1, 2]].any()
 
 
@@ -416,7 +415,7 @@ def test_dummy_route_row() -> None:
     row = dummy_route_row(spec)
     assert row.shape == (3, 4) and row.dtype == spec.dtype
     np.testing.assert_array_equal(row, np.tile(np.arange(4), (3, 1)))
-    check_no_duplicate_experts(row[None], spec)
+    check_distinct_experts(row[None], spec)
 
 
 def test_validate_layers() -> None:

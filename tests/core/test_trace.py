@@ -13,6 +13,12 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from r3arrow import RouteSpec, RouteTrace, TokenTrace, numpy_to_routes, routes_to_numpy
+from r3arrow._coverage import (
+    check_terminal_gap,
+    expected_rows,
+    first_terminal_gap,
+    first_terminal_gap_rows,
+)
 from r3arrow.errors import (
     ExpertRangeError,
     PrefixMismatchError,
@@ -23,12 +29,6 @@ from r3arrow.errors import (
     TraceStateError,
 )
 from r3arrow.testing import random_routes
-from r3arrow.trace import (
-    check_terminal_gap,
-    expected_rows,
-    first_terminal_gap,
-    first_terminal_gap_rows,
-)
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=8)
 

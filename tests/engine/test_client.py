@@ -18,7 +18,6 @@ import pytest
 
 import r3arrow
 from r3arrow.client import EngineClient, EngineHTTPError, GenerateOutput
-from r3arrow.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
 from r3arrow.errors import (
     EngineError,
     PayloadError,
@@ -26,6 +25,7 @@ from r3arrow.errors import (
     RouteShapeError,
 )
 from r3arrow.spec import routes_to_numpy
+from r3arrow.testing.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
 
 GEN = "/inference/v1/generate"
 COMP = "/v1/completions"

@@ -35,8 +35,6 @@ from r3arrow.client import (
 from r3arrow.client._protocol import build_request
 from r3arrow.client._retry import retry_after_seconds
 from r3arrow.codec import encode_packed, encode_vllm
-from r3arrow.engine import Fault, FaultPlan, corrupt_routes, drift_prompt
-from r3arrow.engine._protocol import error_body, status_type
 from r3arrow.errors import (
     DuplicateExpertError,
     EngineError,
@@ -51,6 +49,8 @@ from r3arrow.errors import (
     TraceStateError,
 )
 from r3arrow.spec import RouteSpec, routes_to_numpy
+from r3arrow.testing.engine import Fault, FaultPlan, corrupt_routes, drift_prompt
+from r3arrow.testing.engine._protocol import error_body, status_type
 
 URL = "http://engine.test"
 GEN = ENDPOINT_PATHS["generate"]

@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3arrow.engine import (
+from r3arrow.testing.engine import (
     EngineRequestError,
     EngineServer,
     Fault,

@@ -33,15 +33,6 @@ import pytest
 
 from r3arrow import TurnStore
 from r3arrow.client import EngineClient, Protocol
-from r3arrow.engine import (
-    EngineServer,
-    Fault,
-    FaultPlan,
-    ReferenceEngine,
-    TinyMoEConfig,
-    drift_prompt,
-)
-from r3arrow.engine.faults import MALFORMED_MODES
 from r3arrow.errors import (
     DuplicateExpertError,
     ExpertRangeError,
@@ -53,6 +44,15 @@ from r3arrow.errors import (
     RouteShapeError,
 )
 from r3arrow.spec import routes_to_numpy
+from r3arrow.testing.engine import (
+    EngineServer,
+    Fault,
+    FaultPlan,
+    ReferenceEngine,
+    TinyMoEConfig,
+    drift_prompt,
+)
+from r3arrow.testing.engine.faults import MALFORMED_MODES
 
 GEN = {"vllm": "/inference/v1/generate", "sglang": "/generate"}
 CONVERSATIONS = 64

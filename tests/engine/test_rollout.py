@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 import r3arrow
+from r3arrow.capture import TurnStore
 from r3arrow.client import EngineClient
-from r3arrow.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
 from r3arrow.rollout import (
     ArithmeticEnv,
     Conversation,
@@ -22,8 +22,8 @@ from r3arrow.rollout import (
     trajectories_table,
 )
 from r3arrow.spec import routes_to_numpy
-from r3arrow.store import TurnStore
 from r3arrow.table import flat_routes, input_ids, sequence_loss_mask
+from r3arrow.testing.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
 
 GEN = "/inference/v1/generate"
 SP = {"max_tokens": 4, "temperature": 0.0}

@@ -24,10 +24,10 @@ import r3arrow
 from r3arrow.client import EngineClient, GenerateOutput, Protocol
 from r3arrow.client import _sglang as sglang_proto
 from r3arrow.codec import decode_sglang
-from r3arrow.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
-from r3arrow.engine._sglang import SAMPLING_FIELDS
 from r3arrow.errors import EngineHTTPError, R3ArrowError, RouteShapeError
 from r3arrow.spec import routes_to_numpy
+from r3arrow.testing.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
+from r3arrow.testing.engine._sglang import SAMPLING_FIELDS
 
 GEN = "/generate"
 PROTOCOLS: tuple[Protocol, ...] = ("vllm", "sglang")

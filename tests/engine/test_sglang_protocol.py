@@ -26,9 +26,6 @@ import r3arrow
 from r3arrow.client import EngineClient, EngineHTTPError, GenerateOutput, Protocol
 from r3arrow.client import _client as client_module
 from r3arrow.codec import encode_sglang, encode_vllm
-from r3arrow.engine import Fault, FaultPlan, corrupt_routes
-from r3arrow.engine._protocol import error_body, status_type
-from r3arrow.engine.faults import Wire
 from r3arrow.errors import (
     DuplicateExpertError,
     EngineError,
@@ -41,6 +38,9 @@ from r3arrow.errors import (
     RouteShapeError,
 )
 from r3arrow.spec import RouteSpec, routes_to_numpy
+from r3arrow.testing.engine import Fault, FaultPlan, corrupt_routes
+from r3arrow.testing.engine._protocol import error_body, status_type
+from r3arrow.testing.engine.faults import Wire
 
 URL = "http://engine.test"
 SPEC = RouteSpec(num_layers=4, topk=2, num_experts=8, moe_layers=(1, 2, 3))

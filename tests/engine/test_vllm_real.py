@@ -19,10 +19,10 @@ import pyarrow as pa
 import pytest
 
 import r3arrow
+from r3arrow.capture import TurnStore
 from r3arrow.client import EngineClient
 from r3arrow.rollout import ArithmeticEnv, Trajectory, run_rollouts, run_trajectory
 from r3arrow.spec import routes_to_numpy
-from r3arrow.store import TurnStore
 from r3arrow.table import flat_routes, input_ids
 
 URL = os.environ.get("R3ARROW_VLLM_URL")

@@ -57,7 +57,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("demo", "inspect", "stats", "convert", "bench"):
+    for command in ("demo", "inspect", "stats", "convert"):
         assert command in out
 
 
@@ -251,11 +251,6 @@ def test_convert_ids_out_of_range_rejected(
     )
     assert code == EXIT_ERROR
     assert "num_experts=8" in capsys.readouterr().err
-
-
-def test_bench_rejects_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--only", "no-such-benchmark"]) == EXIT_ERROR
-    assert "no benchmark matched" in capsys.readouterr().err
 
 
 def test_convert_npy_paths_resolve_against_the_dump_not_the_cwd(

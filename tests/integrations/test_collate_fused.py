@@ -34,7 +34,7 @@ try:  # megatron-core (extra "megatron"): the install test needs real RouterRepl
         import megatron.core  # noqa: F401
 
     from r3arrow.megatron import _install, install_replay, replay_schedule
-    from r3arrow.megatron.cpu import build_routers, cpu_router_harness
+    from r3arrow.testing.megatron import build_routers, cpu_router_harness
 except ImportError:  # pragma: no cover - the CI image has it
     _install = None  # type: ignore[assignment]
 

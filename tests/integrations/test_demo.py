@@ -14,7 +14,7 @@ import pytest
 
 import r3arrow
 from r3arrow.cli import EXIT_OK, main
-from r3arrow.demo import DemoConfig, DemoResult, run_demo
+from r3arrow.testing.demo import DemoConfig, DemoResult, run_demo
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None
 if HAVE_MEGATRON:
@@ -92,9 +92,9 @@ def _check_diagnostics(
 def test_demo_without_megatron_skips_the_megatron_stages(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import r3arrow.demo
+    import r3arrow.testing.demo
 
-    monkeypatch.setattr(r3arrow.demo, "_megatron_available", lambda: False)
+    monkeypatch.setattr(r3arrow.testing.demo, "_megatron_available", lambda: False)
     cfg = DemoConfig(
         groups=2, samples=2, turns=1, max_tokens=3, out_dir=tmp_path, progress=False
     )  # fmt: skip
@@ -167,7 +167,7 @@ def test_demo_against_an_engine_url_probes_the_route_shape(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Without --num-layers/--topk the demo asks the engine for the shape (`probe_spec`)."""
-    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
+    from r3arrow.testing.engine import EngineServer, ReferenceEngine, TinyMoEConfig
 
     engine = ReferenceEngine(TinyMoEConfig(num_layers=3, topk=3))
     cfg = DemoConfig(
@@ -188,7 +188,7 @@ def test_demo_cli_against_an_engine_url_without_shape_flags_replays(
 ) -> None:
     """`r3arrow demo --engine-url URL`, no shape flags: the probe gives num_experts=None (as
     vLLM's does), and the replay stage sizes its routers from the routes observed."""
-    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
+    from r3arrow.testing.engine import EngineServer, ReferenceEngine, TinyMoEConfig
 
     engine = ReferenceEngine(TinyMoEConfig(num_layers=3, topk=2, num_experts=8))
     with EngineServer(engine) as server:

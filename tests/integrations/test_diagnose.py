@@ -209,7 +209,7 @@ def test_any_consistent_agreement_round_trips(
     root = tmp_path_factory.mktemp("d")
     step = data.draw(st.integers(0, 2**40))
     write_diagnostics(root, step, a)
-    from r3arrow._cli_diagnose import agreements_from_table
+    from r3arrow.cli._diagnose import agreements_from_table
 
     back = agreements_from_table(read_diagnostics(root))["native_vs_replay"][step]
     order = np.argsort(layers)  # read back by ascending layer
@@ -342,7 +342,7 @@ def test_inspect_streams_row_groups_and_never_reads_a_whole_step(
     monkeypatch.setattr("r3arrow.io.read_row_group", spy)
     for name in ("read_rollouts", "iter_rollouts", "iter_rollout_tables"):
         monkeypatch.setattr(f"r3arrow.io.{name}", refuse)
-    from r3arrow._cli_inspect import inspect_summary
+    from r3arrow.cli._inspect import inspect_summary
 
     info = inspect_summary(root)
     assert seen == [3] * 8
@@ -370,8 +370,8 @@ def test_inspect_refuses_files_that_disagree_on_the_spec(
 # ------------------------------------------------------- engine router inputs
 def test_engine_router_inputs_reproduce_its_routing() -> None:
     """What each router scored, times its weights, gives the engine's top-k (float64)."""
-    from r3arrow.engine import ReferenceEngine, TinyMoEConfig
     from r3arrow.errors import EngineRequestError
+    from r3arrow.testing.engine import ReferenceEngine, TinyMoEConfig
 
     engine = ReferenceEngine(TinyMoEConfig(num_layers=4, dense_layers=(0, 2), num_experts=16))
     seq = np.random.default_rng(3).integers(0, 512, 70)

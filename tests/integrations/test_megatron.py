@@ -43,8 +43,8 @@ from r3arrow.megatron import (  # noqa: E402
     set_replay_action,
     stage_router_layers,
 )
-from r3arrow.megatron.cpu import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
+from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK = 16, 8, 2
 
@@ -451,7 +451,7 @@ def test_router_layers_from_layer_number_and_collator_for(megatron: CpuMegatron)
 
 def test_experts_from_routes_covers_router_layers_only() -> None:
     """max id + 1 over the router layers, at least top-k; dense-layer rows do not count."""
-    from r3arrow.megatron.cpu import experts_from_routes
+    from r3arrow.testing.megatron import experts_from_routes
 
     spec = RouteSpec(num_layers=3, topk=2, num_experts=None, moe_layers=(1, 2))
     routes = np.zeros((4, 3, 2), dtype=np.uint8)

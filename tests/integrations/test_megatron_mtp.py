@@ -36,8 +36,8 @@ from r3arrow.megatron import (  # noqa: E402
     set_replay_action,
 )
 from r3arrow.megatron._routers import _global_layer  # noqa: E402
-from r3arrow.megatron.cpu import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
+from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK = 16, 8, 2
 DECODER = RouteSpec(num_layers=4, topk=TOPK, num_experts=EXPERTS, moe_layers=(1, 2, 3))

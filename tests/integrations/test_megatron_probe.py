@@ -39,9 +39,9 @@ from r3arrow.megatron import (  # noqa: E402
     replay_schedule,
     stage_padding_mask,
 )
-from r3arrow.megatron.cpu import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 from r3arrow.stats import RouteAgreement  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
+from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 
 EXPERTS, TOPK = 8, 3
 SPEC = RouteSpec(num_layers=4, topk=TOPK, num_experts=EXPERTS, moe_layers=(1, 2, 3))

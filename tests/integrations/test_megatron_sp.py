@@ -38,14 +38,14 @@ from r3arrow.megatron import (  # noqa: E402
     replay_schedule,
     stage_padding_mask,
 )
-from r3arrow.megatron.cpu import (  # noqa: E402
+from r3arrow.microbatch import is_padding_table, split_microbatches  # noqa: E402
+from r3arrow.table import rollout_table  # noqa: E402
+from r3arrow.testing.megatron import (  # noqa: E402
     CpuMegatron,
     aux_loss_values,
     build_routers,
     cpu_router_harness,
 )
-from r3arrow.microbatch import is_padding_table, split_microbatches  # noqa: E402
-from r3arrow.table import rollout_table  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK, COEFF = 16, 8, 2, 0.01
 SPEC = RouteSpec(num_layers=3, topk=TOPK, num_experts=EXPERTS, moe_layers=(1, 2))
@@ -313,7 +313,7 @@ def _tp2_worker(rank: int, port: int, out: str) -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     # Child process only (spawned for this test): megatron-core 0.16.1 routers on the CPU in a
-    # world of two, which r3arrow.megatron.cpu.cpu_router_harness (a world of one) does not set up.
+    # world of two, which cpu_router_harness (a world of one) does not set up.
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

@@ -32,10 +32,10 @@ from r3arrow.megatron import (  # noqa: E402
     record_schedule,
     replay_schedule,
 )
-from r3arrow.megatron.cpu import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 from r3arrow.stats import RouteAgreement, expert_load, load_drift, route_agreement  # noqa: E402
 from r3arrow.table import rollout_table, route_layers, route_spec, with_columns  # noqa: E402
 from r3arrow.testing import random_rollouts  # noqa: E402
+from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 
 HIDDEN, EXPERTS, TOPK = 16, 8, 2
 SPEC = RouteSpec(num_layers=4, topk=TOPK, num_experts=EXPERTS, moe_layers=(0, 1, 3))

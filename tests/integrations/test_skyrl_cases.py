@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from r3arrow.adapters.skyrl import from_generator_output, to_training_inputs
+from r3arrow.capture import RouteTrace, TokenTrace
 from r3arrow.codec import decode_packed, encode_packed
 from r3arrow.collate import MegatronCollator
 from r3arrow.errors import (
@@ -45,7 +46,6 @@ from r3arrow.table import (
     take_rows,
     varied_groups,
 )
-from r3arrow.trace import RouteTrace, TokenTrace
 
 
 def pylist(x: Any) -> list[Any]:
@@ -691,7 +691,7 @@ def test_train_batch_serialisation_keeps_route_dtypes(num_experts: int, tmp_path
 # against the embedded engine over real HTTP.
 @pytest.fixture
 def engine() -> Any:
-    from r3arrow.engine import ReferenceEngine, TinyMoEConfig
+    from r3arrow.testing.engine import ReferenceEngine, TinyMoEConfig
 
     return ReferenceEngine(TinyMoEConfig(seed=0, vocab_size=64))
 

@@ -3,15 +3,15 @@
 engine → multi-turn rollouts with incremental route capture → rollout table →
 dynamic sampling → Parquet → routing statistics + heatmap → Megatron
 microbatches → (with megatron-core) replay into real routers, checked against
-what the engine routed (`r3arrow.megatron.cpu`) → replay diagnostics. Against an external
+what the engine routed (`r3arrow.testing.megatron`) → replay diagnostics. Against an external
 engine without shape flags the spec is probed; vLLM does not report ``num_experts``, so the
 replay routers are then sized from the routes observed
-(`r3arrow.megatron.cpu.experts_from_routes`), and the demo says so.
+(`r3arrow.testing.megatron.experts_from_routes`), and the demo says so.
 
 Replay diagnostics (stage 7, embedded engine and megatron-core only; ``docs/diagnostics.md``):
 real megatron-core routers get the *engine's* router weights but run in bfloat16 (the
 engine computes in float64) on the very hidden states the engine's routers scored
-(`r3arrow.engine.ReferenceEngine.router_inputs`). Their native top-k therefore differs from
+(`r3arrow.testing.engine.ReferenceEngine.router_inputs`). Their native top-k therefore differs from
 the engine's at a few tokens, as a trainer's does from an inference engine's. The rollout
 routes are replayed under ``replay_schedule(measure_agreement=True)``: the probe's
 `RouteAgreement` (native vs replayed) is printed as the R3 paper's table, the replayed
@@ -89,7 +89,7 @@ def _say(msg: str) -> None:
 
 def _shape(cfg: DemoConfig) -> dict[str, Any]:
     """The embedded engine's shape overrides from ``cfg`` (its defaults where unset)."""
-    from r3arrow.engine import TinyMoEConfig
+    from r3arrow.testing.engine import TinyMoEConfig
 
     shape: dict[str, Any] = {
         name: value
@@ -118,7 +118,7 @@ def _engine(cfg: DemoConfig) -> Iterator[tuple[str, RouteSpec | None, Any]]:
             spec = RouteSpec(cfg.num_layers, cfg.topk, cfg.num_experts, moe_layers=cfg.moe_layers)
         yield cfg.engine_url, spec, None
         return
-    from r3arrow.engine import EngineServer, ReferenceEngine, TinyMoEConfig
+    from r3arrow.testing.engine import EngineServer, ReferenceEngine, TinyMoEConfig
 
     engine = ReferenceEngine(TinyMoEConfig(seed=cfg.seed, vocab_size=cfg.vocab_size, **_shape(cfg)))
     with EngineServer(engine) as server:
@@ -291,7 +291,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     elif not _megatron_available():
         _say("[6/7] replay: skipped (megatron-core not installed: pip install 'r3arrow[megatron]')")
     else:
-        from r3arrow.megatron.cpu import (
+        from r3arrow.testing.megatron import (
             build_routers,
             cpu_router_harness,
             experts_from_routes,
@@ -331,7 +331,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     elif engine is None:
         _say("[7/7] replay diagnostics: skipped (needs the embedded engine's router weights)")
     else:
-        from r3arrow._demo_diagnostics import diagnose_replay
+        from r3arrow.testing.demo._diagnostics import diagnose_replay
 
         t = time.perf_counter()
         with warnings.catch_warnings():

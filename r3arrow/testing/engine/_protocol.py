@@ -34,7 +34,7 @@ import numpy as np
 import pybase64
 
 if TYPE_CHECKING:
-    from r3arrow.engine.model import GenerateResult
+    from r3arrow.testing.engine.model import GenerateResult
 
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"

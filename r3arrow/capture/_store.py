@@ -31,11 +31,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from r3arrow._chunks import chunked_routes
+from r3arrow._validated import mark_validated
+from r3arrow.capture._trace import RouteTrace, validate_route_rows
 from r3arrow.errors import ContiguityError, R3ArrowError, SchemaError
 from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
-from r3arrow.table._build import chunked_routes
-from r3arrow.trace import RouteTrace, _mark_checked, validate_route_rows
 
 
 @functools.lru_cache(maxsize=64)
@@ -248,7 +249,7 @@ class TurnStore:
 
         One buffer: every route is copied once (`routes_chunked` avoids the copy). Every
         turn was checked on its way in, so `r3arrow.rollout_table` does not check the
-        column's ids again (`r3arrow.trace.checked_for`).
+        column's ids again (`r3arrow.capture._trace.checked_for`).
         Raises `ContiguityError` if a trajectory's turns leave a gap, overlap, or
         repeat a turn (``trajectory_id`` set, ``token`` = the first token not covered
         exactly once); ``ValueError`` if ``trajectory_ids`` repeats an id.
@@ -262,7 +263,7 @@ class TurnStore:
         out: pa.LargeListArray[Any] = pa.LargeListArray.from_arrays(
             pa.array(offsets, type=pa.int64()), numpy_to_routes(values, spec)
         )
-        _mark_checked(out, spec, _id_bound(spec))
+        mark_validated(out, spec=spec, max_id=_id_bound(spec))
         return out
 
     def routes_chunked(self, trajectory_ids: Sequence[str] | pa.Array[Any]) -> pa.ChunkedArray[Any]:
@@ -290,7 +291,7 @@ class TurnStore:
             for t, f in zip(per_traj, whole, strict=True)
         ]
         out = chunked_routes(items, spec)
-        _mark_checked(out, spec, _id_bound(spec))
+        mark_validated(out, spec=spec, max_id=_id_bound(spec))
         return out
 
     def _plan(

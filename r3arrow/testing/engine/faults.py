@@ -58,8 +58,8 @@ import pybase64
 
 from r3arrow._checks import check_choice, check_int, check_optional_int, check_positive_int
 from r3arrow.codec import encode_sglang
-from r3arrow.engine._protocol import COMPLETIONS_PATH, GENERATE_PATH, encode_npy_b64
-from r3arrow.engine._sglang import GENERATE_PATH as SGLANG_GENERATE_PATH
+from r3arrow.testing.engine._protocol import COMPLETIONS_PATH, GENERATE_PATH, encode_npy_b64
+from r3arrow.testing.engine._sglang import GENERATE_PATH as SGLANG_GENERATE_PATH
 
 FaultKind = Literal[
     "delay",

@@ -1,6 +1,6 @@
 """What a trace covers: the token ids of the turns it recorded, with a rolling digest.
 
-Private home of `r3arrow.trace`'s `as_token_ids`, `CoveredTokens` and
+Private home of `r3arrow.capture._trace`'s `as_token_ids`, `CoveredTokens` and
 `prefix_mismatch_error` (re-exported there; see its docstring, "What a trace covers").
 """
 

@@ -1,8 +1,8 @@
 """The demo's replay-diagnostics stage: a trainer's routers that disagree with the engine's.
 
-See `r3arrow.demo` (stage 7) and ``docs/diagnostics.md``. Real megatron-core ``TopKRouter``s
-(`r3arrow.megatron.cpu`) get the embedded engine's router weights and see the hidden states
-the engine's routers scored (`r3arrow.engine.ReferenceEngine.router_inputs`), but compute in
+See `r3arrow.testing.demo` (stage 7) and ``docs/diagnostics.md``. Real megatron-core ``TopKRouter``s
+(`r3arrow.testing.megatron`) get the embedded engine's router weights and see the hidden states
+the engine's routers scored (`r3arrow.testing.engine.ReferenceEngine.router_inputs`), but compute in
 bfloat16 where the engine computes in float64: like a trainer against an inference engine,
 their native top-k differs at the tokens whose top-k boundary is closer than bfloat16 can
 tell apart. The rollout routes are replayed under
@@ -16,7 +16,7 @@ tell apart. The rollout routes are replayed under
 
 Both agreements are persisted (`r3arrow.io.write_diagnostics`, step 0) in the demo's output
 directory: ``native_vs_replay`` (bfloat16) and ``native_fp32_vs_replay`` (the control).
-Needs megatron-core and torch; imported by `r3arrow.demo` only when they are present.
+Needs megatron-core and torch; imported by `r3arrow.testing.demo` only when they are present.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _hidden(mb: Any, rows: np.ndarray, slot: int, dtype: torch.dtype) -> torch.T
 
 def _routers(engine: Any, spec: RouteSpec, layers: Sequence[int], dtype: torch.dtype) -> list[Any]:
     """megatron-core routers for ``layers`` carrying the engine's gate weights in ``dtype``."""
-    from r3arrow.megatron.cpu import build_routers
+    from r3arrow.testing.megatron import build_routers
 
     cfg = engine.config
     routers = build_routers(
@@ -125,8 +125,8 @@ def _pass(
 ) -> tuple[Any, Any, int]:
     """(probe agreement, independent native agreement, replay mismatches) at ``dtype``."""
     from r3arrow.megatron import install_replay, replay_schedule
-    from r3arrow.megatron.cpu import cpu_router_harness
     from r3arrow.stats import compare_routes
+    from r3arrow.testing.megatron import cpu_router_harness
 
     layers = list(batches[0].layers)
     sub = RouteSpec(len(layers), spec.topk, spec.num_experts)
@@ -180,7 +180,7 @@ def diagnose_replay(
 ) -> Diagnosis:
     """Run the stage (module docstring) on the demo's microbatches; print and persist it.
 
-    ``engine``: the embedded `r3arrow.engine.ReferenceEngine` that generated ``parts``;
+    ``engine``: the embedded `r3arrow.testing.engine.ReferenceEngine` that generated ``parts``;
     ``batches``: their packed `r3arrow.collate.Microbatch`es for the engine's router layers.
     Raises what megatron-core and r3arrow raise; failed checks give ``ok=False``.
     """

@@ -8,12 +8,11 @@ Semantics (``docs/design.md``, "Rows and incremental capture" and "Ragged routes
 and the terminal gap"): a request sends the whole conversation as prompt with
 ``prompt start = captured`` and must return exactly ``P - captured + G - 1`` rows;
 row ``i`` predicts token ``i + 1``, so the rows a trajectory never captures may
-only predict loss-masked tokens. That terminal-gap rule is implemented once, here
-(`first_terminal_gap`, `terminal_gap_error`, `check_terminal_gap`); the rollout
-table's validation uses the same functions.
+only predict loss-masked tokens. That terminal-gap rule is implemented once, in
+`r3arrow._coverage`; the rollout table's validation uses the same functions.
 
 **The capture path.** `RouteTrace.record` is the only place a turn's routes are
-validated. A trace made by `r3arrow.store.TurnStore.trace` is *bound* to that store:
+validated. A trace made by `TurnStore.trace` is *bound* to that store:
 every turn it records (validated, owned, read-only, in storage dtype) is handed to
 the store as one record batch at ``token_start = captured before the turn``, which
 the store trusts without a second check. ``TurnStore.append`` (outside data) stays a
@@ -31,8 +30,6 @@ computed for.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -40,15 +37,16 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_int, check_positive_int
-from r3arrow._covered import CoveredTokens, as_token_ids, prefix_mismatch_error
+from r3arrow._coverage import check_terminal_gap, expected_rows
+from r3arrow._validated import mark_validated
+from r3arrow.capture._covered import CoveredTokens, as_token_ids, prefix_mismatch_error
 from r3arrow.errors import (
     R3ArrowError,
     RouteDTypeError,
     RouteShapeError,
-    TerminalGapError,
     TraceStateError,
 )
-from r3arrow.ids import check_turn_routes, storage_cap
+from r3arrow.ids import check_turn_routes
 from r3arrow.spec import RouteSpec, as_route_rows, numpy_to_routes
 
 #: Receives each validated turn of a bound `RouteTrace`: ``(token_start, rows, spec)``, rows
@@ -61,165 +59,6 @@ FinalSink = Callable[[list[int], np.ndarray, RouteSpec], None]
 
 #: A token count: an ``int`` or a numpy integer (``bool`` is refused).
 TokenCount = int | np.integer[Any]
-
-
-# ------------------------------------------------------- routes the capture path checked
-# Arrow arrays are immutable, so identity is enough (the `r3arrow._validated` pattern): the
-# registry holds weak references and forgets an array when it dies.
-_checked_lock = threading.Lock()
-_checked: dict[int, tuple[weakref.ref[Any], RouteSpec, int]] = {}
-
-
-def _mark_checked(arr: pa.Array[Any] | pa.ChunkedArray[Any], spec: RouteSpec, hi: int) -> None:
-    key = id(arr)
-
-    def forget(_: weakref.ref[Any], key: int = key) -> None:
-        with _checked_lock:
-            _checked.pop(key, None)
-
-    with _checked_lock:
-        _checked[key] = (weakref.ref(arr, forget), spec, hi)
-
-
-def checked_for(routes: Any, spec: RouteSpec) -> bool:
-    """True if ``routes`` is an array `RouteTrace.finalize` returned whose ids satisfy ``spec``.
-
-    Every turn of such an array passed both id rules (:mod:`r3arrow.ids`) for the trace's
-    spec when it was recorded; they hold for ``spec`` too when the shape and router layers
-    match, the largest id fits ``spec`` and the storage dtype is ``spec.dtype``. Builders of
-    tables (`r3arrow.rollout_table`) use it to check every route once (one check per trust
-    boundary, ``docs/capture.md``).
-    """
-    with _checked_lock:
-        entry = _checked.get(id(routes))
-    if entry is None or entry[0]() is not routes:
-        return False
-    own, hi = entry[1], entry[2]
-    return (
-        own.same_shape(spec)
-        and own.dtype == spec.dtype
-        and hi <= storage_cap(spec)
-        and (spec.num_experts is None or hi < spec.num_experts)
-    )
-
-
-def expected_rows(*, prompt_tokens: int, generated_tokens: int, prompt_start: int) -> int:
-    """Rows an engine returns for prompt length P, G generated tokens and prompt start s."""
-    return prompt_tokens - prompt_start + generated_tokens - 1
-
-
-# ---------------------------------------------------------------- terminal gap
-def first_terminal_gap(loss_mask: np.ndarray, positions: np.ndarray, captured: Any) -> int:
-    """Index into ``loss_mask`` of the first loss-active token without a route row, or -1.
-
-    The terminal-gap rule (``docs/design.md``, "Ragged routes and the terminal gap"):
-    route row ``i`` predicts token ``i + 1``, so a trajectory that captured ``c`` rows
-    covers the targets ``1 .. c``; a loss-active token at position ``t > c`` has no row.
-
-    Parameters
-    ----------
-    loss_mask:
-        ``[T]`` mask values (nonzero = the loss trains on that token).
-    positions:
-        ``[T]`` token position of each mask value within its trajectory.
-    captured:
-        Captured rows: a scalar, or ``[T]`` (the value's trajectory's count).
-    """
-    viol = np.flatnonzero((loss_mask != 0) & (positions > captured))
-    return int(viol[0]) if viol.size else -1
-
-
-def first_terminal_gap_rows(
-    mask: np.ndarray, mask_lengths: np.ndarray, prompt_lengths: np.ndarray, captured: np.ndarray
-) -> tuple[int, int] | None:
-    """The terminal-gap rule over many trajectories: (row, token) of the first violation, or None.
-
-    ``mask`` is the flat response loss mask of all rows, row ``i`` holding
-    ``mask_lengths[i]`` values for response positions ``P_i .. P_i + R_i - 1``; ``captured``
-    is each row's route rows. Row ``i``'s response token ``j`` needs a row iff
-    ``P_i + j > captured_i`` (`first_terminal_gap`). Only the uncovered tails are looked at:
-    O(rows + uncovered tokens), not O(tokens) (usually one token per row: the last sampled).
-    """
-    lens = np.asarray(mask_lengths, dtype=np.int64)
-    plen = np.asarray(prompt_lengths, dtype=np.int64)
-    first = np.clip(np.asarray(captured, dtype=np.int64) - plen + 1, 0, lens)
-    tail = lens - first
-    rows = np.flatnonzero(tail)
-    if not rows.size:
-        return None
-    ends = np.cumsum(lens)
-    starts = ends - lens
-    counts = tail[rows]
-    # flat indices of every uncovered token, row by row
-    base = np.repeat(starts[rows] + first[rows] - np.cumsum(counts) + counts, counts)
-    idx = base + np.arange(int(counts.sum()), dtype=np.int64)
-    hit = np.flatnonzero(mask[idx] != 0)
-    if not hit.size:
-        return None
-    k = int(idx[hit[0]])
-    row = int(np.searchsorted(ends, k, side="right"))
-    return row, int(plen[row]) + k - int(starts[row])
-
-
-def terminal_gap_error(
-    *,
-    token: int,
-    captured: int,
-    num_tokens: int,
-    trajectory_id: str | None = None,
-    row: int | None = None,
-) -> TerminalGapError:
-    """The `TerminalGapError` for a loss-active ``token`` without a route row (fields set)."""
-    where = ""
-    if trajectory_id is not None:
-        where = f"trajectory {trajectory_id!r}" + (f" (row {row})" if row is not None else "")
-        where += ": "
-    return TerminalGapError(
-        f"{where}missing routed-expert row for loss-active target at token {token} "
-        f"(captured {captured} of {num_tokens} tokens; rows >= {captured} are missing)",
-        token=token,
-        trajectory_id=trajectory_id,
-        row=row,
-    )
-
-
-def check_terminal_gap(
-    captured: int, loss_mask: Any, *, num_tokens: int, trajectory_id: str | None = None
-) -> np.ndarray:
-    """Validate the uncaptured suffix of one trajectory; return the mask as a numpy bool array.
-
-    ``loss_mask`` covers all ``num_tokens`` tokens (prompt included). Rows
-    ``[captured, num_tokens-1)`` may be missing only where ``loss_mask[i+1] == 0``.
-
-    Raises
-    ------
-    TerminalGapError
-        naming (``token``, ``trajectory_id``) the first loss-active token without a row.
-    RouteShapeError
-        a mask of the wrong length, or more captured rows than tokens.
-    """
-    mask = np.asarray(loss_mask)
-    if mask.ndim != 1 or mask.shape[0] != num_tokens:
-        raise RouteShapeError(
-            f"loss_mask: expected a 1-D mask over all {num_tokens} tokens, "
-            f"found shape {list(mask.shape)}",
-            trajectory_id=trajectory_id,
-        )
-    if captured > num_tokens:
-        raise RouteShapeError(
-            f"expected at most num_tokens={num_tokens} captured rows, found {captured}",
-            trajectory_id=trajectory_id,
-        )
-    tail = mask[captured + 1 :]
-    k = first_terminal_gap(tail, np.arange(captured + 1, num_tokens), captured)
-    if k >= 0:
-        raise terminal_gap_error(
-            token=captured + 1 + k,
-            captured=captured,
-            num_tokens=num_tokens,
-            trajectory_id=trajectory_id,
-        )
-    return mask.astype(bool, copy=False)
 
 
 # ---------------------------------------------------------------------- traces
@@ -548,7 +387,7 @@ class RouteTrace(TokenTrace):
     ``spec.num_experts`` is None the storage dtype widens as larger ids arrive
     (never "schema changed"); `finalize` returns ``spec.arrow_type`` data.
 
-    A trace from `r3arrow.store.TurnStore.trace` is bound to its store
+    A trace from `TurnStore.trace` is bound to its store
     (``trajectory_id`` set): each recorded turn is also appended to the store, and
     errors carry the ``trajectory_id``. ``RouteTrace(spec)`` is unbound.
     """
@@ -600,7 +439,7 @@ class RouteTrace(TokenTrace):
         self._hi = max(self._hi, int(state[1]))
 
     def _finished(self, rows: np.ndarray, result: pa.Array[Any]) -> None:
-        _mark_checked(result, self.spec, self._hi)
+        mark_validated(result, spec=self.spec, max_id=self._hi)
         if self._final_sink is not None:
             self._final_sink(self._starts(), rows, self.spec)
 
@@ -635,18 +474,9 @@ class RouteTrace(TokenTrace):
 
 
 __all__ = [
-    "CoveredTokens",
     "FinalSink",
     "RouteTrace",
     "TokenTrace",
     "TurnSink",
-    "as_token_ids",
-    "check_terminal_gap",
-    "checked_for",
-    "expected_rows",
-    "first_terminal_gap",
-    "first_terminal_gap_rows",
-    "prefix_mismatch_error",
-    "terminal_gap_error",
     "validate_route_rows",
 ]

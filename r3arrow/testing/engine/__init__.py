@@ -16,11 +16,11 @@ Modules: ``model`` (`TinyMoE`, `TinyMoEConfig`, `ReferenceEngine`: torch, no HTT
 `r3arrow.errors.EngineRequestError` (also importable from here).
 """
 
-from r3arrow.engine._protocol import encode_npy_b64
-from r3arrow.engine.faults import Fault, FaultPlan, corrupt_routes, drift_prompt
-from r3arrow.engine.model import GenerateResult, ReferenceEngine, TinyMoE, TinyMoEConfig
-from r3arrow.engine.server import EngineServer, RequestLog
 from r3arrow.errors import EngineRequestError
+from r3arrow.testing.engine._protocol import encode_npy_b64
+from r3arrow.testing.engine.faults import Fault, FaultPlan, corrupt_routes, drift_prompt
+from r3arrow.testing.engine.model import GenerateResult, ReferenceEngine, TinyMoE, TinyMoEConfig
+from r3arrow.testing.engine.server import EngineServer, RequestLog
 
 __all__ = [
     "EngineRequestError",

@@ -39,7 +39,7 @@ import secrets
 from http import HTTPStatus
 from typing import Any
 
-from r3arrow.engine import _protocol as proto
+from r3arrow.testing.engine import _protocol as proto
 
 GENERATE_PATH = "/generate"
 

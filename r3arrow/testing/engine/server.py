@@ -2,10 +2,10 @@
 
 This module is the HTTP side only: a threaded HTTP/1.1 server (keep-alive, ``TCP_NODELAY``,
 bounded bodies), dispatch by path, fault injection at the HTTP level, and the request log.
-What the endpoints accept and answer lives in `r3arrow.engine._protocol` (vLLM's
-``/inference/v1/generate`` and ``/v1/completions``) and `r3arrow.engine._sglang` (SGLang's
+What the endpoints accept and answer lives in `r3arrow.testing.engine._protocol` (vLLM's
+``/inference/v1/generate`` and ``/v1/completions``) and `r3arrow.testing.engine._sglang` (SGLang's
 ``/generate``, ``docs/sglang.md``); the corrupt payloads of route faults in
-`r3arrow.engine.faults`; the model in `r3arrow.engine.model`.
+`r3arrow.testing.engine.faults`; the model in `r3arrow.testing.engine.model`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import orjson
 
 from r3arrow._checks import check_int, check_optional_int, check_positive_int
 from r3arrow.codec import encode_sglang
-from r3arrow.engine import _protocol as proto
-from r3arrow.engine import _sglang as sgl
-from r3arrow.engine._protocol import ErrorResponse, error_body
-from r3arrow.engine.faults import Fault, FaultPlan, corrupt_routes
-from r3arrow.engine.model import GenerateResult, ReferenceEngine
 from r3arrow.errors import EngineRequestError
+from r3arrow.testing.engine import _protocol as proto
+from r3arrow.testing.engine import _sglang as sgl
+from r3arrow.testing.engine._protocol import ErrorResponse, error_body
+from r3arrow.testing.engine.faults import Fault, FaultPlan, corrupt_routes
+from r3arrow.testing.engine.model import GenerateResult, ReferenceEngine
 
 _T = TypeVar("_T")
 _POST_PATHS = (*proto.POST_PATHS, sgl.GENERATE_PATH)
@@ -496,7 +496,7 @@ class EngineServer:
     def handle_generate(self, body: dict[str, Any], fault: Fault | None) -> dict[str, Any]:
         """``POST /inference/v1/generate``: vLLM's token-in/token-out response.
 
-        Raises `r3arrow.engine._protocol.ErrorResponse` for a request vLLM would refuse.
+        Raises `r3arrow.testing.engine._protocol.ErrorResponse` for a request vLLM would refuse.
         """
         if "token_ids" not in body:
             raise proto.schema_error("body.token_ids", "missing", "Field required", body)
@@ -546,7 +546,7 @@ class EngineServer:
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """``POST /generate``: SGLang's native answer (a list for ``n > 1``).
 
-        Raises `r3arrow.engine._sglang.SGLangError` for a request SGLang would refuse (and
+        Raises `r3arrow.testing.engine._sglang.SGLangError` for a request SGLang would refuse (and
         for what the reference engine does not implement, see that module).
         """
         began = time.perf_counter()
@@ -603,7 +603,7 @@ class EngineServer:
     def handle_completions(self, body: dict[str, Any], fault: Fault | None) -> dict[str, Any]:
         """``POST /v1/completions`` with token-id prompts.
 
-        Raises `r3arrow.engine._protocol.ErrorResponse` for a request vLLM would refuse.
+        Raises `r3arrow.testing.engine._protocol.ErrorResponse` for a request vLLM would refuse.
         """
         proto.check_model(body, self.model_name)
         prompt_obj = body.get("prompt")

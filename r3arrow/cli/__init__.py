@@ -1,4 +1,7 @@
-"""The ``r3arrow`` command line: demo, inspect, stats, diagnose, convert, export, gc, bench.
+"""The ``r3arrow`` command line: demo, inspect, stats, diagnose, convert, export, gc.
+
+``demo`` runs on the embedded reference engine of the test tools (`r3arrow.testing.demo`);
+the benchmarks run from ``benchmarks/`` in a source checkout, not from this command.
 
 Exit codes a script can rely on: 0 success, 1 data or runtime error (one line on
 stderr, starting with ``r3arrow: error:``), 2 usage error (argparse's message,
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,8 +27,8 @@ from pathlib import Path
 import orjson
 import pyarrow as pa
 
-from r3arrow._cli_convert import convert_jsonl
-from r3arrow._cli_inspect import check_input, human_bytes, inspect_summary, is_ipc
+from r3arrow.cli._convert import convert_jsonl
+from r3arrow.cli._inspect import check_input, human_bytes, inspect_summary, is_ipc
 from r3arrow.errors import R3ArrowError, SchemaError
 from r3arrow.spec import RouteSpec
 
@@ -124,7 +126,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------- diagnose
 def _cmd_diagnose(args: argparse.Namespace) -> int:
-    from r3arrow import _cli_diagnose as diag
+    from r3arrow.cli import _diagnose as diag
 
     path = Path(args.path)
     _check_input(path)
@@ -223,38 +225,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# ----------------------------------------------------------------------- bench
-def _benchmarks_dir() -> Path:
-    here = Path(__file__).resolve().parent.parent / "benchmarks"
-    if not here.is_dir():
-        raise R3ArrowError(
-            f"expected the benchmark suite at {here} (a source checkout), found nothing"
-        )
-    return here
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    bench_dir = _benchmarks_dir()
-    available = {p.stem.removeprefix("bench_"): p for p in sorted(bench_dir.glob("bench_*.py"))}
-    unknown = sorted(set(args.only or ()) - set(available))
-    if unknown:
-        raise R3ArrowError(
-            f"no benchmark matched {unknown}: expected names from {sorted(available)}"
-        )
-    scripts = [p for name, p in available.items() if not args.only or name in args.only]
-    if not scripts:
-        raise R3ArrowError(f"expected bench_*.py scripts in {bench_dir}, found none")
-    failed = 0
-    for script in scripts:
-        print(f"\n## {script.stem}\n", flush=True)
-        cmd = [sys.executable, str(script), *(["--quick"] if args.quick else [])]
-        failed += subprocess.call(cmd, cwd=bench_dir) != 0
-    return EXIT_ERROR if failed else EXIT_OK
-
-
 # ------------------------------------------------------------------------ demo
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from r3arrow.demo import DemoConfig, run_demo
+    from r3arrow.testing.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
         groups=args.groups,
@@ -347,7 +320,6 @@ examples:
   r3arrow convert dump.jsonl --out r.parquet --num-layers 48 --topk 8 --num-experts 128
   r3arrow export r.parquet r-portable.parquet --portable
   r3arrow gc rollouts/ --dry-run
-  r3arrow bench --quick --only codec io
 
 'r3arrow COMMAND --help' describes each command."""
 
@@ -518,21 +490,6 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
     gc.set_defaults(func=_cmd_gc)
 
-    bench = sub.add_parser(
-        "bench",
-        help="run the benchmark suite and print the ratio tables",
-        description="Run benchmarks/bench_*.py (a source checkout) one after the "
-        "other; each prints a markdown table of ratios against its baseline and "
-        "the machine's memory-copy speed. Exit 1 if any benchmark fails.",
-    )
-    bench.add_argument("--quick", action="store_true", help="small sizes, seconds per benchmark")
-    bench.add_argument(
-        "--only",
-        nargs="+",
-        metavar="NAME",
-        help="run only these (codec io capture collate stats multiturn)",
-    )
-    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -1,0 +1,122 @@
+"""Routes columns from per-trajectory rows, referencing buffers instead of copying them.
+
+Shared by table building (`r3arrow.rollout_table`) and the capture store (`r3arrow.TurnStore`):
+a trajectory whose rows are back-to-back read-only slices of one buffer of at least
+`MIN_CHUNK_BYTES` becomes its own chunk of the column referencing that buffer; runs of the
+others are joined into one chunk each (``docs/capture.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
+
+MIN_CHUNK_BYTES = 128 << 10
+
+
+def _root(arr: np.ndarray) -> np.ndarray:
+    """The outermost numpy array ``arr`` views (itself if it owns its data)."""
+    while isinstance(arr.base, np.ndarray):
+        arr = arr.base
+    return arr
+
+
+def _span(parts: Sequence[np.ndarray], spec: RouteSpec) -> np.ndarray | None:
+    """``parts`` as one read-only view, if they are back-to-back slices of one buffer, else None.
+
+    Only read-only C-contiguous parts in ``spec.dtype`` qualify (a writable one may still
+    change under an immutable Arrow column). No parts: an empty array.
+    """
+    if not parts:
+        return np.empty((0, *spec.row_shape), dtype=spec.dtype)
+    if any(p.flags.writeable or not p.flags.c_contiguous or p.dtype != spec.dtype for p in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    root = _root(parts[0])
+    if not root.flags.c_contiguous or any(_root(p) is not root for p in parts[1:]):
+        return None
+    ptr = [p.__array_interface__["data"][0] for p in parts]
+    if any(ptr[i] + parts[i].nbytes != ptr[i + 1] for i in range(len(parts) - 1)):
+        return None
+    item = spec.dtype.itemsize
+    first = (ptr[0] - root.__array_interface__["data"][0]) // item
+    rows = sum(p.shape[0] for p in parts)
+    view = root.reshape(-1)[first : first + rows * spec.num_layers * spec.topk]
+    view = view.reshape(rows, *spec.row_shape)
+    view.flags.writeable = False
+    return view
+
+
+def chunk(parts: list[np.ndarray], lens: list[int], spec: RouteSpec) -> pa.LargeListArray[Any]:
+    """One ``large_list`` chunk of trajectories whose rows are ``parts``.
+
+    One read-only part in ``spec.dtype`` is referenced; anything else is joined (a writable
+    part is copied: the caller could change it under an immutable column).
+    """
+    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if len(parts) == 1 and parts[0].dtype == spec.dtype and not parts[0].flags.writeable:
+        flat = parts[0]
+    else:  # ids were range-checked for the storage dtype: the narrowing cast is exact
+        flat = np.empty((int(offsets[-1]), *spec.row_shape), dtype=spec.dtype)
+        if parts:
+            np.concatenate(parts, axis=0, out=flat, casting="unsafe")
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), numpy_to_routes(flat, spec)
+    )
+
+
+def chunked(chunks: Sequence[pa.Array[Any]], type: pa.DataType) -> pa.ChunkedArray[Any]:
+    make: Any = pa.chunked_array  # the stubs' overloads do not cover a nested list type
+    out: pa.ChunkedArray[Any] = make(list(chunks), type=type)
+    return out
+
+
+def chunked_routes(
+    trajectories: Sequence[Sequence[np.ndarray] | pa.Array[Any]],
+    spec: RouteSpec,
+    *,
+    min_chunk_bytes: int | None = None,
+) -> pa.ChunkedArray[Any]:
+    """A routes column (``spec.routes_type``), one row per trajectory, without copying buffers.
+
+    ``trajectories[i]`` holds trajectory ``i``'s rows as ``[n, L, K]`` integer arrays in
+    order, or as one null-free Arrow array of ``spec.arrow_type`` (ids already checked for
+    ``spec``). An Arrow array, or a trajectory whose parts are back-to-back
+    read-only slices of one buffer (`_span`) of at least ``min_chunk_bytes`` becomes its
+    own chunk referencing that buffer; runs of the others are joined into one chunk each
+    (one copy of their rows, cast to ``spec.dtype``). Always at least one chunk.
+    ``min_chunk_bytes`` defaults to `MIN_CHUNK_BYTES` (read at call time).
+    """
+    least = MIN_CHUNK_BYTES if min_chunk_bytes is None else min_chunk_bytes
+    chunks: list[pa.Array[Any]] = []
+    run: list[np.ndarray] = []
+    run_lens: list[int] = []
+    for parts in trajectories:
+        if isinstance(parts, pa.Array):
+            if len(parts) * spec.row_nbytes >= least:  # referenced as it is: no numpy round trip
+                if run_lens:
+                    chunks.append(chunk(run, run_lens, spec))
+                    run, run_lens = [], []
+                offsets = pa.array([0, len(parts)], type=pa.int64())
+                chunks.append(pa.LargeListArray.from_arrays(offsets, parts))
+                continue
+            parts = [routes_to_numpy(parts, spec)]
+        view = _span(parts, spec)
+        if view is not None and view.nbytes >= least:
+            if run_lens:
+                chunks.append(chunk(run, run_lens, spec))
+                run, run_lens = [], []
+            chunks.append(chunk([view], [view.shape[0]], spec))
+        else:
+            run.extend(parts)
+            run_lens.append(sum(p.shape[0] for p in parts))
+    if run_lens or not chunks:
+        chunks.append(chunk(run, run_lens, spec))
+    return chunked(chunks, type=spec.routes_type)
