@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -24,8 +24,11 @@ from hypothesis import strategies as st
 
 from r3arrow.spec import RouteSpec
 from r3arrow.testing import random_rollouts
-from r3arrow.testing.engine import EngineServer, FaultPlan, ReferenceEngine
 from r3arrow.testing.strategies import specs
+
+if TYPE_CHECKING:  # the engine needs torch: imported only by the fixtures that use it, so the
+    # core tests run in a venv with only the core requirements (.ci/run)
+    from r3arrow.testing.engine import EngineServer, FaultPlan, ReferenceEngine
 
 _COMMON: dict[str, Any] = {
     "deadline": None,
@@ -85,11 +88,15 @@ def small_rollouts(rng: np.random.Generator, small_spec: RouteSpec) -> pa.Table:
 @pytest.fixture
 def plan() -> FaultPlan:
     """An empty fault plan for `server`; tests queue faults on it."""
+    from r3arrow.testing.engine import FaultPlan
+
     return FaultPlan()
 
 
 @pytest.fixture
 def server(engine: ReferenceEngine, plan: FaultPlan) -> Iterator[EngineServer]:
     """The embedded engine over real HTTP on 127.0.0.1 (each test module defines ``engine``)."""
+    from r3arrow.testing.engine import EngineServer
+
     with EngineServer(engine, faults=plan) as srv:
         yield srv
