@@ -13,7 +13,7 @@ Cases (each in its own subprocess, so peak memory is per case; ``--quick`` runs 
                  keep each turn's array, concatenate them at finalize; no id checks
   trace_handover r3arrow: RouteTrace.record(..., copy=False) per turn (validated once) +
                  finalize (one write of the trace's bytes)
-  trace_unchecked  trace_handover with `r3arrow.ids.check_turn_routes` stubbed out (breakdown
+  trace_unchecked  trace_handover with `r3arrow.ids.check_routes` stubbed out (breakdown
                  only: the cost of capture without validation, as the baseline has none)
   trace_copy     r3arrow default, record(...) copies each writable turn (the caller may reuse
                  its buffer), then finalize joins
@@ -233,17 +233,17 @@ def make_case(
     if name == "trace_unchecked":
         import r3arrow.capture._trace as trace_mod
 
-        def stub(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> int:
-            return EXPERTS - 1  # what the check returns for valid ids of this spec
+        def stub(arr: np.ndarray, spec: RouteSpec, **kw: Any) -> tuple[int, int]:
+            return 0, EXPERTS - 1  # what the check returns for valid ids of this spec
 
         def run_unchecked() -> list[pa.Array[Any]]:
             names = vars(trace_mod)  # the name trace.py calls (imported, not re-exported)
-            real = names["check_turn_routes"]
-            names["check_turn_routes"] = stub
+            real = names["check_routes"]
+            names["check_routes"] = stub
             try:
                 return _capture(convs, parts, copy=False)
             finally:
-                names["check_turn_routes"] = real
+                names["check_routes"] = real
 
         return run_unchecked, check_arrays, nothing
     if name in ("trace_handover", "trace_copy"):

@@ -12,7 +12,7 @@ Reported, measured in this run:
 * plain replay: ``replay_schedule()`` (the baseline);
 * probed replay: ``replay_schedule(measure_agreement=True)``, and its overhead over the
   baseline (target <= 10 %), on the numba kernel (the ``fast`` extra; when numba imports)
-  and on the torch fallback (``R3ARROW_NO_NUMBA=1``, switched per run in this process);
+  and on the torch fallback (the numpy backend: `r3arrow.testing.use_backend` per run);
 * native routing (no replay action) for reference, and the machine's memory-copy speed;
 * the kernel's first call in a fresh process, cold (compiling into an empty numba cache)
   and warm (loading the ``cache=True`` machine code), each in its own subprocess.
@@ -67,7 +67,7 @@ import numpy as np
 import r3arrow.megatron  # torch and megatron-core: not the kernel's cost
 
 t0 = time.perf_counter()
-k = importlib.import_module("r3arrow.megatron._probe_numba")
+k = importlib.import_module("r3arrow._kernels._numba")
 ids = np.zeros((4, 2), np.int32)
 ids[:, 1] = 1
 for s in (np.ones((4, 8), np.float32), np.ones((4, 8), np.float64)):
@@ -127,8 +127,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from r3arrow import RouteSpec
+    from r3arrow._kernels import backend
     from r3arrow.megatron import install_replay, replay_schedule
-    from r3arrow.megatron._probe import _kernels
+    from r3arrow.testing import use_backend
     from r3arrow.testing.megatron import build_routers, cpu_router_harness
 
     spec = RouteSpec(num_layers=layers, topk=args.topk, num_experts=args.experts)
@@ -159,11 +160,8 @@ def main() -> None:
             results["identical_fraction"] = probe.agreement.summary()["identical"]
 
         def probed_torch(grad: bool) -> None:
-            os.environ["R3ARROW_NO_NUMBA"] = "1"  # read on every router call
-            try:
+            with use_backend("numpy"):
                 probed(grad)
-            finally:
-                del os.environ["R3ARROW_NO_NUMBA"]
 
         def native(grad: bool) -> None:
             with replay_schedule(None):
@@ -188,7 +186,7 @@ def main() -> None:
             for name, fn in cases:
                 times[name].append(best_of(fn, 1, warmup=0))
     best = {name: min(v) for name, v in times.items()}
-    path = "numba" if _kernels() is not None else "torch"
+    path = "numba" if backend() == "numba" else "torch"
     first = _first_call_s()
     gbps = memcpy_gbps(tokens * hidden_size * 4)
     rows, out = [], dict(results)

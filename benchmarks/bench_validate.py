@@ -5,12 +5,12 @@ Cases: 48 layers, top-8, 128 experts (uint8 ids); 48 layers, top-8, 512 experts 
 drawn uniformly), so every check runs its full valid-case path. Per case, in one process:
 
 * ``memcpy``: a warm-buffer copy of the same bytes (the machine's speed, same run);
-* ``distinct, before``: the algorithm `check_router_ids` used before the fast path (kept
+* ``distinct, before``: the algorithm the router-layer check used before the fast path (kept
   here as the baseline: a transposed copy of each block, then ``K - 1`` shifted
-  comparisons), ``num_experts=None`` as `check_distinct_experts` calls it;
-* ``distinct, after``: `r3arrow.ids.check_router_ids` with the same arguments, numpy backend
+  comparisons), ``num_experts=None`` as ``check_routes(rules="distinct")`` calls it;
+* ``distinct, after``: `r3arrow.ids.check_routes` without a spec, same arguments, numpy backend
   (`_Scratch` per block; what runs without numba or with ``R3ARROW_NO_NUMBA=1``);
-* ``distinct, numba``: the same call on the numba backend (`r3arrow._kernels_numba`; the
+* ``distinct, numba``: the same call on the numba backend (`r3arrow._kernels._numba`; the
   row is left out where numba is not installed). Kernels are compiled before timing;
 * ``check_routes``: both id rules as table validation and capture run them (the default
   backend: numba where installed);
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 from _common import best_of, machine_line, markdown_table, parser
 
-from r3arrow import ids
 from r3arrow.capture import check_route_quality
-from r3arrow.ids import check_router_ids, check_routes
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
+from r3arrow.testing import use_backend
 
 LAYERS = 48
 CASES = [(8, 128), (8, 512), (2, 128)]  # (top-k, experts)
@@ -42,7 +42,7 @@ _BLOCK_IDS = 1 << 17
 
 
 def distinct_before(arr: np.ndarray, layer_ids: Sequence[int]) -> None:
-    """The pre-fast-path `check_router_ids` valid-case work on ``[tokens, layers, K]`` (baseline).
+    """The pre-fast-path router-layer check's valid-case work on ``[tokens, layers, K]`` (baseline).
 
     Same blocks, same min/max and duplicate tests; raises AssertionError instead of
     locating an offender (the benchmark's routes are valid).
@@ -61,27 +61,24 @@ def distinct_before(arr: np.ndarray, layer_ids: Sequence[int]) -> None:
 
 
 def on_backend(kernels: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` run with `r3arrow.ids` on one backend: the kernels module, or False (numpy)."""
+    """``fn`` run on one backend (`r3arrow.testing.use_backend`): the kernels module
+    (numba), or False (numpy)."""
 
     def run() -> Any:
-        saved = ids._KERNELS
-        ids._KERNELS = kernels
-        try:
+        with use_backend("numpy" if kernels is False else "numba"):
             return fn()
-        finally:
-            ids._KERNELS = saved
 
     return run
 
 
 def numba_kernels() -> Any:
-    """`r3arrow._kernels_numba`, compiled for the benchmark's dtypes, or None without numba."""
+    """`r3arrow._kernels._numba`, compiled for the benchmark's dtypes, or None without numba."""
     try:
-        from r3arrow import _kernels_numba
+        from r3arrow._kernels import _numba
     except ImportError:
         return None
-    _kernels_numba.warm_up()
-    return _kernels_numba
+    _numba.warm_up()
+    return _numba
 
 
 def valid_routes(tokens: int, spec: RouteSpec, seed: int = 0) -> np.ndarray:
@@ -105,13 +102,13 @@ def run_case(tokens: int, k: int, experts: int, repeat: int) -> dict[str, Any]:
     fns: dict[str, Callable[[], Any]] = {
         "memcpy": lambda: np.copyto(dst, arr),
         "distinct, before": lambda: distinct_before(arr, layers),
-        "distinct, after": on_backend(False, lambda: check_router_ids(arr, None, layers)),
+        "distinct, after": on_backend(False, lambda: check_routes(arr, layer_ids=layers)),
         "check_routes": lambda: check_routes(arr, spec),
         "quality": lambda: check_route_quality(arr, spec),
     }
     kernels = numba_kernels()
     if kernels is not None:
-        numba_fn = on_backend(kernels, lambda: check_router_ids(arr, None, layers))
+        numba_fn = on_backend(kernels, lambda: check_routes(arr, layer_ids=layers))
         fns = {
             **dict(list(fns.items())[:3]),
             "distinct, numba": numba_fn,

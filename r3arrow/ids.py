@@ -8,34 +8,36 @@ The rules (see ``docs/design.md``, "Expert ids"):
   expert ids and are not checked for duplicates, but they must be ``>= 0`` and
   fit the storage dtype, so that no narrowing cast ever wraps a value.
 
-Every function here takes numpy arrays; :func:`check_router_ids` also takes torch
-tensors (CPU tensors are viewed through numpy, zero-copy; tensors on another
-device are checked there with the same operations), without importing torch.
+The public face is two functions: :func:`check_routes` (both rules, or one of them, on the
+routes of a `RouteSpec`; or, without a spec, the router-layer rules on ids of router layers
+only, numpy arrays or torch tensors: CPU tensors are viewed through numpy, zero-copy; tensors
+on another device are checked there with the same operations, without importing torch) and
+:func:`gather_router_ids` (the fused collation pass).
 The common valid case on CPU costs one min/max where a bound needs it (signed ids, or
 ``num_experts`` given) and one fast duplicate test: with numba installed, a numba kernel
-(`r3arrow._kernels_numba`: each top-k row of 2, 4 or 8 bytes tested as one machine word)
-that returns the first failing token; without numba, or with the environment variable
-``R3ARROW_NO_NUMBA=1``, the numpy test of `_Scratch` per cache-sized block (reused buffers,
-no allocation per block). Either way the reference check `_check_block`, which locates the
+(`r3arrow._kernels._numba`: each top-k row of 2, 4 or 8 bytes tested as one machine word)
+that returns the first failing token; on the numpy backend (`r3arrow._kernels`: no numba, or
+``R3ARROW_NO_NUMBA`` set), the numpy test of `_Scratch` per cache-sized block (reused
+buffers, no allocation per block). Either way the reference check `_check_block`, which locates the
 offending token and layer, runs only on the first block that fails, so both backends raise
 the same error (``benchmarks/bench_validate.py`` measures both against a memory copy).
 numba is imported on the first CPU check, never by ``import r3arrow``; the first call per
 (dtype, layout) in a fresh environment compiles for about 2-6 s, later processes load the
-cached machine code. `check_routes` and the per-turn `check_turn_routes` first try a lean
-path for valid unsigned ids of an all-router spec (cached bounds, one kernel call; top-8
-uint8: one fused range + duplicate pass), falling back to the checks above on any failure.
+cached machine code. `check_routes` with a spec (also its per-turn ``exact=False`` form)
+first tries a lean path for valid unsigned ids of an all-router spec (cached bounds, one
+kernel call; top-8 uint8: one fused range + duplicate pass), falling back to the checks
+above on any failure.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
+from r3arrow._kernels import compiled
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError
 
 if TYPE_CHECKING:
@@ -44,37 +46,13 @@ if TYPE_CHECKING:
 _BLOCK_IDS = 1 << 17  # ids per block: the transposed block stays in L2
 
 
-_NO_NUMBA_ENV = "R3ARROW_NO_NUMBA"  # set (not "" or "0"): always the numpy duplicate test
-
-# The numba kernels module once chosen, False for "numpy" (no numba, or R3ARROW_NO_NUMBA set),
-# None before the first CPU check. Tests set it to run either backend.
-_KERNELS: ModuleType | bool | None = None
-
-
-def _numba_kernels() -> ModuleType | None:
-    """`r3arrow._kernels_numba` where numba imports and ``R3ARROW_NO_NUMBA`` is unset, else None.
-
-    Decided once per process, on the first CPU check (numba is never imported before).
-    """
-    global _KERNELS
-    if _KERNELS is None:
-        if os.environ.get(_NO_NUMBA_ENV, "") not in ("", "0"):
-            _KERNELS = False
-        else:
-            try:
-                _KERNELS = importlib.import_module("r3arrow._kernels_numba")
-            except ImportError:  # numba (or its llvmlite) not installed: numpy backend
-                _KERNELS = False
-    return _KERNELS if isinstance(_KERNELS, ModuleType) else None
-
-
 # K == 2 ids of <= 2 bytes fit one machine word: the word's two halves compare as integers
 # (bit patterns, so signed dtypes compare exactly too), no transposed copy needed.
 _WORD_OF: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32)}
 
 
 class _Scratch:
-    """Preallocated buffers and the fast duplicate test of `check_router_ids` (CPU, numpy).
+    """Preallocated buffers and the fast duplicate test of `_check_router_ids` (CPU, numpy).
 
     ``has_duplicate(blk)`` answers exactly "does some row of ``blk`` ``[A, B, K]`` (any two
     leading axes) repeat an id", without locating it (the reference `_check_block` does that
@@ -128,7 +106,7 @@ def _first(mask: Any) -> list[int]:
     return [int(v) for v in mask.nonzero()[0].tolist()]
 
 
-def check_router_ids(
+def _check_router_ids(
     arr: Any,
     num_experts: int | None,
     layer_ids: Sequence[int],
@@ -194,7 +172,7 @@ def check_router_ids(
             _check_block(data[:, a : a + step] if layers_first else data[a : a + step], a, where)
         return
     dtype = np.dtype(data.dtype)
-    kernels = _numba_kernels() if dtype.kind in "iu" and dtype.isnative else None
+    kernels = compiled() if dtype.kind in "iu" and dtype.isnative else None
     if kernels is not None:
         _check_cpu_numba(data, step, where, kernels)
         return
@@ -213,7 +191,7 @@ def check_router_ids(
 
 
 def _check_cpu_numba(data: np.ndarray, step: int, w: _Where, kernels: ModuleType) -> None:
-    """`check_router_ids` on a numpy array with the numba backend.
+    """`_check_router_ids` on a numpy array with the numba backend.
 
     Finds the first failing token (the smaller of the first out-of-range token and the first
     token repeating an id), then runs the reference `_check_block` on the block of ``step``
@@ -238,7 +216,7 @@ def _check_cpu_numba(data: np.ndarray, step: int, w: _Where, kernels: ModuleType
 
 
 class _Where:
-    """How `check_router_ids` was called: bound, layer ids, layout, names, offset, error types."""
+    """How `_check_router_ids` was called: bound, layer ids, layout, names, offset, error types."""
 
     def __init__(
         self,
@@ -325,9 +303,9 @@ def gather_router_ids(
     One cache-blocked pass over the compact ids (``docs/collation.md``): for every block of
     output positions and every local layer, the block's compact rows are gathered, checked
     with the router-layer rules (ids in ``[0, num_experts)``, no expert twice in a row; the
-    rules of `check_router_ids`) while still compact, and only then widened into ``out``.
-    Backends as for `check_router_ids`: a numba kernel (`r3arrow._kernels_numba.gather_widen`)
-    or, without numba or with ``R3ARROW_NO_NUMBA=1``, numpy per block; both raise the same
+    rules of `_check_router_ids`) while still compact, and only then widened into ``out``.
+    Backends as for `_check_router_ids`: a numba kernel (`r3arrow._kernels._numba.gather_widen`)
+    or, on the numpy backend, numpy per block; both raise the same
     error for the same input.
 
     Parameters
@@ -357,7 +335,7 @@ def gather_router_ids(
     Raises
     ------
     ExpertRangeError, DuplicateExpertError
-        As `check_router_ids` on the first failing source row (``token`` = that row of
+        As `_check_router_ids` on the first failing source row (``token`` = that row of
         ``src``; ``layer`` its global layer); ``out`` is then partly written.
     ValueError
         Shapes or dtypes that do not fit each other.
@@ -394,7 +372,7 @@ def gather_router_ids(
     pos_row = np.ascontiguousarray(pos_row, dtype=np.int64)
     layer_index = np.ascontiguousarray(layer_index, dtype=np.int64)
     dtype = np.dtype(src.dtype)
-    kernels = _numba_kernels() if dtype.kind in "iu" and dtype.isnative else None
+    kernels = compiled() if dtype.kind in "iu" and dtype.isnative else None
     if kernels is not None:
         bad = int(kernels.gather_widen(src, layer_index, pos_row, out, where, num_experts, check))
     else:
@@ -422,7 +400,7 @@ def _raise_at(
             f"{what}: expected top-k {k} <= num_experts={num_experts} (padding positions get "
             f"the dummy row [0 .. {k - 1}]), found num_experts={num_experts}"
         )
-    check_router_ids(
+    _check_router_ids(
         src[row : row + 1][:, layer_index], num_experts, layer_ids, token_offset=row, what=what
     )
     raise AssertionError(f"{what}: row {row} expected to fail")  # pragma: no cover
@@ -485,30 +463,24 @@ def _first_bad_row(ids: np.ndarray, num_experts: int | None) -> int:
     return int(np.argmax(per_row))
 
 
-def storage_cap(spec: RouteSpec) -> int:
-    """Largest value the spec's storage holds (int32's when ``num_experts`` is unknown)."""
-    return int(np.iinfo(spec.dtype if spec.num_experts is not None else np.int32).max)
-
-
-def check_route_ids(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
-    """Check the id range of ``arr`` ``[rows, L, K]``; return (min, max) over all layers.
+def _check_range(arr: np.ndarray, spec: RouteSpec, what: str) -> tuple[int, int]:
+    """The id range of ``arr`` ``[rows, L, K]`` (`check_routes` ``rules="range"``): (min, max).
 
     Router layers need ids in ``[0, num_experts)``; every layer needs values
-    ``>= 0`` that fit the storage dtype. Returns ``(0, -1)`` for no rows. Does not
-    check duplicates (:func:`check_distinct_experts`, or :func:`check_routes` for
-    both). Raises `ExpertRangeError` with ``token`` and ``layer`` set.
+    ``>= 0`` that fit the storage dtype. Returns ``(0, -1)`` for no rows. Raises
+    `ExpertRangeError` with ``token`` and ``layer`` set.
     """
     if arr.size == 0:
         return 0, -1
     hi = int(arr.max())
     lo = int(arr.min()) if arr.dtype.kind == "i" else 0
     e = spec.num_experts
-    cap = storage_cap(spec)
+    cap = spec.storage_cap
     if lo >= 0 and hi <= cap and (e is None or hi < e):
         return lo, hi
     layers = list(spec.router_layers)
     if layers and (lo < 0 or (e is not None and hi >= e)):
-        check_router_ids(
+        _check_router_ids(
             arr[:, layers, :] if spec.moe_layers is not None else arr, e, layers, what=what
         )
     bad = (arr < 0) | (arr > cap)
@@ -534,14 +506,14 @@ _BOUNDS: dict[int, tuple[RouteSpec, int, int]] = {}
 def _lean_check(arr: Any, spec: RouteSpec, *, exact: bool = True) -> int | None:
     """`check_routes`' fast path: the largest id when ``arr`` passes both rules, else None.
 
-    ``exact=False`` (`check_turn_routes`): an upper bound of it (below ``num_experts``) is
+    ``exact=False`` (the capture path): an upper bound of it (below ``num_experts``) is
     enough, and top-8 uint8 ids take the fused `scan_top8` pass instead of max + duplicates.
 
     Applies to a non-empty C-contiguous native unsigned numpy ``arr`` ``[rows, L, K]``
     (``K >= 2``) of a spec whose every layer is a router layer (``moe_layers`` None), with
-    the numba backend: one ``max`` (range: ``< num_experts`` and ``<= storage_cap``; unsigned
+    the numba backend: one ``max`` (range: ``< num_experts`` and ``<= spec.storage_cap``; unsigned
     ids are ``>= 0``) and one call of the word kernel for duplicates, without the per-call
-    dispatch of `check_router_ids`. None (not applicable, or some rule fails): the caller
+    dispatch of `_check_router_ids`. None (not applicable, or some rule fails): the caller
     runs the reference checks, which raise the usual errors.
     """
     if (
@@ -555,7 +527,7 @@ def _lean_check(arr: Any, spec: RouteSpec, *, exact: bool = True) -> int | None:
         or arr.shape[2] < 2
     ):
         return None
-    kernels = _KERNELS if isinstance(_KERNELS, ModuleType) else _numba_kernels()
+    kernels = compiled()
     if kernels is None:
         return None
     entry = _BOUNDS.get(id(spec))
@@ -563,7 +535,7 @@ def _lean_check(arr: Any, spec: RouteSpec, *, exact: bool = True) -> int | None:
         e = spec.num_experts
         if len(_BOUNDS) > 64:  # specs are few; never grow without bound
             _BOUNDS.clear()
-        entry = _BOUNDS[id(spec)] = (spec, storage_cap(spec), -1 if e is None else int(e))
+        entry = _BOUNDS[id(spec)] = (spec, spec.storage_cap, -1 if e is None else int(e))
     bounds = entry[1:]
     if not exact and arr.dtype.itemsize == 1 and arr.shape[2] == 8 and bounds[1] >= 0:
         bound: int | None = kernels.scan_top8(arr, bounds[1])  # uint8: always <= the cap
@@ -576,8 +548,9 @@ def _lean_check(arr: Any, spec: RouteSpec, *, exact: bool = True) -> int | None:
     return hi
 
 
-def check_distinct_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> None:
-    """Raise `DuplicateExpertError` if a router-layer row of ``arr`` ``[rows, L, K]`` repeats one.
+def _check_distinct(arr: np.ndarray, spec: RouteSpec, what: str) -> None:
+    """Raise `DuplicateExpertError` if a router-layer row of ``arr`` ``[rows, L, K]`` repeats one
+    (`check_routes` ``rules="distinct"``; negative ids are left to the range rule).
 
     With ``spec.moe_layers=None`` every layer is a router layer; a duplicate on a
     layer that is really dense (vLLM reports zeros there) is then reported with a
@@ -588,8 +561,8 @@ def check_distinct_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "rou
     layers = list(spec.router_layers)
     sub = arr if spec.moe_layers is None else arr[:, layers, :]
     try:
-        check_router_ids(sub, None, layers, what=what)
-    except ExpertRangeError:  # negative ids: check_route_ids reports those
+        _check_router_ids(sub, None, layers, what=what)
+    except ExpertRangeError:  # negative ids: the range rule reports those
         return
     except DuplicateExpertError as exc:
         if (
@@ -607,44 +580,132 @@ def check_distinct_experts(arr: np.ndarray, spec: RouteSpec, *, what: str = "rou
         raise
 
 
-def check_routes(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> tuple[int, int]:
-    """Both rules on ``arr`` ``[rows, L, K]``: `check_route_ids`, then `check_distinct_experts`.
+Rules = Literal["all", "range", "distinct"]
+
+
+@overload
+def check_routes(
+    arr: np.ndarray,
+    spec: RouteSpec,
+    *,
+    what: str = ...,
+    rules: Rules = ...,
+    exact: bool = ...,
+) -> tuple[int, int]: ...
+
+
+@overload
+def check_routes(
+    arr: Any,
+    spec: None = ...,
+    *,
+    what: str = ...,
+    num_experts: int | None = ...,
+    layer_ids: Sequence[int] | None = ...,
+    layers_first: bool = ...,
+    token_offset: int = ...,
+    range_error: type[ExpertRangeError] = ...,
+    duplicate_error: type[DuplicateExpertError] = ...,
+) -> None: ...
+
+
+def check_routes(
+    arr: Any,
+    spec: RouteSpec | None = None,
+    *,
+    what: str = "routes",
+    rules: Rules = "all",
+    exact: bool = True,
+    num_experts: int | None = None,
+    layer_ids: Sequence[int] | None = None,
+    layers_first: bool = False,
+    token_offset: int = 0,
+    range_error: type[ExpertRangeError] = ExpertRangeError,
+    duplicate_error: type[DuplicateExpertError] = DuplicateExpertError,
+) -> tuple[int, int] | None:
+    """The expert-id rules on ``arr``; raise on the first violation.
+
+    **With a spec** (the routes of a `RouteSpec`): ``arr`` is a numpy ``[rows, L, K]`` array
+    of every layer; returns ``(min, max)`` of its values (``(0, -1)`` for no rows).
+
+    * ``rules="all"`` (default): the id range (router layers in ``[0, num_experts)``; every
+      layer ``>= 0`` and within the storage dtype, `RouteSpec.storage_cap`), then distinct
+      experts on router layers (with ``moe_layers=None`` every layer is a router layer; a
+      duplicate on a layer that is all zeros, as vLLM reports dense layers, gets a hint to
+      declare ``moe_layers``).
+    * ``rules="range"``: the id range only (returns (min, max));
+      ``rules="distinct"``: distinct experts only (returns ``(0, -1)``).
+    * ``exact=False`` (the capture path, ``rules="all"``): the returned max may be an upper
+      bound of the largest id, still ``< num_experts`` (top-8 uint8 ids: one fused range +
+      duplicate pass, `r3arrow._kernels._numba.scan_top8`; the min is then 0); exact when
+      ``num_experts`` is None.
 
     The common valid case takes a lean path (`_lean_check`: one max and one duplicate-kernel
-    call, bounds cached per spec; a capture turn calls this once); whenever it does not
-    apply or finds a violation, the two checks run as written, so errors are theirs.
+    call, bounds cached per spec); whenever it does not apply or finds a violation, the rules
+    run as written, so the errors are theirs.
+
+    **Without a spec** (router-layer ids): ``arr`` holds router layers only (select them
+    first), numpy array or torch tensor, ``[tokens, layers, K]`` or ``[layers, tokens, K]``
+    with ``layers_first``; ids must lie in ``[0, num_experts)`` (``num_experts=None``: only
+    ``>= 0``) and be distinct per row. ``layer_ids``: the global layer id of each entry of the
+    layer axis, for messages (default ``0 ..``); ``token_offset``: added to token positions in
+    messages and fields; ``range_error``/``duplicate_error``: the exception types to raise
+    (the replay boundary raises its own subclasses). Returns None. Which offender an error
+    names, when there are several, is defined by the reference block check `_check_block`.
+
+    Raises
+    ------
+    ExpertRangeError
+        (or ``range_error``) an id out of range; ``token`` and ``layer`` locate it.
+    DuplicateExpertError
+        (or ``duplicate_error``) a router-layer row names the same expert twice.
+    ValueError
+        Arguments that do not fit each other (a 3-d array, ``layer_ids`` per layer, the
+        spec-only or router-only options with the other form).
     """
-    lean = _lean_check(arr, spec)
-    if lean is not None:
-        return 0, lean
-    lo_hi = check_route_ids(arr, spec, what=what)
-    check_distinct_experts(arr, spec, what=what)
-    return lo_hi
-
-
-def check_turn_routes(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> int:
-    """`check_routes` for the capture path: the same rules and errors; returns an upper
-    bound of the largest id (-1 for no rows) instead of (min, max).
-
-    The bound is exact when ``spec.num_experts`` is None (the trace widens its dtype by it);
-    otherwise it may exceed the largest id but stays ``< num_experts`` (for top-8 uint8 ids
-    it is the largest lane of the OR of all rows, capped at ``num_experts - 1``: one fused
-    range + duplicate pass,
-    `r3arrow._kernels_numba.scan_top8`, about half the time of a max plus a duplicate test).
-    """
-    if spec.num_experts is not None:
-        lean = _lean_check(arr, spec, exact=False)
+    if spec is None:
+        if rules != "all" or not exact:
+            raise ValueError("check_routes: rules and exact need a spec")
+        if arr.ndim != 3:
+            raise ValueError(f"{what}: expected a 3-d id array, found shape {list(arr.shape)}")
+        layers = range(int(arr.shape[0 if layers_first else 1])) if layer_ids is None else layer_ids
+        _check_router_ids(
+            arr,
+            num_experts,
+            layers,
+            layers_first=layers_first,
+            what=what,
+            token_offset=token_offset,
+            range_error=range_error,
+            duplicate_error=duplicate_error,
+        )
+        return None
+    if (
+        num_experts is not None
+        or layer_ids is not None
+        or layers_first
+        or token_offset
+        or range_error is not ExpertRangeError
+        or duplicate_error is not DuplicateExpertError
+    ):
+        raise ValueError("check_routes: with a spec, the router-layer options do not apply")
+    if rules == "all":
+        if not exact and spec.num_experts is not None:
+            lean = _lean_check(arr, spec, exact=False)
+            if lean is not None:
+                return 0, lean
+        lean = _lean_check(arr, spec)
         if lean is not None:
-            return lean
-    return check_routes(arr, spec, what=what)[1]
+            return 0, lean
+        lo_hi = _check_range(arr, spec, what)
+        _check_distinct(arr, spec, what)
+        return lo_hi
+    if rules == "range":
+        return _check_range(arr, spec, what)
+    if rules == "distinct":
+        _check_distinct(arr, spec, what)
+        return 0, -1
+    raise ValueError(f"rules: expected 'all', 'range' or 'distinct', found {rules!r}")
 
 
-__all__ = [
-    "check_distinct_experts",
-    "check_route_ids",
-    "check_router_ids",
-    "check_routes",
-    "check_turn_routes",
-    "gather_router_ids",
-    "storage_cap",
-]
+__all__ = ["check_routes", "gather_router_ids"]

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, R3ArrowError
-from r3arrow.ids import check_router_ids, gather_router_ids
+from r3arrow.ids import check_routes, gather_router_ids
 
 
 def _put(
@@ -88,8 +88,11 @@ class _RouteSource:
             tid = self.batch.column("trajectory_id")[i].as_py()
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         try:  # the reference check on this trajectory: its token positions and layers
-            check_router_ids(
-                self.routes[a:b][:, layer_index], num_experts, layers, what=f"routes of row {g}"
+            check_routes(
+                self.routes[a:b][:, layer_index],
+                num_experts=num_experts,
+                layer_ids=layers,
+                what=f"routes of row {g}",
             )
         except (ExpertRangeError, DuplicateExpertError) as found:
             return type(found)(

@@ -11,9 +11,9 @@ Why this module (``docs/storage.md``, "Full reads"): the copy moves many small p
 (48 bytes per group and token for 6 layers of top-8 uint8), so a per-group numpy copy
 spends its time in per-row loop overhead, not moving memory.
 
-* With numba (extra ``fast``; not with ``R3ARROW_NO_NUMBA=1``) already imported (see
-  `_numba`: importing it costs about 1 s) and an output of at least `NUMBA_MIN_BYTES`,
-  a compiled kernel (`r3arrow.io._interleave_numba`) walks the
+* On the numba backend (`r3arrow._kernels`; extra ``fast``) with numba already imported
+  (see `_numba`: importing it costs about 1 s) and an output of at least `NUMBA_MIN_BYTES`,
+  a compiled kernel (`r3arrow._kernels._numba.copy_runs`) walks the
   tokens once and copies every run of a token in machine words (8, 4, 2 or 1 bytes:
   the widest dividing every offset and length), reading up to 8 groups per pass. Row
   ranges run on up to `THREADS` threads (the kernel releases the GIL).
@@ -27,7 +27,6 @@ fresh pages from the OS, and Arrow's pool statistics count it like the rest of a
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 import sys
@@ -39,6 +38,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from r3arrow._kernels import compiled, decided
+
 #: Outputs smaller than this use numpy (a kernel call has a fixed cost).
 NUMBA_MIN_BYTES = 1 << 20
 #: Bytes interleaved with numpy after which this module imports numba itself.
@@ -47,36 +48,27 @@ IMPORT_AFTER_BYTES = 2 << 30
 THREADS = max(1, min(4, os.cpu_count() or 1))
 _MIN_SLICE = 4 << 20
 _BLOCK = 2 << 20  # numpy path: output bytes per block of rows (stays in cache)
-_NO_NUMBA_ENV = "R3ARROW_NO_NUMBA"
 
 Run = tuple[int, int, int, int]  # (part, src_byte, dst_byte, nbytes)
 
-_KERNELS: ModuleType | bool | None = None  # None: not decided yet; False: numpy
 _SEEN = 0  # bytes interleaved with numpy before numba was imported
 _POOL: ThreadPoolExecutor | None = None
 _POOL_PID = 0
 
 
 def _numba(nbytes: int = 0, *, force: bool = False) -> ModuleType | None:
-    """`r3arrow.io._interleave_numba` when numba imports and ``R3ARROW_NO_NUMBA`` is unset.
+    """`r3arrow._kernels.compiled` (the numba kernels, or None on the numpy backend).
 
-    numba is imported here only when something else already imported it (the id checks
-    of a validating read, the statistics kernels), when ``force`` is set (`warm_up`), or
-    once this process has interleaved `IMPORT_AFTER_BYTES` with numpy: importing it and
-    loading the cached kernel costs about 1 s, which pays off only over gigabytes.
+    numba is imported here (the backend decided) only when something else already imported
+    it (the id checks of a validating read, the statistics kernels), when ``force`` is set
+    (`warm_up`), or once this process has interleaved `IMPORT_AFTER_BYTES` with numpy:
+    importing it and loading the cached kernel costs about 1 s, which pays off only over gigabytes.
     """
-    global _KERNELS, _SEEN
-    if os.environ.get(_NO_NUMBA_ENV, "") not in ("", "0"):
+    global _SEEN
+    if not decided() and not force and "numba" not in sys.modules and _SEEN < IMPORT_AFTER_BYTES:
+        _SEEN += nbytes
         return None
-    if _KERNELS is None:
-        if not force and "numba" not in sys.modules and _SEEN < IMPORT_AFTER_BYTES:
-            _SEEN += nbytes
-            return None
-        try:
-            _KERNELS = importlib.import_module("r3arrow.io._interleave_numba")
-        except ImportError:  # numba (or llvmlite) not installed: numpy path
-            _KERNELS = False
-    return _KERNELS if isinstance(_KERNELS, ModuleType) else None
+    return compiled()
 
 
 def _pool() -> ThreadPoolExecutor:

@@ -17,11 +17,11 @@ straight through when the calling thread has no probe: the replayed indices and 
 are the unpatched function's own return values, untouched.
 
 Device work per observed call: on the CPU with numba (the ``fast`` extra; `_compiled_row`,
-``_probe_numba``) one read of the scores per row decides ``|N ∩ R|`` and megatron's top-k runs
-only on rows with a tie across the K-th place (or a NaN); without numba, for float16, on the
-GPU or with group-limited routing `_native_overlap` (torch): on the CPU the native top-k of
-the rows whose target is not provably the unique top-k set, elsewhere of every row and a
-``[T, K, K]`` comparison. Counts accumulate in device tensors; one host sync when the
+`r3arrow._kernels._numba`) one read of the scores per row decides ``|N ∩ R|`` and megatron's
+top-k runs only on rows with a tie across the K-th place (or a NaN); without numba, for
+float16, on the GPU or with group-limited routing `_native_overlap` (torch): on the CPU the
+native top-k of the rows whose target is not provably the unique top-k set, elsewhere of every
+row and a ``[T, K, K]`` comparison. Counts accumulate in device tensors; one host sync when the
 schedule ends (on the CPU, the reductions run in numpy). A measurement that fails never
 fails the forward: `ReplayProbe.agreement` raises `ReplayError` with the reason instead.
 """
@@ -29,14 +29,13 @@ fails the forward: `ReplayProbe.agreement` raises `ReplayError` with the reason 
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from r3arrow._kernels import compiled
 from r3arrow.errors import ReplayError
 from r3arrow.megatron._routers import _global_layer, _router_replay
 
@@ -329,23 +328,6 @@ def _native_overlap(
     return overlap
 
 
-def _kernels() -> Any:
-    """`r3arrow.megatron._probe_numba` where numba imports and ``R3ARROW_NO_NUMBA`` is unset
-    (read on every call: tests switch paths), else None."""
-    global _NUMBA
-    if os.environ.get("R3ARROW_NO_NUMBA", "") not in ("", "0"):
-        return None
-    if _NUMBA is None:
-        try:
-            _NUMBA = importlib.import_module("r3arrow.megatron._probe_numba")
-        except ImportError:  # numba (the `fast` extra) not installed: the torch path
-            _NUMBA = False
-    return _NUMBA or None
-
-
-_NUMBA: Any = None  # None: not tried yet; False: numba missing; else the kernel module
-
-
 def _compiled_row(
     scores: torch.Tensor,
     replayed: tuple[torch.Tensor, torch.Tensor],
@@ -358,9 +340,10 @@ def _compiled_row(
     where it does not apply (no numba, not the CPU, group-limited routing, a dtype other
     than float32/float64/bfloat16, ``E <= K``): then `_native_overlap` runs.
 
-    One read of the scores, one int8 written per row (``_probe_numba``); only rows the kernel
-    leaves undecided (a tie across the K-th place, a NaN) run ``default_compute_topk``."""
-    kern = _kernels()
+    One read of the scores, one int8 written per row (`r3arrow._kernels._numba.overlap_rows`);
+    only rows the kernel leaves undecided (a tie across the K-th place, a NaN) run
+    ``default_compute_topk``."""
+    kern = compiled()  # the numba kernels (`r3arrow._kernels`), None: the torch path
     target = replayed[1]
     k = int(target.shape[-1])
     if (

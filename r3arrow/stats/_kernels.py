@@ -4,25 +4,23 @@ Work is split into cache-sized chunks of tokens (slices, or index arrays of a
 selection) and run on a thread pool: numpy and torch release the GIL in the
 kernels, so chunks run in parallel. Id checks go through `r3arrow.ids`.
 
-`numba_kernels` chooses the backend: the numba kernels of `r3arrow.stats._numba` (one pass
-over the ids; the optional extra ``fast``) unless numba is missing or ``R3ARROW_NO_NUMBA`` is
-set, else the numpy kernels here. Both give the same integers and the same errors.
+`r3arrow._kernels.compiled` chooses the backend: the numba kernels (`r3arrow._kernels._numba`,
+one pass over the ids; the optional extra ``fast``) on the numba backend, else the numpy
+kernels here. Both give the same integers and the same errors.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType
 from typing import TypeVar
 
 import numpy as np
 
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteShapeError
-from r3arrow.ids import check_router_ids
+from r3arrow.ids import check_routes
 
 # Ids per chunk of the kernels: small enough that codes and bool temporaries stay in
 # cache, large enough that the per-chunk Python overhead is noise (measured: 2**18).
@@ -30,28 +28,10 @@ CHUNK_IDS = 1 << 18
 _MAX_THREADS = 8
 # Ids per chunk of the numba kernels: large (no cache-sized temporaries), several per thread.
 NUMBA_CHUNK_IDS = 1 << 22
-_NO_NUMBA_ENV = "R3ARROW_NO_NUMBA"  # set (not "" or "0"): the numpy kernels
-_NUMBA: ModuleType | bool | None = None  # the imported kernels, False: numba missing
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 _T = TypeVar("_T")
 Chunk = np.ndarray | slice
-
-
-def numba_kernels() -> ModuleType | None:
-    """`r3arrow.stats._numba` where numba imports and ``R3ARROW_NO_NUMBA`` is unset, else None.
-
-    The environment is read on every call (tests switch backends); the import happens once.
-    """
-    global _NUMBA
-    if os.environ.get(_NO_NUMBA_ENV, "") not in ("", "0"):
-        return None
-    if _NUMBA is None:
-        try:
-            _NUMBA = importlib.import_module("r3arrow.stats._numba")
-        except ImportError:  # numba (or llvmlite) not installed: the numpy kernels
-            _NUMBA = False
-    return _NUMBA if isinstance(_NUMBA, ModuleType) else None
 
 
 def router_block(arr: np.ndarray, layers: list[int] | None, rows: Chunk) -> np.ndarray:
@@ -89,22 +69,31 @@ def check_selection(sel: np.ndarray | None, n: int) -> np.ndarray | None:
 def check_ids(
     block: np.ndarray, num_experts: int | None, layers: Sequence[int], what: str, rows: Chunk
 ) -> None:
-    """`check_router_ids` on ``block`` (rows ``rows`` of a route array), errors at the global row.
+    """`r3arrow.ids.check_routes` on ``block`` (rows ``rows`` of a route array), errors at the
+    global row.
 
     ``block`` is ``[c, len(layers), K]``; the raised error's ``token`` (and the
     message) is the row index in the whole array, also for a selection chunk.
     """
     if isinstance(rows, slice):
-        check_router_ids(block, num_experts, layers, what=what, token_offset=rows.start or 0)
+        check_routes(
+            block,
+            num_experts=num_experts,
+            layer_ids=layers,
+            what=what,
+            token_offset=rows.start or 0,
+        )
         return
     try:
-        check_router_ids(block, num_experts, layers, what=what)
+        check_routes(block, num_experts=num_experts, layer_ids=layers, what=what)
     except (ExpertRangeError, DuplicateExpertError) as exc:
-        if exc.token is None:  # pragma: no cover - check_router_ids always sets it
+        if exc.token is None:  # pragma: no cover - check_routes always sets it
             raise
         t = exc.token
         row = block[t : t + 1]
-        check_router_ids(row, num_experts, layers, what=what, token_offset=int(rows[t]))
+        check_routes(
+            row, num_experts=num_experts, layer_ids=layers, what=what, token_offset=int(rows[t])
+        )
         raise  # pragma: no cover - the row alone fails the same check
 
 
@@ -123,7 +112,9 @@ def raise_range(
     if sel is not None:
         per_row &= sel
     t = int(np.argmax(per_row))
-    check_router_ids(arr[t : t + 1], num_experts, layers, what=what, token_offset=t)
+    check_routes(
+        arr[t : t + 1], num_experts=num_experts, layer_ids=layers, what=what, token_offset=t
+    )
     raise AssertionError(f"{what}: row {t} expected out of range")  # pragma: no cover
 
 
@@ -170,7 +161,6 @@ __all__ = [
     "check_selection",
     "chunks",
     "map_chunks",
-    "numba_kernels",
     "raise_range",
     "router_block",
 ]

@@ -7,16 +7,19 @@ framework needed); hypothesis strategies live in :mod:`r3arrow.testing.strategie
 * `random_routes`: valid ``[rows, L, K]`` routes for a spec.
 * `random_rollouts`: a valid rollout table from per-trajectory shapes.
 * `assert_rollouts_equal`: schema, spec and every column exactly equal.
+* `use_backend`: run a block on the numba or the numpy kernels (the one test seam).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from r3arrow import _kernels
 from r3arrow._checks import check_positive_int
 from r3arrow._typing import TableLike
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
@@ -137,4 +140,26 @@ def assert_rollouts_equal(a: TableLike, b: TableLike) -> None:
             raise AssertionError(f"column {name!r} differs: {_first_difference(col_a, col_b)}")
 
 
-__all__ = ["assert_rollouts_equal", "random_rollouts", "random_routes"]
+@contextmanager
+def use_backend(name: _kernels.Backend) -> Iterator[None]:
+    """Run the block with r3arrow's kernels on ``name``: ``"numba"`` or ``"numpy"``.
+
+    The one test seam for the backend (`r3arrow._kernels`): every accelerated path (id
+    checks, fused collation, statistics, interleave, replay probe) follows it; the previous
+    choice comes back on exit. Outside tests the documented switch is the environment variable
+    ``R3ARROW_NO_NUMBA=1`` (read once per process). ``"numba"`` raises ImportError when numba
+    is not installed (tests: ``pytest.importorskip("numba")`` first).
+    """
+    if name not in ("numba", "numpy"):
+        raise ValueError(f"use_backend: expected 'numba' or 'numpy', found {name!r}")
+    try:
+        previous = _kernels.set_backend(name)
+    except ImportError as exc:
+        raise ImportError(f"use_backend('numba'): numba is not installed ({exc})") from exc
+    try:
+        yield
+    finally:
+        _kernels.restore(previous)
+
+
+__all__ = ["assert_rollouts_equal", "random_rollouts", "random_routes", "use_backend"]

@@ -1,7 +1,7 @@
 """The fast id checks of r3arrow/ids.py against an independent reference.
 
 Both CPU backends run every property (the ``backend`` fixture): numba (the kernels of
-`r3arrow._kernels_numba` find the first failing token; skipped where numba is not installed)
+`r3arrow._kernels._numba` find the first failing token; skipped where numba is not installed)
 and numpy (`_Scratch.has_duplicate` per block). The fast path (the reference check only on
 the failing block) must accept and reject exactly what ``np.sort`` + adjacent compare does,
 for every dtype, top-k 1..9, both layouts, non-contiguous inputs and router-layer subsets, and must
@@ -14,6 +14,7 @@ that rule independently; small ``_BLOCK_IDS`` values make multi-block cases smal
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -26,11 +27,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3arrow import ids
+from r3arrow import _kernels, ids
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError
-from r3arrow.ids import check_distinct_experts, check_router_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
-from r3arrow.testing import random_routes
+from r3arrow.testing import random_routes, use_backend
 from r3arrow.testing.strategies import routes, specs
 
 # The backend fixture is function-scoped but constant across a test's examples.
@@ -42,16 +43,32 @@ FAST = settings(
 DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "uint32", "int64", "uint64"]
 
 
+def check_router_ids(arr: Any, num_experts: int | None, layer_ids: Any, **kw: Any) -> None:
+    """`check_routes` without a spec: the router-layer rules."""
+    check_routes(arr, num_experts=num_experts, layer_ids=layer_ids, **kw)
+
+
+def check_distinct_experts(arr: np.ndarray, spec: RouteSpec) -> None:
+    """`check_routes` with only the distinct rule."""
+    check_routes(arr, spec, rules="distinct")
+
+
+def _numba_kernels() -> Any:
+    """The numba kernels module (`r3arrow._kernels._numba`); skips without numba."""
+    pytest.importorskip("numba")
+    return importlib.import_module("r3arrow._kernels._numba")
+
+
 @pytest.fixture(params=["numba", "numpy"])
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run the test on one CPU backend of `check_router_ids` (``ids._KERNELS`` chosen)."""
+    """Run the test on one CPU backend of the id checks (`r3arrow.testing.use_backend`)."""
     if request.param == "numba":
-        kernels = pytest.importorskip("r3arrow._kernels_numba")
-        kernels.warm_up()  # compile (or load the cache) outside the examples
-        choice: Any = kernels
-    else:
-        choice = False
-    with mock.patch.object(ids, "_KERNELS", choice):
+        pytest.importorskip("numba")
+    with use_backend(request.param):
+        if request.param == "numba":
+            kernels = _kernels.compiled()
+            assert kernels is not None
+            kernels.warm_up()  # compile (or load the cache) outside the examples
         yield str(request.param)
 
 
@@ -218,7 +235,7 @@ def test_numba_first_duplicate_token_any_layout(
     case: tuple[np.ndarray, int], offset: int, stride: int
 ) -> None:
     """The numba kernel itself: word rows (2/4/8 bytes) and the general path, every layout."""
-    kernels = pytest.importorskip("r3arrow._kernels_numba")
+    kernels = _numba_kernels()
     arr, _ = case
     if arr.shape[0] == 0:
         return
@@ -240,7 +257,7 @@ def test_numba_first_duplicate_token_any_layout(
 @pytest.mark.parametrize(("k", "dtype"), [(8, "uint8"), (4, "uint16"), (2, "int32"), (6, "uint8")])
 def test_numba_kernel_across_chunks(k: int, dtype: str, layers_first: bool) -> None:
     """Many chunks of rows (1024 per chunk): the first duplicate in a late chunk, exactly."""
-    kernels = pytest.importorskip("r3arrow._kernels_numba")
+    kernels = _numba_kernels()
     rng = np.random.default_rng(k)
     arr = np.argsort(rng.random((3000, 3, 16)), axis=-1)[..., :k].astype(dtype)
     assert kernels.first_duplicate_token(arr, False) == -1
@@ -251,20 +268,31 @@ def test_numba_kernel_across_chunks(k: int, dtype: str, layers_first: bool) -> N
 
 
 def test_backend_choice_env_and_missing_numba(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``R3ARROW_NO_NUMBA=1`` forces numpy; without numba, numpy; else the numba kernels."""
-    monkeypatch.setattr(ids, "_KERNELS", None)
-    monkeypatch.setenv("R3ARROW_NO_NUMBA", "1")
-    assert ids._numba_kernels() is None
-    monkeypatch.setattr(ids, "_KERNELS", None)
-    monkeypatch.delenv("R3ARROW_NO_NUMBA")
-    monkeypatch.setitem(sys.modules, "r3arrow._kernels_numba", None)  # as if numba were absent
-    assert ids._numba_kernels() is None
-    monkeypatch.undo()
-    monkeypatch.setattr(ids, "_KERNELS", None)
-    monkeypatch.delenv("R3ARROW_NO_NUMBA", raising=False)
-    pytest.importorskip("numba")
-    kernels = ids._numba_kernels()
-    assert kernels is not None and kernels.__name__ == "r3arrow._kernels_numba"
+    """``R3ARROW_NO_NUMBA=1`` forces numpy; without numba, numpy; else the numba kernels.
+
+    The loader decides once (cached); ``set_backend(None)`` makes it decide again here."""
+    saved = _kernels.set_backend(None)
+    try:
+        monkeypatch.setenv("R3ARROW_NO_NUMBA", "1")
+        assert _kernels.compiled() is None and _kernels.backend() == "numpy"
+        _kernels.set_backend(None)
+        monkeypatch.delenv("R3ARROW_NO_NUMBA")
+        monkeypatch.setitem(sys.modules, "r3arrow._kernels._numba", None)  # as if numba absent
+        assert _kernels.compiled() is None
+        monkeypatch.undo()
+        _kernels.set_backend(None)
+        monkeypatch.delenv("R3ARROW_NO_NUMBA", raising=False)
+        pytest.importorskip("numba")
+        kernels = _kernels.compiled()
+        assert kernels is not None and kernels.__name__ == "r3arrow._kernels._numba"
+        assert _kernels.backend() == "numba"
+        with use_backend("numpy"):
+            assert _kernels.compiled() is None
+        assert _kernels.compiled() is kernels
+        with pytest.raises(ValueError, match="backend"), use_backend("cuda"):  # type: ignore[arg-type]
+            pass
+    finally:
+        _kernels.restore(saved)
 
 
 def test_import_r3arrow_does_not_import_numba() -> None:
@@ -382,7 +410,7 @@ def test_gather_router_ids_literal(backend: str, dtype: str, k: int, experts: in
 # ------------------------------------------------- the lean per-turn check (capture)
 def _reference_routes(arr: np.ndarray, spec: RouteSpec) -> tuple[int, int]:
     """`check_routes` without its lean path: the two rules as written."""
-    lo_hi = ids.check_route_ids(arr, spec)
+    lo_hi = check_routes(arr, spec, rules="range")
     check_distinct_experts(arr, spec)
     return lo_hi
 
@@ -401,8 +429,8 @@ def test_lean_checks_match_the_reference(
     edits: list[tuple[int, int]],
     tokens: int,
 ) -> None:
-    """`check_routes` and `check_turn_routes` (fused `scan_top8` for top-8 uint8) raise what the
-    reference raises, token and layer included; valid: the exact max / an upper bound of it
+    """`check_routes` and its ``exact=False`` form (fused `scan_top8` for top-8 uint8) raise what
+    the reference raises, token and layer included; valid: the exact max / an upper bound of it
     below num_experts (exact without num_experts)."""
     _, k, experts = shape
     spec = RouteSpec(num_layers=3, topk=k, num_experts=experts)
@@ -413,18 +441,18 @@ def test_lean_checks_match_the_reference(
         flat[where % flat.size] = value
     want = _raised(lambda: _reference_routes(arr, spec))
     assert _raised(lambda: ids.check_routes(arr, spec)) == want
-    assert _raised(lambda: ids.check_turn_routes(arr, spec)) == want
+    assert _raised(lambda: check_routes(arr, spec, exact=False)[1]) == want
     if want is None:
         hi = int(arr.max())
         assert ids.check_routes(arr, spec) == (0, hi)
-        assert hi <= ids.check_turn_routes(arr, spec) < experts
+        assert hi <= check_routes(arr, spec, exact=False)[1] < experts
         open_spec = RouteSpec(num_layers=3, topk=k, num_experts=None)
-        assert ids.check_turn_routes(arr, open_spec) == hi
+        assert check_routes(arr, open_spec, exact=False)[1] == hi
 
 
 def test_scan_top8_literal() -> None:
     """The fused pass on literal rows: a duplicate, an id at the bound, the OR bound."""
-    kernels = pytest.importorskip("r3arrow._kernels_numba")
+    kernels = _numba_kernels()
     rows = np.array([[0, 1, 2, 3, 4, 5, 6, 7], [64, 9, 10, 11, 12, 13, 14, 15]], dtype=np.uint8)
     assert kernels.scan_top8(rows, 128) == 64  # per lane OR, the largest: 0 | 64
     rows[0, 1] = 66  # lane 1: 66 | 9 = 75, above every id

@@ -7,6 +7,8 @@ word size (ids of 1, 2 and 4 bytes, odd ``K``) and any selection of layers.
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,24 +22,22 @@ from r3arrow.io import _interleave, read_rollouts, write_rollouts
 from r3arrow.io._interleave import word_size
 from r3arrow.spec import RouteSpec, routes_to_numpy
 from r3arrow.table import route_spec
-from r3arrow.testing import random_rollouts
+from r3arrow.testing import random_rollouts, use_backend
 
-_HAS_NUMBA = _interleave._numba(force=True) is not None
+_HAS_NUMBA = importlib.util.find_spec("numba") is not None
 
 
 @pytest.fixture(params=["numba", "numpy"])
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Force the numba kernel on every size (2 threads on tiny slices), or numpy."""
     if request.param == "numba":
         if not _HAS_NUMBA:
             pytest.skip("numba is not installed")
-        monkeypatch.setenv("R3ARROW_NO_NUMBA", "0")
         monkeypatch.setattr(_interleave, "NUMBA_MIN_BYTES", 0)
         monkeypatch.setattr(_interleave, "_MIN_SLICE", 64)
         monkeypatch.setattr(_interleave, "THREADS", 2)
-    else:
-        monkeypatch.setenv("R3ARROW_NO_NUMBA", "1")
-    return str(request.param)
+    with use_backend(request.param):
+        yield str(request.param)
 
 
 def _rows(table: pa.Table, spec: RouteSpec) -> np.ndarray:
@@ -99,7 +99,6 @@ def test_a_large_read_takes_the_numba_path(tmp_path: Path, monkeypatch: pytest.M
     """Above NUMBA_MIN_BYTES the kernel runs (when numba imports), and gives the same rows."""
     if not _HAS_NUMBA:
         pytest.skip("numba is not installed")
-    monkeypatch.setenv("R3ARROW_NO_NUMBA", "0")
     monkeypatch.setattr(_interleave, "NUMBA_MIN_BYTES", 1 << 16)
     calls: list[int] = []
     real = _interleave._numba_copy
@@ -112,6 +111,7 @@ def test_a_large_read_takes_the_numba_path(tmp_path: Path, monkeypatch: pytest.M
     spec = RouteSpec(num_layers=16, topk=8, num_experts=64)
     table = random_rollouts(np.random.default_rng(1), spec, [(100, 500, 600)] * 2)
     path = write_rollouts(table, tmp_path / "r.parquet")
-    got = read_rollouts(path, validate=False)
+    with use_backend("numba"):
+        got = read_rollouts(path, validate=False)
     assert calls
     np.testing.assert_array_equal(_rows(got, spec), _rows(table, spec))

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 import r3arrow
 import r3arrow.ids
 from r3arrow import RouteSpec
-from r3arrow.collate import MegatronCollator, Microbatch
+from r3arrow.collate import MegatronCollator, Microbatch, Parallelism
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteShapeError
 from r3arrow.ids import gather_router_ids
-from r3arrow.testing import random_rollouts
+from r3arrow.testing import random_rollouts, use_backend
 from r3arrow.testing.strategies import specs
 
 try:  # megatron-core (extra "megatron"): the install test needs real RouterReplay instances
@@ -42,12 +42,12 @@ BACKENDS = ["numba", "numpy"]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Run the test on the numba kernel and on the numpy fallback (R3ARROW_NO_NUMBA)."""
-    monkeypatch.setattr(r3arrow.ids, "_KERNELS", None if request.param == "numba" else False)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test on the numba kernel and on the numpy fallback (`use_backend`)."""
     if request.param == "numba":
         pytest.importorskip("numba")
-    yield str(request.param)
+    with use_backend(request.param):
+        yield str(request.param)
 
 
 def _reference(src: np.ndarray, layer_index: np.ndarray, pos_row: np.ndarray) -> np.ndarray:
@@ -90,12 +90,8 @@ def test_gather_matches_reference(
     if src.shape[0] == 0:
         pos_row[:] = -1
     out = np.zeros((n_local, positions, columns, spec.topk), dtype=np.int32)
-    saved = r3arrow.ids._KERNELS
-    r3arrow.ids._KERNELS = None if numba_backend else False
-    try:
+    with use_backend("numba" if numba_backend else "numpy"):
         gather_router_ids(src, layer_index, pos_row, out, spec.num_experts, list(layer_index))
-    finally:
-        r3arrow.ids._KERNELS = saved
     np.testing.assert_array_equal(out, _reference(src, layer_index, pos_row))
 
 
@@ -206,8 +202,8 @@ def _same(a: Microbatch, b: Microbatch) -> None:
     [
         {"packed": True, "align": 4},
         {"packed": False, "align": 2},
-        {"packed": True, "cp_size": 2, "cp_rank": 1},
-        {"packed": False, "cp_size": 2, "cp_rank": 0},
+        {"packed": True, "parallel": Parallelism(cp_size=2, cp_rank=1)},
+        {"packed": False, "parallel": Parallelism(cp_size=2, cp_rank=0)},
     ],
 )
 def test_multi_chunk_routes_equal_one_chunk(backend: str, kw: dict[str, Any]) -> None:

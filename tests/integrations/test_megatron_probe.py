@@ -35,12 +35,13 @@ from r3arrow.errors import ReplayError  # noqa: E402
 from r3arrow.megatron import (  # noqa: E402
     ReplayProbe,
     install_replay,
+    model_inputs,
     replay_backward,
     replay_schedule,
-    stage_padding_mask,
 )
 from r3arrow.stats import RouteAgreement  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
+from r3arrow.testing import use_backend  # noqa: E402
 from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 
 EXPERTS, TOPK = 8, 3
@@ -56,15 +57,13 @@ def megatron() -> Iterator[CpuMegatron]:
 
 
 @pytest.fixture(params=["numba", "torch"], autouse=True)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test on both CPU paths of the probe: the numba kernel (the ``fast`` extra) and
-    the torch fallback (``R3ARROW_NO_NUMBA``, read on every router call)."""
+    the torch fallback (the numpy backend, `r3arrow.testing.use_backend`)."""
     if request.param == "numba":
         pytest.importorskip("numba")
-        monkeypatch.delenv("R3ARROW_NO_NUMBA", raising=False)
-    else:
-        monkeypatch.setenv("R3ARROW_NO_NUMBA", "1")
-    return str(request.param)
+    with use_backend("numba" if request.param == "numba" else "numpy"):
+        yield str(request.param)
 
 
 def _routers(meg: CpuMegatron, seed: int = 0) -> list[Any]:
@@ -166,7 +165,7 @@ def _inputs(case: Case, mb: Microbatch, seed: int = 7) -> tuple[torch.Tensor, to
     hidden = hidden.reshape(s, b, EXPERTS) * 0.25
     for i, t, q, col in _positions(mb):
         hidden[q, col] = case.scores[i][t]
-    pad = stage_padding_mask(mb, pre_process=True).transpose(0, 1).bool()
+    pad = model_inputs(mb, pre_process=True)["padding_mask"].transpose(0, 1).bool()
     return torch.from_numpy(hidden), pad
 
 

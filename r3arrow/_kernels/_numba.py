@@ -1,0 +1,873 @@
+"""The numba kernels of r3arrow, all of them (private; loaded by `r3arrow._kernels.compiled`).
+
+Only imported where numba imports and ``R3ARROW_NO_NUMBA`` is unset (`r3arrow._kernels`). Every
+kernel has a numpy (or torch) twin beside its caller that is the reference: the kernels only
+*find* (the first failing token or position, a flag for bad input) and the caller re-runs its
+reference on that piece, so messages, error fields and the "first offender" rule are the
+reference's. Sections:
+
+* **Expert ids** (`first_duplicate_token`, `scan_top8`, `gather_widen`; callers `r3arrow.ids`,
+  docs/design.md "Expert ids", ``docs/collation.md``). Rows of ``K * itemsize`` = 2, 4 or 8
+  bytes (C-contiguous, little-endian) are read as uint64 words of ``64 // (K * bits)`` rows,
+  ``K`` lanes each: for each rotation ``r = 1 .. K // 2`` by ``r`` lanes within every row,
+  ``x = w ^ rot(w, r)`` has a zero lane exactly when two ids at distance ``r`` are equal, and
+  ``(x - 0x01..01) & ~x & 0x80..80`` is nonzero exactly when ``x`` has a zero lane; the test is
+  OR-accumulated without branches (vectorised), and a failing range is rescanned row by row.
+  Other C-contiguous rows compare the ``K // 2`` lane rotations per row; any strides go through
+  transposed ``[K, chunk]`` buffers. The specialisations per top-k and lane width are
+  **generated**: `_word_kernels` (``K``, ``bits``) and `_elems_kernel` (``K``) build the njit
+  functions from one source with ``K``, ``bits`` and the lane masks as compile-time constants
+  (closure variables: numba folds them, about twice the speed of runtime shift amounts), cached
+  per key (in memory, and by numba's cache, whose index keys on the closure values).
+* **Statistics** (`count_codes`, `count_bytes`, `agree`; `r3arrow.stats._counts`,
+  `r3arrow.stats._agreement`): one pass over the ids; they never raise, bad input is flagged.
+* **Interleave** (`copy_runs`; `r3arrow.io._interleave`): the runs of a layer-group restore.
+* **Replay probe** (`overlap_rows`, `overlap_rows_bf16`; `r3arrow.megatron._probe`,
+  ``docs/replay-probe.md``): ``|native ∩ replayed|`` per token in one read of the scores.
+
+Compilation: ``cache=True`` stores the machine code in ``__pycache__`` next to this file (or
+numba's user cache where that is not writable; ``NUMBA_CACHE_DIR`` overrides): the first call per
+signature in a fresh environment compiles for a few seconds, later processes load it.
+``nogil=True``: the kernels run in parallel with other Python threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+
+_CHUNK = 1024  # rows per chunk of the strided path: the transposed ids stay in L1
+_GATHER_BLOCK = 256  # positions per block of the fused gather: the block's words stay in L1
+_WORD: dict[int, np.dtype[Any]] = {
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
+
+
+# ------------------------------------------------------------------------------ expert ids
+def _masks(k: int, bits: int, fields: int) -> tuple[int, int, int]:
+    """``(ones, highs, rows)`` for ``fields`` rows of ``k`` lanes of ``bits`` in a uint64: bit 0
+    of every lane, the top bit of every lane, and every row's bits (all ones)."""
+    kb = k * bits
+    ones = sum(1 << (q * bits) for q in range(k * fields))
+    field = (1 << kb) - 1
+    rows = sum(field << (q * kb) for q in range(fields))
+    return ones, ones << (bits - 1), rows
+
+
+@functools.cache
+def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(first_token, gather)`` for rows of ``k`` lanes of ``bits`` (``k * bits`` = 16, 32 or
+    64), generated with the row geometry and masks as constants.
+
+    ``first_token(words, rows, n_a, n_b, layers_first)``: the smallest token of C-contiguous
+    ``[A, B]`` rows (``rows``: one unsigned word each; ``words``: the same bytes as whole uint64
+    words) whose row repeats an id, -1 for none. ``gather(words, n_layers, layer_index, pos_row,
+    out, span, dummy, mode, c, check)`` (``k * bits == 64`` only): the fused gather of
+    `gather_widen`; each position's local-layer words are tested (range ``mode``/``c`` of
+    `_range_bits`, and duplicates) in registers, still compact, and widened straight into
+    ``out`` ``[n_local, P * C * K]`` (no staging buffer); per block of positions the tests are
+    OR-accumulated, and a failing block returns its first failing position ``p * C + col``
+    before the next block is written, -1 if none fails.
+    """
+    kb = k * bits
+    per = 64 // kb  # rows per uint64
+    half = k // 2
+    one_ones, one_highs, one_field = (np.uint64(v) for v in _masks(k, bits, 1))
+    w_ones, w_highs, _ = (np.uint64(v) for v in _masks(k, bits, per))
+    # per rotation r: the bits of every row that move down by r lanes (the others move up)
+    lows = tuple(
+        np.uint64(sum(((1 << (kb - r * bits)) - 1) << (q * kb) for q in range(per)))
+        for r in range(1, half + 1)
+    )
+    full = np.uint64((1 << 64) - 1)  # per * kb == 64: every bit of a word is some row's
+    lane = np.uint64((1 << bits) - 1)
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def row_bits(v: Any) -> Any:  # nonzero: row ``v`` (low ``kb`` bits) has two equal lanes
+        t = np.uint64(0)
+        for r in range(1, half + 1):
+            s = np.uint64(r * bits)
+            x = v ^ (((v >> s) | (v << np.uint64(kb - r * bits))) & one_field)
+            t |= (x - one_ones) & ~x
+        return t & one_highs
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def word_bits(v: Any) -> Any:  # nonzero: some row of word ``v`` has two equal lanes
+        t = np.uint64(0)
+        for i in range(half):
+            s = np.uint64((i + 1) * bits)
+            low = lows[i]
+            rot = ((v >> s) & low) | ((v << np.uint64(kb - (i + 1) * bits)) & (full & ~low))
+            x = v ^ rot
+            t |= (x - w_ones) & ~x
+        return t & w_highs
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def first_row(words: Any, rows: Any, start: int, stop: int) -> int:
+        lo_word = (start + per - 1) // per  # words wholly inside [start, stop)
+        hi_word = max(lo_word, min(stop // per, words.shape[0]))
+        head_end = min(stop, lo_word * per)
+        for j in range(start, head_end):
+            if row_bits(np.uint64(rows[j])) != 0:
+                return j
+        sub = words[lo_word:hi_word]  # a loop from 0 to a length vectorises
+        acc = np.uint64(0)
+        for j in range(sub.shape[0]):  # branch-free: vectorised across words
+            acc |= word_bits(sub[j])
+        if acc != 0:
+            for j in range(lo_word * per, hi_word * per):
+                if row_bits(np.uint64(rows[j])) != 0:
+                    return j
+        for j in range(max(head_end, hi_word * per), stop):
+            if row_bits(np.uint64(rows[j])) != 0:
+                return j
+        return -1
+
+    @numba.njit(cache=True, nogil=True)
+    def first_token(words: Any, rows: Any, n_a: int, n_b: int, layers_first: bool) -> int:
+        if not layers_first:
+            j = first_row(words, rows, 0, n_a * n_b)
+            return -1 if j < 0 else j // n_b
+        limit = n_b  # layers first: the smallest failing token over all layers
+        for a in range(n_a):
+            j = first_row(words, rows, a * n_b, a * n_b + limit)
+            if j >= 0:
+                limit = j - a * n_b
+        return limit if limit < n_b else -1
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def bad(w: Any, mode: int, c: Any) -> Any:  # duplicates, or a lane out of range
+        t = row_bits(w)
+        if mode == 1:  # as `_range_bits` (a nested inline call there returned None)
+            t |= (w | ((w & ~one_highs) + c)) & one_highs
+        elif mode == 2:
+            t |= w & ((w & ~one_highs) + c) & one_highs
+        return t
+
+    @numba.njit(cache=True, nogil=True)
+    def gather(
+        words: Any,
+        n_layers: int,
+        layer_index: Any,
+        pos_row: Any,
+        out: Any,
+        span: Any,
+        dummy: Any,
+        mode: int,
+        c: Any,
+        check: bool,
+    ) -> int:
+        n_c = pos_row.shape[1]
+        p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
+        n_local = layer_index.shape[0]
+        for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
+            p1 = min(p_hi, p0 + _GATHER_BLOCK)
+            acc = np.uint64(0)
+            for p in range(p0, p1):
+                for col in range(c_lo, c_hi):
+                    r = pos_row[p, col]
+                    base = r * n_layers
+                    o = (p * n_c + col) * k
+                    for li in range(n_local):
+                        w = dummy if r < 0 else words[base + layer_index[li]]
+                        if check:
+                            acc |= bad(w, mode, c)
+                        d = out[li]
+                        for q in range(k):
+                            d[o + q] = (w >> np.uint64(bits * q)) & lane
+            if acc != 0:
+                for p in range(p0, p1):
+                    for col in range(c_lo, c_hi):
+                        r = pos_row[p, col]
+                        for li in range(n_local):
+                            w = dummy if r < 0 else words[r * n_layers + layer_index[li]]
+                            if bad(w, mode, c) != 0:
+                                return int(p * n_c + col)
+        return -1
+
+    return first_token, gather
+
+
+@functools.cache
+def _scan_kernel(k: int, bits: int, mode: int) -> Callable[..., Any]:
+    """``scan(words, c) -> (OR of all words, some row fails)`` for one row per uint64 word:
+    range (`_range_bits` ``mode``, one kernel per mode: a branch in the loop would stop
+    vectorisation) and duplicates in one branch-free pass (`scan_top8`)."""
+    ones, highs, _ = (np.uint64(v) for v in _masks(k, bits, 1))
+    half = k // 2
+
+    @numba.njit(cache=True, nogil=True)
+    def scan(words: Any, c: Any) -> tuple[Any, bool]:
+        acc = np.uint64(0)
+        seen = np.uint64(0)
+        for j in range(words.shape[0]):
+            w = words[j]
+            seen |= w
+            t = np.uint64(0)
+            for r in range(1, half + 1):
+                s = np.uint64(r * bits)
+                x = w ^ ((w >> s) | (w << np.uint64(64 - r * bits)))
+                t |= (x - ones) & ~x
+            acc |= t & highs
+            if mode == 1:  # a closure constant: the branch folds away
+                acc |= (w | ((w & ~highs) + c)) & highs
+            elif mode == 2:
+                acc |= w & ((w & ~highs) + c) & highs
+        return seen, acc != 0
+
+    return scan
+
+
+@functools.cache
+def _elems_kernel(k: int) -> Callable[..., Any]:
+    """``first_token(flat, n_a, n_b, layers_first)`` on C-contiguous ids ``flat`` (``[A, B, K]``
+    flattened, any row size), generated with ``K`` constant: the ``K // 2`` lane rotations
+    unroll and LLVM vectorises across rows with interleaved loads."""
+    half = k // 2
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def first_row(flat: Any, start: int, stop: int) -> int:
+        i = start
+        while i < stop:
+            end = min(i + _CHUNK, stop)
+            acc = False
+            for j in range(i, end):
+                b = j * k
+                for r in range(1, half + 1):
+                    for q in range(k):
+                        acc |= flat[b + q] == flat[b + (q + r) % k]
+            if acc:
+                for j in range(i, end):
+                    b = j * k
+                    for r in range(1, half + 1):
+                        for q in range(k):
+                            if flat[b + q] == flat[b + (q + r) % k]:
+                                return j
+            i = end
+        return -1
+
+    @numba.njit(cache=True, nogil=True)
+    def first_token(flat: Any, n_a: int, n_b: int, layers_first: bool) -> int:
+        if not layers_first:
+            j = first_row(flat, 0, n_a * n_b)
+            return -1 if j < 0 else j // n_b
+        limit = n_b
+        for a in range(n_a):
+            j = first_row(flat, a * n_b, a * n_b + limit)
+            if j >= 0:
+                limit = j - a * n_b
+        return limit if limit < n_b else -1
+
+    return first_token
+
+
+@numba.njit(cache=True, nogil=True)
+def _chunk_fail(xt: Any, m: int, k: int) -> int:
+    """First column ``< m`` of ``xt`` ``[K, chunk]`` holding two equal ids, else -1."""
+    acc = False
+    for r in range(1, k // 2 + 1):
+        for i in range(k):
+            i2 = (i + r) % k
+            for c in range(m):  # contiguous: vectorised
+                acc |= xt[i, c] == xt[i2, c]
+    if not acc:
+        return -1
+    for c in range(m):
+        for r in range(1, k // 2 + 1):
+            for i in range(k):
+                if xt[i, c] == xt[(i + r) % k, c]:
+                    return c
+    return -1  # pragma: no cover - acc said some column fails
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_token_general(x: Any, layers_first: bool) -> int:
+    """`first_duplicate_token` for any ``K``, dtype and strides (transposed chunks)."""
+    n_a, n_b, k = x.shape
+    xt = np.empty((k, _CHUNK), dtype=x.dtype)
+    if not layers_first and n_b > _CHUNK:  # tokens wider than a chunk: piece by piece
+        for a in range(n_a):
+            for b0 in range(0, n_b, _CHUNK):
+                m = min(_CHUNK, n_b - b0)
+                for q in range(m):
+                    for i in range(k):
+                        xt[i, q] = x[a, b0 + q, i]
+                if _chunk_fail(xt, m, k) >= 0:
+                    return a
+        return -1
+    if not layers_first:  # whole tokens per chunk, rows in (token, layer) order
+        per = _CHUNK // n_b
+        for a0 in range(0, n_a, per):
+            a1 = min(a0 + per, n_a)
+            m = 0
+            for a in range(a0, a1):
+                for b in range(n_b):
+                    for i in range(k):
+                        xt[i, m] = x[a, b, i]
+                    m += 1
+            c = _chunk_fail(xt, m, k)
+            if c >= 0:
+                return int(a0 + c // n_b)
+        return -1
+    limit = n_b  # layers first: tokens along axis 1, the smallest failing one over layers
+    for a in range(n_a):
+        t0 = 0
+        while t0 < limit:
+            m = min(_CHUNK, limit - t0)
+            for q in range(m):
+                for i in range(k):
+                    xt[i, q] = x[a, t0 + q, i]
+            c = _chunk_fail(xt, m, k)
+            if c >= 0:
+                limit = t0 + c
+                break
+            t0 += m
+    return limit if limit < n_b else -1
+
+
+def _word_views(x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``x`` ``[A, B, K]`` as (whole uint64 words, one word per row), or None where rows are
+    not 2, 4 or 8 bytes of a C-contiguous little-endian array."""
+    row = _WORD.get(x.shape[2] * x.dtype.itemsize)
+    if row is None or not x.flags.c_contiguous or sys.byteorder != "little":
+        return None
+    flat = x.reshape(-1).view(np.uint8)
+    n_words = flat.shape[0] // 8
+    return flat[: n_words * 8].view(np.uint64), flat.view(row)
+
+
+def first_duplicate_token(x: np.ndarray, layers_first: bool) -> int:
+    """The smallest token index whose row of ``x`` repeats an id, or -1 for none.
+
+    ``x``: integer ids ``[tokens, layers, K]`` (``[layers, tokens, K]`` with
+    ``layers_first``), any strides. Signed ids compare as bit patterns (exact).
+    """
+    if x.size == 0 or x.shape[2] < 2:
+        return -1
+    # Equality of bit patterns: signed ids as the unsigned type of their size (exact, and
+    # half as many compiled signatures).
+    x = x.view(np.dtype(f"u{x.dtype.itemsize}"))
+    n_a, n_b, k = (int(v) for v in x.shape)
+    views = _word_views(x)
+    if views is None and x.flags.c_contiguous:
+        return int(_elems_kernel(k)(x.reshape(-1), n_a, n_b, layers_first))
+    if views is None:
+        return int(_first_token_general(x, layers_first))
+    words, rows = views
+    first_token, _ = _word_kernels(k, 8 * x.dtype.itemsize)
+    return int(first_token(words, rows, n_a, n_b, layers_first))
+
+
+def scan_top8(x: np.ndarray, bound: int | None) -> int | None:
+    """One fused pass over C-contiguous uint8 ids ``x`` ``[..., 8]`` (the usual top-8 of at
+    most 256 experts): every id ``< bound`` and no row repeating an id. Returns an upper
+    bound of the largest id (the largest lane of the OR of all rows, capped at ``bound - 1``)
+    when both hold, None when some row fails (or ``x`` does not fit: the caller
+    then runs the reference checks)."""
+    if (
+        x.dtype != np.uint8
+        or x.ndim < 1
+        or x.shape[-1] != 8
+        or not x.flags.c_contiguous
+        or sys.byteorder != "little"
+    ):
+        return None
+    lane = _LANE8.get(bound)
+    if lane is None:  # a few bounds per process (one per model): cached, not per call
+        mode, c = range_constant(8, bound, False)
+        lane = _LANE8[bound] = (_scan_kernel(8, 8, mode), np.uint64(c))
+    seen, bad = lane[0](x.reshape(-1).view(np.uint64), lane[1])
+    if bad:
+        return None
+    top = max(int(seen).to_bytes(8, "little"))  # per lane, an OR is >= every id it covers
+    return top if bound is None else min(top, bound - 1)  # every id passed ``< bound``
+
+
+_LANE8: dict[int | None, tuple[Any, Any]] = {}  # bound -> (scan kernel, lane constant)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _range_bits(w: Any, mode: int, c: Any, highs: Any) -> Any:
+    """Top bits of the lanes of ``w`` out of range (``mode`` 0: no bound; 1: lane ``>= b`` for
+    a bound ``b <= 2**(bits-1)``, negative signed lanes included; 2: lane ``>= b`` for a bound
+    above that), ``c`` the bound's lane constant (`range_constant`)."""
+    if mode == 0:
+        return np.uint64(0)
+    low = (w & ~highs) + c  # lanes of at most bits-1 bits plus c: no carry between lanes
+    if mode == 1:
+        return (w | low) & highs
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _widen_runs(
+    lanes: Any, dst: Any, p0: int, p1: int, n_c: int, c_lo: int, width: int, k: int
+) -> None:
+    """``dst`` (one layer's flat int32 output) at positions ``[p0, p1)`` x columns
+    ``[c_lo, c_lo + width)`` from the block's compact ``lanes`` (same order)."""
+    if width == n_c:
+        base = p0 * n_c * k
+        for j in range((p1 - p0) * width * k):  # one contiguous run: vectorised
+            dst[base + j] = lanes[j]
+        return
+    run = width * k
+    for p in range(p0, p1):
+        base = (p * n_c + c_lo) * k
+        src = (p - p0) * run
+        for j in range(run):
+            dst[base + j] = lanes[src + j]
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_elems(
+    src: Any,
+    layer_index: Any,
+    pos_row: Any,
+    out: Any,
+    span: Any,
+    bound: Any,
+    bounded: bool,
+    check: bool,
+) -> int:
+    """`gather_widen` for any row size: ``src`` ``[T, L, K]`` unsigned (bit patterns)."""
+    n_c = pos_row.shape[1]
+    p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
+    width = c_hi - c_lo
+    n_local = layer_index.shape[0]
+    k = src.shape[2]
+    buf = np.empty(_GATHER_BLOCK * width * k, dtype=src.dtype)
+    for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
+        p1 = min(p_hi, p0 + _GATHER_BLOCK)
+        m = (p1 - p0) * width
+        for li in range(n_local):
+            layer = layer_index[li]
+            j = 0
+            for p in range(p0, p1):
+                for col in range(c_lo, c_hi):
+                    r = pos_row[p, col]
+                    for q in range(k):
+                        buf[j * k + q] = q if r < 0 else src[r, layer, q]
+                    j += 1
+            if check:
+                for j in range(m):
+                    for q in range(k):
+                        v = buf[j * k + q]
+                        bad = bounded and np.uint64(v) >= bound
+                        for q2 in range(q + 1, k):
+                            bad = bad or v == buf[j * k + q2]
+                        if bad:
+                            return int((p0 + j // width) * n_c + c_lo + j % width)
+            _widen_runs(buf, out[li], p0, p1, n_c, c_lo, width, k)
+    return -1
+
+
+def range_constant(bits: int, bound: int | None, signed: bool) -> tuple[int, int]:
+    """``(mode, lane constant)`` of `_range_bits` for ids of ``bits`` bits and an exclusive
+    ``bound`` (None: only signed ids need a test, ``>= 0``)."""
+    half = 1 << (bits - 1)
+    if signed:  # negative ids have the top bit set: a bound of at most half catches them
+        bound = half if bound is None else min(bound, half)
+    if bound is None or (not signed and bound >= 1 << bits):
+        return 0, 0
+    per = half - bound if bound <= half else (1 << bits) - bound
+    lanes = 64 // bits
+    return (1 if bound <= half else 2), sum(per << (q * bits) for q in range(lanes))
+
+
+def gather_widen(
+    src: np.ndarray,
+    layer_index: np.ndarray,
+    pos_row: np.ndarray,
+    out: np.ndarray,
+    span: tuple[int, int, int, int],
+    bound: int | None,
+    check: bool,
+) -> int:
+    """Fused gather + id check + int32 widening; the first failing position, or -1.
+
+    ``src`` ``[T, L, K]`` integer ids (C-contiguous); ``layer_index`` int64 ``[n_local]``;
+    ``pos_row`` int64 ``[P, C]`` (C-contiguous): the source row of each output position, -1
+    for the dummy row ``[0 .. K-1]``; ``out`` int32 (or ``src``'s dtype) ``[n_local, P, C,
+    K]``, C-contiguous; only positions ``[p_lo, p_hi)`` x columns ``[c_lo, c_hi)`` of ``span``
+    are read and written. With ``check``, every block is tested (ids below ``bound``,
+    ``>= 0`` when signed, no id twice in a row) before it is widened; the return value is the
+    flat index ``p * C + c`` of the first failing position of the first failing block
+    (``out`` then partly written), -1 if none. Rows of one uint64 word run the generated
+    `_word_kernels` gather, any other row size `_gather_elems`.
+    """
+    signed = src.dtype.kind == "i"
+    bits = 8 * src.dtype.itemsize
+    u = src.view(np.dtype(f"u{src.dtype.itemsize}"))
+    k = int(src.shape[2])
+    flat = out.reshape(out.shape[0], -1)
+    where = np.asarray(span, dtype=np.int64)
+    if k * src.dtype.itemsize == 8 and sys.byteorder == "little":
+        mode, c = range_constant(bits, bound, signed)
+        dummy = sum(q << (q * bits) for q in range(k))
+        words = u.reshape(-1).view(np.uint64)
+        _, gather = _word_kernels(k, bits)
+        return int(
+            gather(
+                words,
+                int(src.shape[1]),
+                layer_index,
+                pos_row,
+                flat,
+                where,
+                np.uint64(dummy),
+                mode,
+                np.uint64(c),
+                check,
+            )
+        )
+    half = 1 << (bits - 1)
+    lim = (half if bound is None else min(bound, half)) if signed else bound
+    return int(
+        _gather_elems(
+            u, layer_index, pos_row, flat, where, np.uint64(lim or 0), lim is not None, check
+        )
+    )
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) the id kernels for the common route dtypes and layouts:
+    writable and read-only (Arrow buffers), C-contiguous and strided, both layouts, and the
+    fused top-8 check (`scan_top8`). The fused gather (`gather_widen`) compiles on its first
+    call (a collator's warm-up call)."""
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        for k in (2, 8):
+            x = np.zeros((2, 3, k), dtype=dtype)
+            x[..., 1] = 1
+            ro = x.copy()
+            ro.setflags(write=False)
+            for layers_first in (False, True):
+                for v in (x, ro, x[:, ::2]):
+                    first_duplicate_token(v, layers_first)
+    top8 = np.tile(np.arange(8, dtype=np.uint8), (2, 3, 1))
+    for bound in (None, 128, 200):  # the fused per-turn check, each range mode
+        scan_top8(top8, bound)
+
+
+# ------------------------------------------------------------------------------ statistics
+@numba.njit(cache=True, nogil=True)
+def count_codes(ids: Any, sel: Any, base: Any, e: int, out: Any) -> None:  # pragma: no cover
+    """``out[base[l] + min(ids[t, l, k], e)] += 1`` for the selected rows ``t``.
+
+    ``ids`` ``[T, L, K]`` unsigned integers (the caller views signed ids as unsigned);
+    ``sel`` uint8 ``[T]`` (empty: every row); ``base`` int64 ``[L]`` (a router layer's
+    rank × (e + 1), a dense layer's the discard range). An id ``>= e`` lands in the layer's
+    overflow bucket ``e`` (branch-free), so one count there flags a bad id. ``out`` int64,
+    accumulated (not cleared). Numba-compiled (the coverage tool does not see the body).
+    """
+    n, nl, k = ids.shape
+    use_sel = sel.size > 0
+    for t in range(n):
+        if use_sel and sel[t] == 0:
+            continue
+        for layer in range(nl):
+            b = base[layer]
+            for j in range(k):
+                out[b + min(ids[t, layer, j], e)] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def count_bytes(ids: Any, sel: Any, base: Any, out: Any) -> None:  # pragma: no cover
+    """``out[base[l] + ids[t, l, k]] += 1`` for the selected rows: uint8 ids, 256 per layer.
+
+    The fast path of `count_codes` for one-byte ids: every id has a counter (no clamp), and
+    ids ``>= e`` are found afterwards in the counters above ``e``. ``out`` uint32 or int64
+    (the caller keeps a call below 2**32 ids per counter).
+    """
+    n, nl, k = ids.shape
+    use_sel = sel.size > 0
+    for t in range(n):
+        if use_sel and sel[t] == 0:
+            continue
+        for layer in range(nl):
+            b = base[layer]
+            for j in range(k):
+                out[b + ids[t, layer, j]] += 1
+
+
+@numba.njit(cache=True, nogil=True)
+def agree(
+    a: Any, b: Any, sel: Any, pick: Any, e: int, identical: Any, overlap: Any
+) -> tuple[int, int, int]:  # pragma: no cover
+    """Per router layer ``pick[i]``: identical sets to ``identical[i]``, |A∩B| to ``overlap[i]``.
+
+    ``a``, ``b`` ``[T, L, K]`` integers, aligned rows; ``sel`` uint8 ``[T]`` (empty: every
+    row); ``e`` the number of experts. Returns (tokens identical on every layer, tokens
+    compared, 1 if an id is out of range or repeats within a set, else 0). Sets are marked
+    in two ``[e]`` stamp arrays (a fresh stamp per (token, layer): nothing to clear).
+    """
+    n = a.shape[0]
+    k = a.shape[2]
+    marks_a = np.zeros(e, np.int64)
+    marks_b = np.zeros(e, np.int64)
+    stamp = 0
+    all_same = 0
+    ntok = 0
+    use_sel = sel.size > 0
+    for t in range(n):
+        if use_sel and sel[t] == 0:
+            continue
+        ntok += 1
+        every = True
+        for i in range(pick.size):
+            layer = pick[i]
+            stamp += 1
+            for j in range(k):
+                v = b[t, layer, j]
+                if v < 0 or v >= e or marks_b[v] == stamp:
+                    return all_same, ntok, 1
+                marks_b[v] = stamp
+            ov = 0
+            for j in range(k):
+                v = a[t, layer, j]
+                if v < 0 or v >= e or marks_a[v] == stamp:
+                    return all_same, ntok, 1
+                marks_a[v] = stamp
+                if marks_b[v] == stamp:
+                    ov += 1
+            overlap[i] += ov
+            if ov == k:
+                identical[i] += 1
+            else:
+                every = False
+        if every:
+            all_same += 1
+    return all_same, ntok, 0
+
+
+def selection_bytes(sel: np.ndarray | None) -> np.ndarray:
+    """``sel`` as the kernels' uint8 view (an empty array for ``None``: every row)."""
+    if sel is None:
+        return np.zeros(0, np.uint8)
+    return sel.view(np.uint8)
+
+
+# ------------------------------------------------------------------------------ interleave
+#: Sources per kernel call: callers pad the tuple to this length (one compiled signature).
+ARITY = 8
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def copy_runs(out: Any, srcs: Any, runs: Any, r0: int, r1: int) -> None:  # pragma: no cover
+    """``out[i, d:d+n] = srcs[p][i, s:s+n]`` for each run ``(p, s, d, n)`` and row ``r0..r1``.
+
+    ``out``: ``[T, W]`` words (C order); ``srcs``: a tuple of ``ARITY`` ``[T, w_p]`` word
+    arrays; ``runs``: ``[R, 4]`` int64. Token-major: each output row is written once, in
+    cache, from every source.
+    """
+    nruns = runs.shape[0]
+    for i in range(r0, r1):
+        row = out[i]
+        for r in range(nruns):
+            p = runs[r, 0]
+            s = runs[r, 1]
+            d = runs[r, 2]
+            n = runs[r, 3]
+            src = srcs[p][i]
+            for j in range(n):
+                row[d + j] = src[s + j]
+
+
+# ---------------------------------------------------------------------------- replay probe
+UNSURE = -2  # the row needs the native top-k
+PADDING = -1  # the row is padding (not counted)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _row(s: Any, i: int, ids: Any, t: int, top: Any, mark: Any) -> int:  # pragma: no cover
+    """``|N ∩ R|`` of one row: scores ``s[i]`` (float ``[., E]``), replayed ids ``ids[t]``
+    (``[., K]``; 2-D indexing, not row views: a view costs a reference count per row);
+    scratch: ``top`` ``[K + 1]`` of ``s``'s dtype, ``mark`` uint8 ``[E]``, all zero on entry
+    (the caller clears ``mark[ids]`` after the row). `UNSURE` when N is not decided."""
+    e_n = s.shape[1]
+    k = ids.shape[1]
+    for j in range(k):
+        if ids[t, j] < 0 or ids[t, j] >= e_n:
+            return UNSURE
+    floor = np.inf
+    nan = False
+    distinct = True
+    for j in range(k):
+        r = ids[t, j]
+        v = s[i, r]
+        nan |= v != v
+        if v < floor:
+            floor = v
+        distinct &= mark[r] == 0
+        mark[r] = 1
+    if nan:
+        return UNSURE
+    if not distinct:
+        return _row_repeated(s[i], ids[t], top)
+    above = 0
+    for e in range(e_n):
+        above += not (s[i, e] < floor)  # NaN counts as above (torch.topk ranks it first)
+    if above == k:
+        return int(k)
+    # R's scores descending (u_1 >= ... >= u_K). With c(v) = #experts scoring >= v (NaN
+    # counted: torch.topk ranks it first), R's members in N are u_1..u_p, p the largest j
+    # with c(u_j) <= K; c(u_K) > K here. One counting pass per step down, at most two.
+    n = 0
+    for j in range(k):
+        n = _insert(top, n, k, s[i, ids[t, j]])
+    for p in range(k - 1, max(k - 3, 0), -1):
+        up = top[p - 1]
+        above = 0
+        for e in range(e_n):
+            above += not (s[i, e] < up)
+        if above > k:
+            continue
+        if above == k:  # exactly K experts >= u_p: N = those, the (K+1)-th is below
+            return p
+        if above < k - 1:
+            break  # N needs two or more experts below u_p: the general path
+        # N = the K-1 experts >= u_p and the largest one below; decided when that one is
+        # unique (a strict second): it is R's u_(p+1) or not
+        m1 = -np.inf
+        m2 = -np.inf
+        for e in range(e_n):
+            x = s[i, e]
+            nan |= x != x
+            if x < up:
+                m2 = max(m2, min(m1, x))
+                m1 = max(m1, x)
+        if nan or not (m1 > m2):
+            return UNSURE
+        return p + int(top[p] == m1)
+    # general: the K+1 largest, descending: R's scores (in top already), then the other
+    # experts against the current (K+1)-th: R holds most of the top, so few insert
+    top[k] = -np.inf
+    for e in range(e_n):
+        x = s[i, e]
+        nan |= x != x
+        if x > top[k] and mark[e] == 0:
+            _insert(top, k + 1, k, x)
+    kth = top[k - 1]
+    if nan or top[k] == kth:  # a tie across the K-th place: megatron's top-k decides
+        return UNSURE
+    hits = 0
+    for j in range(k):
+        hits += s[i, ids[t, j]] >= kth
+    return hits
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _insert(top: Any, n: int, k: int, x: Any) -> int:  # pragma: no cover
+    """Insert ``x`` into the descending ``top[:n]`` (capacity K+1); return the new length."""
+    if n <= k:
+        i = n
+        n += 1
+    else:
+        i = k
+    while i > 0 and top[i - 1] < x:
+        top[i] = top[i - 1]
+        i -= 1
+    top[i] = x
+    return n
+
+
+@numba.njit(cache=True, nogil=True)
+def _row_repeated(s: Any, ids: Any, top: Any) -> int:  # pragma: no cover
+    """`_row` when the replayed ids repeat one (an unchecked target): the K+1 largest of
+    every expert, then R's distinct ids scoring at least the K-th."""
+    k = ids.shape[0]
+    n = 0
+    for e in range(s.shape[0]):
+        x = s[e]
+        if x != x:
+            return UNSURE
+        if n <= k or x > top[k]:
+            n = _insert(top, n, k, x)
+    kth = top[k - 1]
+    if top[k] == kth:
+        return UNSURE
+    hits = 0
+    for j in range(k):
+        seen = False
+        for i in range(j):
+            seen |= ids[i] == ids[j]
+        hits += (not seen) and s[ids[j]] >= kth
+    return hits
+
+
+@numba.njit(cache=True, nogil=True)
+def overlap_rows(scores: Any, ids: Any, pad: Any, out: Any) -> int:  # pragma: no cover
+    """Fill ``out`` (int8 ``[T]``) with ``|N ∩ R|`` per row; return the number of `UNSURE` rows.
+
+    ``scores`` ``[T, E]`` float32/float64 (C order), ``E > K``; ``ids`` ``[T, K]`` int32 or
+    int64; ``pad`` uint8 ``[T]`` (nonzero: padding, row `PADDING`) or empty (no mask).
+    """
+    t_n = scores.shape[0]
+    k = ids.shape[1]
+    use_pad = pad.size > 0
+    top = np.empty(k + 1, scores.dtype)
+    mark = np.zeros(scores.shape[1], np.uint8)
+    unsure = 0
+    for t in range(t_n):
+        if use_pad and pad[t] != 0:
+            out[t] = PADDING
+            continue
+        v = _row(scores, t, ids, t, top, mark)
+        for j in range(k):  # clear the row's marks (an id out of range set none)
+            if 0 <= ids[t, j] < mark.size:
+                mark[ids[t, j]] = 0
+        out[t] = v
+        unsure += v == UNSURE
+    return unsure
+
+
+@numba.njit(cache=True, nogil=True)
+def overlap_rows_bf16(bits: Any, ids: Any, pad: Any, out: Any) -> int:  # pragma: no cover
+    """`overlap_rows` for bfloat16 scores given as their uint16 bit patterns ``[T, E]``:
+    each row widens to float32 exactly (the high half of the float32 pattern) in a scratch
+    row, so every comparison is the bfloat16 one."""
+    t_n, e_n = bits.shape
+    k = ids.shape[1]
+    use_pad = pad.size > 0
+    wide = np.empty(e_n, np.uint32)
+    row = wide.view(np.float32).reshape((1, e_n))
+    top = np.empty(k + 1, np.float32)
+    mark = np.zeros(e_n, np.uint8)
+    unsure = 0
+    for t in range(t_n):
+        if use_pad and pad[t] != 0:
+            out[t] = PADDING
+            continue
+        for e in range(e_n):
+            wide[e] = np.uint32(bits[t, e]) << np.uint32(16)
+        v = _row(row, 0, ids, t, top, mark)
+        for j in range(k):  # clear the row's marks (an id out of range set none)
+            if 0 <= ids[t, j] < mark.size:
+                mark[ids[t, j]] = 0
+        out[t] = v
+        unsure += v == UNSURE
+    return unsure
+
+
+__all__ = [
+    "ARITY",
+    "PADDING",
+    "UNSURE",
+    "agree",
+    "copy_runs",
+    "count_bytes",
+    "count_codes",
+    "first_duplicate_token",
+    "gather_widen",
+    "overlap_rows",
+    "overlap_rows_bf16",
+    "range_constant",
+    "scan_top8",
+    "selection_bytes",
+    "warm_up",
+]
