@@ -10,7 +10,7 @@ verify page checksums, ``validate=False`` is the "read alone" case of the valida
 footer and page checksums only); the naive baseline
 ``pq.write_table`` of the same table with its nested ``fixed_size_list`` routes as-is and
 ``pq.read_table`` back (uncompressed, zstd, and pyarrow's defaults: snappy + dictionary);
-Arrow IPC ``write_ipc``/``read_ipc`` (memory-mapped; "+ touch" also reads every route byte);
+Arrow IPC ``write_ipc``/``read_rollouts`` (memory-mapped; "+ touch" also reads every route byte);
 and a warm-buffer memcpy of the raw route bytes, measured in the same run.
 
 Each case runs in its own process, so its peak RSS (VmHWM, not ``ru_maxrss``, which a child
@@ -194,14 +194,12 @@ def child(case: str, work: Path, quick: bool) -> dict[str, Any]:
         src = work / READ_FILE[case]
         if case == "r3_read_trusted":
             fn = lambda: r3arrow.read_rollouts(src, validate=False)  # noqa: E731
-        elif case.startswith("r3"):
+        elif case.startswith("r3") or case == "ipc_read":
             fn = lambda: r3arrow.read_rollouts(src)  # noqa: E731
-        elif case == "ipc_read":
-            fn = lambda: r3arrow.read_ipc(src)  # noqa: E731
         elif case == "ipc_read_touch":
 
             def fn() -> Any:
-                t = r3arrow.read_ipc(src)
+                t = r3arrow.read_rollouts(src)
                 view = routes_to_numpy(t.column("routes").chunk(0).flatten(), SPEC)
                 return t, np.bitwise_xor.reduce(view.reshape(-1).view(np.uint64))
         else:

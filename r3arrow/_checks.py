@@ -6,6 +6,8 @@ Argument misuse raises builtins (see :mod:`r3arrow.errors`).
 from __future__ import annotations
 
 import operator
+import stat
+from pathlib import Path
 from typing import Any
 
 
@@ -68,3 +70,30 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...] | list[str]) ->
             f"{name}: expected one of {', '.join(map(repr, choices))}, found {value!r}"
         )
     return value
+
+
+def check_regular(path: Path) -> None:
+    """Raise `SchemaError` (``path`` set) unless ``path`` is a regular file (after symlinks).
+
+    Opening a FIFO blocks until a writer appears and a device can be endless, so
+    readers refuse them up front. ``FileNotFoundError`` if it does not exist.
+    """
+    from r3arrow.errors import SchemaError
+
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a directory"
+            if stat.S_ISDIR(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file"
+        )
+        raise SchemaError(f"{path}: expected a regular file, found {kind}", path=path)

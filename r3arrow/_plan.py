@@ -48,8 +48,8 @@ from r3arrow._checks import check_choice, check_int, check_optional_int, check_p
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import SchemaError
-from r3arrow.io import DEFAULT_MAX_MEMORY, read_row_group, scan_rollout_files
-from r3arrow.microbatch import padding_table, plan_dp_microbatches, split_microbatch_indices
+from r3arrow.io import DEFAULT_MAX_MEMORY, read_rollouts, rollout_files
+from r3arrow.microbatch import padding_table, plan_dp_microbatches
 from r3arrow.spec import RouteSpec
 from r3arrow.table import ROLLOUT_COLUMNS, list_lengths
 
@@ -108,7 +108,7 @@ def plan_contiguous(
     Rank ``r`` gets the rows whose cost midpoint (lengths rounded up to ``multiple``,
     cumulated in row order) falls in the ``r``-th ``1/dp_size`` of the total cost: a
     contiguous range, balanced to within one trajectory. Each range is split by
-    `split_microbatch_indices`; every rank is padded (empty arrays, last) to the largest
+    `plan_dp_microbatches` (``dp_size=1``); every rank is padded (empty arrays, last) to the largest
     count. A rank then reads only the row groups of its range. Raises as
     `plan_dp_microbatches`.
     """
@@ -131,7 +131,7 @@ def plan_contiguous(
         )
     cost = -(-n // multiple) * multiple
     if max_tokens is not None and int(cost.max()) > max_tokens:  # raises, naming the row
-        split_microbatch_indices(n, max_tokens=max_tokens, multiple=multiple, packed=packed)
+        plan_dp_microbatches(n, max_tokens=max_tokens, multiple=multiple, packed=packed)
     cum = np.cumsum(cost)
     mid = cum - cost / 2
     owner = np.minimum((mid * dp_size // int(cum[-1])).astype(np.int64), dp_size - 1)
@@ -142,7 +142,7 @@ def plan_contiguous(
             plan.append([])
             continue
         count = None if bins is None else min(bins, int(rows.size))
-        parts = split_microbatch_indices(
+        (parts,) = plan_dp_microbatches(
             n[rows],
             max_tokens=max_tokens,
             num_microbatches=count,
@@ -215,7 +215,9 @@ def plan_steps(
     }
     if options["max_tokens"] is None and options["num_microbatches"] is None:
         raise ValueError("expected max_tokens, num_microbatches or both, found neither")
-    spec, files = scan_rollout_files(path, steps=steps)
+    files = rollout_files(path, steps=steps, require_routes=True)
+    spec = files[0].spec
+    assert spec is not None  # require_routes
 
     def plans() -> Iterator[StepPlan]:
         for step, step_group in itertools.groupby(files, key=lambda f: f.step):
@@ -224,8 +226,11 @@ def plan_steps(
             start = 0
             for f in step_group:
                 for g in range(f.num_row_groups):  # per row group: not a hot loop
-                    cols = read_row_group(
-                        f.path, g, ["prompt_ids", "response_ids"], validate=validate
+                    cols = read_rollouts(
+                        [f],
+                        row_groups=[g],
+                        columns=["prompt_ids", "response_ids"],
+                        validate=validate,
                     )
                     n = list_lengths(cols.column("prompt_ids")) + list_lengths(
                         cols.column("response_ids")
@@ -245,10 +250,10 @@ def _read(
     validate: bool,
 ) -> pa.Table:
     """One row group: ``columns`` only and, with ``layers``, only those (a projected read)."""
-    table = read_row_group(
+    table = read_rollouts(
         ref.path,
-        ref.row_group,
-        list(columns),
+        row_groups=[ref.row_group],
+        columns=list(columns),
         layers=None if layers is None else list(layers),
         validate=validate,
     )

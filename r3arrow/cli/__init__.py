@@ -50,9 +50,9 @@ def _read_any(path: Path, *, require_routes: bool = True) -> pa.Table:
     file, or (with ``require_routes``) a rollout file without a ``routes`` column
     (R3 off).
     """
-    from r3arrow.io import read_ipc, read_rollouts
+    from r3arrow.io import read_rollouts
 
-    table = read_ipc(path) if _is_ipc(path) else read_rollouts(path)
+    table = read_rollouts(path)  # Parquet or Arrow IPC (by its magic bytes)
     if require_routes and "routes" not in table.schema.names:
         raise SchemaError(
             f"{path}: expected a 'routes' column in the rollout file (R3 on), found columns "
@@ -183,30 +183,20 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------- export
 def _cmd_export(args: argparse.Namespace) -> int:
-    import pyarrow.parquet as pq
-
-    from r3arrow.io._layout import atomic_path
-    from r3arrow.io._portable import to_portable
+    from r3arrow.io import write_rollouts
 
     src, dest = Path(args.input), Path(args.out)
     table = _read_any(src)
     if not args.portable:
         raise SchemaError("expected --portable (the only export format so far)")
-    out = to_portable(table)
-    with atomic_path(dest) as paths:
-        pq.write_table(
-            out,
-            paths[0],
-            compression=args.compression,
-            use_compliant_nested_type=False,  # keep list child names: exact round trip
-        )
-    print(f"wrote {table.num_rows} trajectories (portable routes) to {paths[-1]}")
+    written = write_rollouts(table, dest, compression=args.compression, portable=True)
+    print(f"wrote {table.num_rows} trajectories (portable routes) to {written}")
     return EXIT_OK
 
 
 # ------------------------------------------------------------------------ gc
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from r3arrow.io._layout import find_temps, remove_stale_temps
+    from r3arrow.io import find_temps, remove_stale_temps
 
     path = Path(args.path)
     _check_input(path)

@@ -18,7 +18,7 @@ import orjson
 import pyarrow as pa
 
 from r3arrow.errors import PayloadError, R3ArrowError, SchemaError
-from r3arrow.ids import check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, as_route_rows
 
 
@@ -44,8 +44,8 @@ def _npy_path(name: object, base: Path, allow_outside: bool) -> Path:
 
 def read_npy_file(path: Path) -> np.ndarray:
     """A C-order integer ``.npy`` file, its header's declared size checked before allocating."""
+    from r3arrow._checks import check_regular
     from r3arrow.codec import DEFAULT_MAX_BYTES
-    from r3arrow.io._layout import check_regular
 
     check_regular(path)
     with open(path, "rb") as fh:
@@ -91,7 +91,7 @@ def _read_npy(name: object, spec: RouteSpec, base: Path, allow_outside: bool = F
     except FileNotFoundError:
         raise FileNotFoundError(f"routes_npy {path}: no such file") from None
     arr = as_route_rows(arr, spec, what=f"routes_npy {path}")
-    check_route_ids(arr, spec, what=f"routes_npy {path}")
+    check_routes(arr, spec, what=f"routes_npy {path}", rules="range")
     return arr
 
 
@@ -170,7 +170,7 @@ def convert_jsonl(
     """
     from tqdm.auto import tqdm
 
-    from r3arrow.io._layout import check_regular
+    from r3arrow._checks import check_regular
     from r3arrow.table import rollout_table
 
     for path in paths:

@@ -57,21 +57,12 @@ def agreements_from_table(table: pa.Table) -> dict[str, dict[int, RouteAgreement
 
 
 def _has_column(path: Path, name: str) -> bool:
-    """Whether the rollouts under ``path`` carry column ``name`` (footers only)."""
-    from r3arrow.io import read_rollouts_dataset
+    """Whether the rollouts under ``path`` carry column ``name`` (footers only; none: False)."""
+    from r3arrow.io import rollout_files
 
-    return name in read_rollouts_dataset(path).schema.names
-
-
-def _has_rollouts(path: Path) -> bool:
-    from r3arrow.io import list_steps
-
-    if path.is_file():
-        return True
-    try:
-        return bool(list_steps(path))
-    except SchemaError:
-        return True  # non-canonical partitions: let the reader report them
+    if path.is_dir() and not any(p.is_dir() for p in path.iterdir() if p.name != "_diagnostics"):
+        return False  # diagnostics only, or nothing
+    return name in rollout_files(path)[0].schema.names
 
 
 def load_agreements(path: Path, source: str | None = None) -> tuple[str, dict[int, RouteAgreement]]:
@@ -97,7 +88,7 @@ def load_agreements(path: Path, source: str | None = None) -> tuple[str, dict[in
         return source, found[source]
     if source is not None:
         raise SchemaError(f"{path}: expected diagnostics of source {source!r}, found none")
-    if not _has_rollouts(path) or not _has_column(path, TRAIN_ROUTES):
+    if not _has_column(path, TRAIN_ROUTES):
         raise SchemaError(
             f"{path}: expected replay diagnostics (_diagnostics/, written by "
             f"r3arrow.io.write_diagnostics) or rollouts with a {TRAIN_ROUTES!r} column "

@@ -2,9 +2,9 @@
 
 The summary never materialises a step (``docs/design.md``, "Persistence"; issue 14): the
 footers give the schema, spec and row-group counts, then each row group is read on its
-own (`r3arrow.io.read_row_group`, validated like `r3arrow.io.read_rollouts`), its lengths
-added up and dropped, so memory stays at one row group whatever the run's size. An Arrow
-IPC file is memory-mapped (`r3arrow.io.read_ipc`), which does not load it either.
+own (`r3arrow.io.read_rollouts` with ``row_groups=``, validated), its lengths added up
+and dropped, so memory stays at one row group whatever the run's size. An Arrow IPC file
+is memory-mapped by the same reader, which does not load it either.
 
 Also the input checks every command shares: `check_input` (a directory or a regular
 file: a FIFO would block the open, a device never ends) and `is_ipc`.
@@ -19,7 +19,6 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from r3arrow.errors import SchemaError
 from r3arrow.spec import RouteSpec
 
 _IPC_MAGIC = b"ARROW1"
@@ -27,7 +26,7 @@ _IPC_MAGIC = b"ARROW1"
 
 def check_input(path: Path) -> None:
     """``path`` exists and is a directory or a regular file (`SchemaError` for a FIFO etc.)."""
-    from r3arrow.io._layout import check_regular
+    from r3arrow._checks import check_regular
 
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such rollout file or directory")
@@ -64,7 +63,7 @@ def human_bytes(n: float) -> str:
 
 def _temp_summary(path: Path) -> dict[str, int]:
     """Leftover writers' temp files beside or under ``path``: count and bytes (all, dead)."""
-    from r3arrow.io._layout import find_temps
+    from r3arrow.io import find_temps
 
     temps = find_temps(path)
     return {
@@ -92,10 +91,10 @@ class _Totals:
 
 
 def _ipc_totals(path: Path) -> tuple[pa.Schema, RouteSpec | None, _Totals, list[int] | None]:
-    from r3arrow.io import read_ipc
+    from r3arrow.io import read_rollouts
     from r3arrow.table import has_routes, route_spec
 
-    table = read_ipc(path)  # memory-mapped: the buffers are not loaded
+    table = read_rollouts(path)  # an IPC file: memory-mapped: the buffers are not loaded
     spec = route_spec(table) if has_routes(table) else None
     totals = _Totals()
     totals.add(table, spec is not None)
@@ -109,34 +108,19 @@ def _parquet_totals(
     path: Path,
 ) -> tuple[pa.Schema, RouteSpec | None, _Totals, list[int]]:
     """Footers first (schema, one spec for all files), then every row group on its own."""
-    import pyarrow.parquet as pq
+    from r3arrow.io import read_rollouts, rollout_files
 
-    from r3arrow.io import from_storage, iter_rollout_files, read_row_group
-    from r3arrow.io._verify import footer_spec, reading
-
-    files = list(iter_rollout_files(path))
-    footers = []
-    for step, f in files:
-        with reading(f), pq.ParquetFile(f, page_checksum_verification=True) as pf:
-            footers.append(
-                (step, f, pf.schema_arrow, pf.metadata.num_row_groups, footer_spec(pf, f))
-            )
-    _, first, schema, _, spec = footers[0]
-    for _, f, _, _, s in footers[1:]:
-        if s != spec:
-            want = spec if spec is not None else "no routes (R3 off)"
-            found = s if s is not None else "no routes (R3 off)"
-            raise SchemaError(f"{f}: expected the spec of {first} ({want}), found {found}", path=f)
-    with reading(first):
-        restored = from_storage(schema.empty_table()).schema if spec is not None else schema
+    files = rollout_files(path)
+    spec = files[0].spec
     totals = _Totals()
-    for step, f, _, groups, _ in footers:
-        for g in range(groups):
-            totals.add(read_row_group(f, g, step=step), spec is not None)
-    steps = sorted({s for s, _, _, _, _ in footers if s is not None})
+    for f in files:
+        for g in range(f.num_row_groups):
+            totals.add(read_rollouts([f], row_groups=[g]), spec is not None)
+    steps = sorted({f.step for f in files if f.step is not None})
+    schema = files[0].schema
     if path.is_dir():
-        restored = restored.append(pa.field("step", pa.int64()))
-    return restored, spec, totals, steps
+        schema = schema.append(pa.field("step", pa.int64()))
+    return schema, spec, totals, steps
 
 
 def inspect_summary(path: Path) -> dict[str, Any]:

@@ -36,10 +36,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from r3arrow._checks import check_int
+from r3arrow._checks import check_int, check_regular
 from r3arrow._typing import PathLike
 from r3arrow.errors import R3ArrowError, SchemaError
-from r3arrow.io._layout import atomic_path, check_regular, check_step, dir_step
+from r3arrow.io._layout import atomic_path, check_step, dir_step
 from r3arrow.io._verify import META_SHA_KEY, READ_ERRORS, at_path, meta_digest, sealed
 
 #: Directory under a rollout root that holds the diagnostics (skipped by rollout readers).

@@ -17,10 +17,8 @@ Restoring gives the normal in-memory type ``large_list<fixed_size_list<fixed_siz
 dtype, K>, L>>``: zero-copy when one group is wanted whole, else one interleave copy of
 the wanted bytes (vectorised per group, never per token or layer). A projected table
 (``layers=``) holds only the wanted layers (ascending global ids) with a `RouteSpec` of
-that shape and the global ids under ``r3arrow.route_layers`` (`r3arrow.table.route_layers`,
-layer projection of ``docs/storage.md``). Files in the older single ``fixed_size_binary`` form
-and portable files restore through `r3arrow.io._storage.from_storage` and are projected
-in memory.
+that shape and the global ids under ``r3arrow.route_layers`` (`r3arrow.io._project`).
+A leaf format: it imports no other format and not the dispatcher (`r3arrow.io._storage`).
 """
 
 from __future__ import annotations
@@ -35,11 +33,19 @@ import orjson
 import pyarrow as pa
 
 from r3arrow._checks import check_int
-from r3arrow.errors import RouteShapeError, SchemaError
+from r3arrow.errors import SchemaError
 from r3arrow.io._interleave import Run, interleave
-from r3arrow.io._storage import STORAGE_FORMAT, STORAGE_KEY, decode_tokens, from_storage
-from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
-from r3arrow.table._schema import ROUTE_LAYERS_KEY, route_layers
+from r3arrow.io._project import (
+    STORAGE_KEY,
+    local_layers,
+    projected_meta,
+    projected_spec,
+    set_columns,
+    storage_info,
+    wrap,
+)
+from r3arrow.spec import RouteSpec, routes_to_numpy
+from r3arrow.table import route_layers
 
 GROUP_FORMAT = "layer_groups/v1"
 #: Default number of groups: a stage of a 4-stage pipeline reads 2 of 8 (L divisible by 8).
@@ -94,26 +100,6 @@ def group_storage_type(spec: RouteSpec, groups: Groups) -> pa.DataType:
     return pa.large_list(pa.field("item", struct, nullable=False))
 
 
-def storage_info(meta: dict[bytes, bytes] | None) -> dict[str, Any] | None:
-    """The parsed ``r3arrow.routes_storage`` metadata (``None`` without it).
-
-    Raises `SchemaError` if it is not ``{format, columns[, groups]}`` JSON.
-    """
-    raw = (meta or {}).get(STORAGE_KEY)
-    if raw is None:
-        return None
-    try:
-        info = orjson.loads(raw)
-        names = [str(n) for n in info["columns"]]
-        fmt = str(info["format"])
-        groups = info.get("groups")
-    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise SchemaError(
-            f"routes storage metadata: expected {{format, columns}} JSON, found {raw!r:.120}"
-        ) from exc
-    return {"format": fmt, "columns": names, "groups": groups}
-
-
 def file_groups(info: dict[str, Any], spec: RouteSpec) -> Groups:
     """The checked groups of ``layer_groups/v1`` storage metadata.
 
@@ -147,8 +133,8 @@ def stored_layer_groups(
 ) -> tuple[tuple[int, ...], ...] | None:
     """The global layer ids of each stored group of a checked file schema, or ``None``.
 
-    ``None`` unless the file is in ``layer_groups/v1`` storage (older single-value and
-    portable files, R3-off files). A layer-projected file maps its route rows through
+    ``None`` unless the file is in ``layer_groups/v1`` storage (portable and R3-off
+    files). A layer-projected file maps its route rows through
     ``r3arrow.route_layers``. Raises `SchemaError` like `file_groups`.
     """
     info = storage_info(cast("dict[bytes, bytes] | None", schema.metadata))
@@ -231,79 +217,8 @@ def to_group_storage(table: pa.Table, groups: Groups) -> pa.Table:
     )
 
 
-# --------------------------------------------------------------- projection
-def projected_spec(spec: RouteSpec, local: Sequence[int]) -> RouteSpec:
-    """The spec of the route rows ``local`` (ascending indices into ``spec``'s layers).
-
-    ``moe_layers`` become the local indices of the router layers kept (``None`` if
-    all are). Raises ``ValueError`` if none of ``local`` is a router layer.
-    """
-    router = set(spec.router_layers)
-    moe = [i for i, layer in enumerate(local) if layer in router]
-    if not moe:
-        raise ValueError(
-            f"layers: expected at least one router layer of {list(spec.router_layers)}, "
-            f"found only dense layers"
-        )
-    return RouteSpec(
-        num_layers=len(local),
-        topk=spec.topk,
-        num_experts=spec.num_experts,
-        moe_layers=tuple(moe),
-        id_dtype=spec.id_dtype,
-    )
-
-
-def local_layers(schema: pa.Schema, layers: Sequence[int]) -> list[int]:
-    """Indices into the table's route rows of the global ``layers`` (sorted, unique).
-
-    Raises ``TypeError`` for a non-int or a non-sequence, ``ValueError`` for an
-    empty list or a layer outside ``[0, num_layers)`` of a full table, and
-    `RouteShapeError` naming the layers a projected table does not hold.
-    """
-    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence | set | frozenset):
-        raise TypeError(f"layers: expected a sequence of ints, found {type(layers).__name__}")
-    wanted = sorted({check_int(i, "layers", minimum=0) for i in layers})
-    if not wanted:
-        raise ValueError("layers: expected at least one layer id, found none")
-    present = route_layers(schema)
-    index = {g: i for i, g in enumerate(present)}
-    missing = [g for g in wanted if g not in index]
-    if missing:
-        meta = schema.metadata or {}
-        if ROUTE_LAYERS_KEY not in meta:
-            raise ValueError(f"layers: expected ids in [0, {len(present)}), found {missing}")
-        raise RouteShapeError(
-            f"expected layers {missing} in the routes, found a projected table with layers "
-            f"{list(present)}"
-        )
-    return [index[g] for g in wanted]
-
-
-def _projected_meta(meta: dict[bytes, bytes], spec: RouteSpec, local: Sequence[int]) -> Any:
-    present = route_layers(pa.schema([], metadata=cast("Any", meta)))
-    out = dict(meta)
-    out[SPEC_METADATA_KEY] = projected_spec(spec, local).to_json()
-    out[ROUTE_LAYERS_KEY] = orjson.dumps([present[i] for i in local])
-    return out
-
-
-def _wrap(data: Any, rows: int, spec: RouteSpec, num_layers: int, offset: int) -> pa.Array[Any]:
-    """Per-token nested routes of ``num_layers`` layers over buffer ``data`` (zero-copy)."""
-    per = num_layers * spec.topk
-    leaf = pa.Array.from_buffers(
-        spec.arrow_value_type, rows * per, [None, data], offset=offset * per
-    )
-    return pa.FixedSizeListArray.from_arrays(
-        pa.FixedSizeListArray.from_arrays(leaf, spec.topk), num_layers
-    )
-
-
 def _parts(values: pa.Array[Any], spec: RouteSpec, name: str) -> list[tuple[int, int, Any]]:
     """(start, stop, fixed_size_binary array) of each stored group of a token array."""
-    if pa.types.is_fixed_size_binary(values.type):  # older single-value form
-        decode_tokens(values, spec, what=f"column {name!r}")  # checks the width
-        return [(0, spec.num_layers, values)]
     if not pa.types.is_struct(values.type):
         raise SchemaError(
             f"column {name!r}: expected layer-group routes storage (struct of "
@@ -345,7 +260,7 @@ def _assemble(
     lo, hi = local[0], local[-1] + 1
     for a, b, child in parts:  # one whole group wanted: no copy
         if (a, b) == (lo, hi) and hi - lo == n:
-            return _wrap(child.buffers()[1], t, spec, n, child.offset)
+            return wrap(child.buffers()[1], t, spec, n, child.offset)
     width = spec.topk * spec.dtype.itemsize
     want = np.asarray(local, dtype=np.int64)
     covered = np.zeros(n, dtype=bool)
@@ -370,7 +285,7 @@ def _assemble(
     if not covered.all():
         absent = want[~covered].tolist()
         raise SchemaError(f"column {name!r}: expected stored groups holding layers {absent}")
-    return _wrap(interleave(arrays, runs, t, n * width), t, spec, n, 0)
+    return wrap(interleave(arrays, runs, t, n * width), t, spec, n, 0)
 
 
 def _restore_chunk(
@@ -386,105 +301,46 @@ def _restore_chunk(
     return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), tokens)
 
 
-def _project_nested(
-    chunk: pa.Array[Any], spec: RouteSpec, local: Sequence[int], name: str
-) -> pa.Array[Any]:
-    """A restored ``large_list<nested>`` chunk's route rows ``local`` (one gather copy)."""
-    lists = cast("pa.LargeListArray[Any]", chunk)
-    rows = routes_to_numpy(lists.flatten(), spec)
-    kept = np.ascontiguousarray(rows[:, np.asarray(local, dtype=np.int64)])
-    offsets = np.asarray(lists.offsets, dtype=np.int64)
-    tokens = _wrap(pa.py_buffer(kept), kept.shape[0], spec, len(local), 0)  # type: ignore[arg-type]
-    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), tokens)
-
-
-def _set_columns(
-    table: pa.Table, names: Sequence[str], fn: Any, spec: RouteSpec, typ: pa.DataType
+def restore_groups(
+    table: pa.Table, spec: RouteSpec, info: dict[str, Any], layers: Sequence[int] | None
 ) -> pa.Table:
-    for name in names:
-        idx = table.schema.get_field_index(name)
-        if idx < 0:  # projected away
-            continue
-        chunks = [fn(c, name) for c in table.column(idx).chunks]
-        col = pa.chunked_array(chunks, type=typ)  # type: ignore[call-overload]  # any DataType
-        table = table.set_column(idx, table.schema.field(idx).with_type(typ), col)
-    return table
+    """A ``layer_groups/v1`` table (parsed storage ``info``) restored, maybe projected.
 
-
-def project_layers(table: pa.Table, layers: Sequence[int]) -> pa.Table:
-    """An in-memory rollout table with only the global ``layers`` in its routes columns.
-
-    The result follows layer projection (``docs/storage.md``): routes-typed columns hold
-    the wanted layers in ascending global order as the normal nested type with
-    ``L' = len(set(layers))``; the schema metadata carries the projected spec and
-    the global ids under ``r3arrow.route_layers``. One gather copy per chunk; chunks
-    are never combined. Raises like `local_layers`, and `SchemaError` for a table
-    without a spec.
-    """
-    spec = RouteSpec.from_schema(table.schema)
-    local = local_layers(table.schema, layers)
-    names = [f.name for f in table.schema if f.type == spec.routes_type]
-    meta = _projected_meta(dict(table.schema.metadata or {}), spec, local)
-    new = projected_spec(spec, local)
-    out = _set_columns(
-        table, names, lambda c, n: _project_nested(c, spec, local, n), spec, new.routes_type
-    )
-    return out.replace_schema_metadata(meta)
-
-
-def restore(table: pa.Table, layers: Sequence[int] | None = None) -> pa.Table:
-    """A storage-form table (any r3arrow format) with its routes restored, maybe projected.
-
-    ``layers`` (global ids, see `local_layers`): only those route rows come back,
-    per layer projection; layer-group files decode only the groups read. ``None``: every
-    layer. The storage key is dropped from the metadata. A table without a spec is
-    returned as is. Raises `SchemaError` for storage that does not match its
-    metadata, and the errors of `local_layers`.
+    ``layers`` (global ids, see `r3arrow.io._project.local_layers`): only the groups
+    read are decoded and only those route rows come back; ``None``: every layer. The
+    storage key is dropped from the metadata. Raises `SchemaError` for storage that
+    does not match its metadata, and the errors of ``local_layers``.
     """
     meta = cast("dict[bytes, bytes]", dict(table.schema.metadata or {}))
-    if SPEC_METADATA_KEY not in meta:
-        return table
-    info = storage_info(meta)
-    if info is None or info["format"] != GROUP_FORMAT:
-        restored = from_storage(table)
-        return restored if layers is None else project_layers(restored, layers)
-    spec = RouteSpec.from_schema(table.schema)
     file_groups(info, spec)
     local = list(range(spec.num_layers)) if layers is None else local_layers(table.schema, layers)
     meta.pop(STORAGE_KEY)
-    new_meta = meta if layers is None else _projected_meta(meta, spec, local)
+    new_meta = meta if layers is None else projected_meta(meta, spec, local)
     new = spec if layers is None else projected_spec(spec, local)
-    out = _set_columns(
+    out = set_columns(
         table,
         info["columns"],
         lambda c, n: _restore_chunk(c, spec, local, n),
-        spec,
         new.routes_type,
     )
     return out.replace_schema_metadata(new_meta)
 
 
 def token_rows(values: pa.Array[Any], spec: RouteSpec, name: str) -> np.ndarray:
-    """``[T, L, K]`` rows of stored per-token values (struct of groups or one value per token)."""
+    """``[T, L, K]`` rows of stored per-token values (a struct of every layer group)."""
     return routes_to_numpy(
         _assemble(_parts(values, spec, name), list(range(spec.num_layers)), spec, name), spec
     )
 
 
-def read_leaves(
-    schema: pa.Schema, columns: Sequence[str] | None, layers: Sequence[int] | None
-) -> list[str] | None:
-    """The Parquet column paths to read for ``columns`` (names) and ``layers`` (global ids).
+def group_leaves(
+    schema: pa.Schema, info: dict[str, Any], names: list[str] | None, layers: Sequence[int]
+) -> list[str]:
+    """The Parquet column paths of ``names`` (``None``: all) holding the global ``layers``.
 
-    For a ``layer_groups/v1`` file with ``layers`` given, a routes column becomes the
-    paths of the groups holding those layers (``routes.list.item.l0_6``); other names
-    pass through (``step``, not a file column, is dropped). ``None`` reads every column.
+    A stored routes column becomes the paths of the groups holding those layers
+    (``routes.list.item.l0_6``); other names pass through. Raises like ``local_layers``.
     """
-    names = None if columns is None else [c for c in columns if c in schema.names or c != "step"]
-    meta = cast("dict[bytes, bytes] | None", schema.metadata)
-    info = storage_info(meta)
-    if layers is None or info is None or info["format"] != GROUP_FORMAT:
-        return names
     spec = RouteSpec.from_schema(schema)
     groups = file_groups(info, spec)
     local = local_layers(schema, layers)
@@ -501,18 +357,12 @@ def read_leaves(
 __all__ = [
     "DEFAULT_GROUPS",
     "GROUP_FORMAT",
-    "STORAGE_FORMAT",
     "check_group_schema",
-    "field_name",
     "file_groups",
+    "group_leaves",
     "group_storage_type",
-    "local_layers",
     "plan_groups",
-    "project_layers",
-    "projected_spec",
-    "read_leaves",
-    "restore",
-    "storage_info",
+    "restore_groups",
     "stored_layer_groups",
     "to_group_storage",
     "token_rows",

@@ -33,10 +33,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.dataset as ds
-
-from r3arrow._checks import check_int, check_nonnegative_int
+from r3arrow._checks import check_int, check_nonnegative_int, check_regular
 from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
 
@@ -45,13 +42,9 @@ from r3arrow.errors import SchemaError
 _STEP_LIKE = re.compile(r"^step=([0-9]+)$")
 _CANONICAL_STEP = re.compile(r"^(0|[1-9][0-9]*)$")
 PART_GLOB = "part-*.parquet"
-#: Hive partitioning of a rollout root: the directory key ``step`` as int64.
-STEP_PARTITIONING = ds.partitioning(pa.schema([("step", pa.int64())]), flavor="hive")
 
 # ``.<name>.tmp-<host>-<pid>-<uuid hex>``; the host is sanitised to [A-Za-z0-9._-].
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>[0-9]+)-[0-9a-f]{32}$")
-# Temps of r3arrow versions before host/pid names: the owner is unknown, never removed.
-_LEGACY_TEMP = re.compile(r"^\..+\.tmp-[0-9a-f]+$")
 
 
 def check_step(step: Any) -> int:
@@ -151,16 +144,15 @@ def check_steps(steps: Sequence[int] | None) -> list[int] | None:
     return [check_int(s, "steps") for s in steps]
 
 
-def iter_rollout_files(
+def rollout_paths(
     path: PathLike, *, steps: Sequence[int] | None = None
-) -> Iterator[tuple[int | None, Path]]:
-    """Yield ``(step, file)`` for every rollout Parquet file under ``path``, in read order.
+) -> list[tuple[int | None, Path]]:
+    """``(step, file)`` of every rollout Parquet file under ``path``, in read order.
 
     ``path`` is a rollout file (one ``(None, path)``), a root of ``step=N/``
     partitions (``(N, part)`` in numeric step order, then part order) or one
     partition directory ``step=N`` itself. ``steps`` selects partitions; every
-    requested step must exist. This is how `r3arrow.stats` and `r3arrow.ray`
-    find their inputs: they never look at directory names themselves.
+    requested step must exist (`r3arrow.io.rollout_files` checks their footers).
 
     Raises
     ------
@@ -182,8 +174,7 @@ def iter_rollout_files(
         check_regular(p)
         if wanted is not None:
             raise SchemaError(f"{p}: steps= needs a step=N/ directory, found a single file", path=p)
-        yield None, p
-        return
+        return [(None, p)]
     present = list_steps(p)
     own = dir_step(p)
     if not present and own is not None:  # one partition directory
@@ -195,39 +186,14 @@ def iter_rollout_files(
         raise SchemaError(f"{p}: expected step=N/ rollout partitions, found none", path=p)
     if wanted is not None and (missing := sorted(set(wanted) - set(present))):
         raise SchemaError(f"{p}: expected steps {missing} to exist, found steps {present}", path=p)
-    files = (
+    files: list[tuple[int | None, Path]] = (
         [(s, f) for s, f in pairs if wanted is None or s in wanted]
         if pairs
-        else step_files(p, wanted)
+        else list(step_files(p, wanted))
     )
     if not files:
         raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none", path=p)
-    yield from files
-
-
-def check_regular(path: Path) -> None:
-    """Raise `SchemaError` (``path`` set) unless ``path`` is a regular file (after symlinks).
-
-    Opening a FIFO blocks until a writer appears and a device can be endless, so
-    readers refuse them up front. ``FileNotFoundError`` if it does not exist.
-    """
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    if not stat.S_ISREG(mode):
-        kind = (
-            "a FIFO"
-            if stat.S_ISFIFO(mode)
-            else "a directory"
-            if stat.S_ISDIR(mode)
-            else "a socket"
-            if stat.S_ISSOCK(mode)
-            else "a device"
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file"
-        )
-        raise SchemaError(f"{path}: expected a regular file, found {kind}", path=path)
+    return files
 
 
 # ------------------------------------------------------------------ temp files
@@ -260,15 +226,14 @@ def _pid_alive(pid: int) -> bool:
 class TempFile:
     """A writer's temporary file.
 
-    ``host`` and ``pid`` name the writer (``None`` for a temp of an older r3arrow
-    without them); ``alive`` is whether that writer still runs: ``True`` /
-    ``False`` on this host, ``None`` when unknown (another host, or no pid).
+    ``host`` and ``pid`` name the writer; ``alive`` is whether that writer still
+    runs: ``True`` / ``False`` on this host, ``None`` when unknown (another host).
     """
 
     path: Path
     size: int
-    host: str | None
-    pid: int | None
+    host: str
+    pid: int
     alive: bool | None
 
     @property
@@ -294,16 +259,13 @@ def _scan_temps(directory: Path, here: str) -> list[TempFile]:
     out = []
     for child in _iterdir(directory):
         m = _TEMP.match(child.name)
-        if m is None and not _LEGACY_TEMP.match(child.name):
+        if m is None:
             continue
         try:
             st = child.lstat()
         except FileNotFoundError:  # renamed into place meanwhile
             continue
         if not stat.S_ISREG(st.st_mode):
-            continue
-        if m is None:
-            out.append(TempFile(child, st.st_size, None, None, None))
             continue
         host, pid = m.group("host"), int(m.group("pid"))
         alive = _pid_alive(pid) if host == here else None
@@ -327,8 +289,8 @@ def remove_stale_temps(path: PathLike, *, dry_run: bool = False) -> list[tuple[P
     """Remove the temps of dead writers on this host under ``path``; return ``(path, bytes)``.
 
     Only temps whose writer ran on this host and is no longer alive are removed
-    (see `find_temps` for which directories are searched); a live writer's temp,
-    another host's, and one without a pid are kept. ``dry_run``: list, remove
+    (see `find_temps` for which directories are searched); a live writer's temp and
+    another host's are kept. ``dry_run``: list, remove
     nothing. A temp that vanishes meanwhile is skipped.
     """
     removed = []
@@ -407,19 +369,17 @@ def atomic_path(dest: Path, *, new_part: bool = False) -> Iterator[list[Path]]:
 
 
 __all__ = [
-    "STEP_PARTITIONING",
     "TempFile",
     "atomic_path",
-    "check_regular",
     "check_step",
     "check_steps",
     "dir_step",
     "find_temps",
     "fsync_dir",
-    "iter_rollout_files",
     "list_steps",
     "part_files",
     "remove_stale_temps",
+    "rollout_paths",
     "step_dir",
     "step_files",
     "temp_name",

@@ -1,25 +1,22 @@
-"""Parquet: rollout tables to files and ``step=N/`` roots, exact and atomic.
+"""Parquet: rollout tables to files and ``step=N/`` roots, exact and atomic; the one reader.
 
-Routes are written in layer-group storage (`r3arrow.io._groups`; older files hold
-one ``fixed_size_binary`` value per token, `r3arrow.io._storage`) and restored on
-read; the spec travels in the file metadata. Row groups are cut by bytes and every
-reader streams them (`r3arrow.io._stream`, ``docs/storage.md``): `iter_rollouts` and
-`iter_rollout_tables` yield bounded ``(step, table)`` pieces under ``max_memory``, and
-``layers=`` reads only the layer groups holding those layers (layer projection). Files are written
-with Parquet page checksums (CRC-32 per page) and a SHA-256 over the r3arrow
-metadata (``r3arrow.meta_sha256``); readers verify both.
+`write_rollouts` stores routes in layer groups (or portable lists; the dispatcher
+`r3arrow.io._storage`), cuts row groups by bytes and seals the r3arrow metadata.
+`rollout_files` discovers a file or root and checks every footer (one spec for all).
+`iter_rollouts` is the one reader: bounded pieces of restored rows (`r3arrow.io._stream`,
+``docs/storage.md``), a root's pieces with their int64 ``step`` column; `read_rollouts`
+is the concatenation of its pieces. Both also read an Arrow IPC file (recognised by its
+magic bytes, `r3arrow.io._ipc`). Files carry Parquet page checksums (CRC-32 per page)
+and a SHA-256 over the r3arrow metadata (``r3arrow.meta_sha256``); readers verify both.
 
-Every reader is a trust boundary (`r3arrow.io._verify`): it checks that a file
-is an r3arrow rollout file, that all files of a root share one spec, and —
-unless ``validate=False`` — what it returns (core columns and types, no nulls,
-loss-mask lengths, routes ``<=`` tokens, the expert-id rules). Tables that pass
-are marked validated (writing them again does not re-check them). Every error
-is an `R3ArrowError` (mostly `SchemaError`) with ``path`` naming the file; no
-Arrow or OS exception escapes a reader for a corrupt file.
-
-A table without a ``routes`` column and without ``r3arrow.spec`` metadata is an
-R3-off rollout table (rollouts recorded without routing replay): it is written
-and read back as is.
+Every reader is a trust boundary (`r3arrow.io._verify`): a file must be an r3arrow
+rollout file, all files of a root share one spec, and — unless ``validate=False`` —
+what it returns is checked (core columns and types, no nulls, loss-mask lengths, routes
+``<=`` tokens, the expert-id rules). Tables that pass are marked validated (writing them
+again does not re-check them). Every error is an `R3ArrowError` (mostly `SchemaError`)
+with ``path`` naming the file; no Arrow or OS exception escapes for a corrupt file. A
+table without ``routes`` and without ``r3arrow.spec`` metadata is an R3-off rollout table:
+it is written and read back as is.
 """
 
 from __future__ import annotations
@@ -27,28 +24,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from r3arrow._checks import check_int
 from r3arrow._typing import PathLike
-from r3arrow._validated import is_validated, mark_validated
+from r3arrow._validated import is_validated
 from r3arrow.errors import SchemaError
-from r3arrow.io._groups import plan_groups, read_leaves, stored_layer_groups, to_group_storage
-from r3arrow.io._layout import (
-    STEP_PARTITIONING,
-    atomic_path,
-    check_steps,
-    iter_rollout_files,
-    list_steps,
-    step_dir,
-    step_files,
-)
-from r3arrow.io._portable import to_portable
+from r3arrow.io._groups import stored_layer_groups
+from r3arrow.io._ipc import is_ipc, read_ipc_file
+from r3arrow.io._layout import atomic_path, check_steps, rollout_paths, step_dir
+from r3arrow.io._project import project_layers
+from r3arrow.io._storage import restore, to_storage
 from r3arrow.io._stream import (
     DEFAULT_MAX_MEMORY,
     DEFAULT_ROW_GROUP_BYTES,
@@ -61,36 +49,19 @@ from r3arrow.io._stream import (
     shape,
 )
 from r3arrow.io._verify import (
-    check_rows,
     check_storage,
     check_table,
-    file_spec,
     footer_spec,
-    open_error,
     reading,
     sealed,
+    unsealed,
 )
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
 
-#: Parquet page checksums are verified on every read (files without them read unchecked).
-_PARQUET_FORMAT = ds.ParquetFileFormat(
-    default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
-)
+Source = PathLike | Sequence["RolloutFile"]
 
 
 # ---------------------------------------------------------------------- write
-def _storage_form(
-    table: pa.Table, portable: bool, layer_group: int | Sequence[int] | None
-) -> pa.Table:
-    """What Parquet stores: routes as layer-group (or portable) columns; R3 off as is."""
-    if SPEC_METADATA_KEY not in (table.schema.metadata or {}):
-        return table  # R3 off: no routes to convert (check_table refused a routes column)
-    if portable:
-        return to_portable(table)
-    spec = RouteSpec.from_schema(table.schema)
-    return to_group_storage(table, plan_groups(spec.num_layers, layer_group))
-
-
 def write_rollouts(
     table: pa.Table,
     path: PathLike,
@@ -138,7 +109,7 @@ def write_rollouts(
         check_storage(table)
         check_table(table, spec)
     dest = Path(path) if step is None else step_dir(path, step)
-    storage = _storage_form(table, portable, layer_group)
+    storage = to_storage(table, portable=portable, layer_group=layer_group)
     bounds = (
         [(0, table.num_rows)] if row_group_rows is not None else row_group_bounds(table, target)
     )
@@ -165,341 +136,244 @@ def write_rollouts(
     return paths[-1]
 
 
-# -------------------------------------------------------------------- checks
-def check_rollout_schema(schema: pa.Schema, path: Path) -> RouteSpec:
-    """The spec of a rollout file's Arrow schema; `SchemaError` (``path`` set) without one.
-
-    The footer checks of `r3arrow.io._verify.file_spec` (version, metadata
-    checksum, spec); an R3-off schema (no spec) is refused here.
-    """
-    spec = file_spec(schema, path)
-    if spec is None:
-        raise SchemaError(
-            f"{path}: expected an r3arrow rollout file with routes (metadata key "
-            f"{SPEC_METADATA_KEY.decode()!r}), found an R3-off file (columns {schema.names})",
-            path=path,
-        )
-    return spec
-
-
-def _footer(
-    path: Path, footers: dict[Path, pq.FileMetaData] | None = None
-) -> tuple[pa.Schema, tuple[int, ...], RouteSpec | None, tuple[tuple[int, ...], ...] | None]:
-    """(Arrow schema, decoded bytes per row group, spec, layer groups) of a checked footer.
-
-    ``footers``: where to keep the checked footer, so the read that follows does not
-    parse and check it again (`r3arrow.io._stream.iter_pieces`).
-    """
-    with reading(path), open_parquet(path) as pf:
-        md = pf.metadata
-        sizes = tuple(md.row_group(g).total_byte_size for g in range(md.num_row_groups))
-        schema = pf.schema_arrow
-        spec = footer_spec(pf, path)
-        if footers is not None:
-            footers[path] = md
-        return schema, sizes, spec, stored_layer_groups(schema, spec)
-
-
+# ------------------------------------------------------------------ discovery
 @dataclasses.dataclass(frozen=True)
 class RolloutFile:
-    """One rollout Parquet file: its ``path``, ``step`` (``None`` outside a root), row groups.
+    """One rollout Parquet file as `rollout_files` found and checked it (footer only).
 
-    ``row_group_bytes``: each row group's decoded size from the footer (every
-    column; a layer projection reads about its fraction of the routes part), for
-    callers that plan reads under a memory budget (Ray, directory collation).
-    ``layer_groups``: the global layer ids of each stored layer group, in order
-    (``((0, ..., 5), (6, ..., 11), ...)``; they partition the file's layers), for a
-    file in ``layer_groups/v1`` storage; ``None`` for the older single-value and the
-    portable layouts and for R3-off files (``docs/storage.md``, "Layout"). Reading
-    ``layers=`` one whole group at a time restores without a copy.
+    ``path``; ``step`` (``None`` for a file outside a root); ``spec`` (``None``: R3 off);
+    ``schema``: the Arrow schema its rows read as (routes restored, spec in the
+    metadata, no ``step`` column); ``num_rows``; ``row_group_bytes``: each row group's
+    decoded size from the footer (every column; a layer projection reads about its
+    fraction of the routes part), for callers that plan reads under a memory budget
+    (Ray, directory collation); ``layer_groups``: the global layer ids of each stored
+    layer group, in order (``((0, ..., 5), (6, ..., 11), ...)``; they partition the
+    file's layers), ``None`` for portable and R3-off files (``docs/storage.md``,
+    "Layout"). Reading ``layers=`` one whole group at a time restores without a copy.
     """
 
     path: Path
     step: int | None
-    num_row_groups: int
-    row_group_bytes: tuple[int, ...] = ()
-    layer_groups: tuple[tuple[int, ...], ...] | None = None
+    spec: RouteSpec | None
+    schema: pa.Schema
+    num_rows: int
+    row_group_bytes: tuple[int, ...]
+    layer_groups: tuple[tuple[int, ...], ...] | None
+    footer: pq.FileMetaData = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def num_row_groups(self) -> int:
+        """The file's row groups (``len(row_group_bytes)``)."""
+        return len(self.row_group_bytes)
 
 
-def _scan(
-    pairs: Sequence[tuple[int | None, Path]],
-    footers: dict[Path, pq.FileMetaData] | None = None,
-) -> tuple[RouteSpec | None, pa.Schema, list[RolloutFile]]:
-    spec: RouteSpec | None = None
-    first: tuple[Path, pa.Schema] | None = None
-    out = []
-    for step, f in pairs:
-        schema, sizes, s, groups = _footer(f, footers)
-        if first is None:
-            spec, first = s, (f, schema)
-        elif s != spec:
-            want = spec if spec is not None else "no routes (R3 off)"
-            found = s if s is not None else "no routes (R3 off)"
-            raise SchemaError(
-                f"{f}: expected the spec of {first[0]} ({want}), found {found}", path=f
-            )
-        out.append(RolloutFile(f, step, len(sizes), sizes, groups))
-    assert first is not None  # callers pass at least one file
-    return spec, first[1], out
-
-
-def scan_rollout_files(
-    path: PathLike, *, steps: Sequence[int] | None = None
-) -> tuple[RouteSpec, list[RolloutFile]]:
-    """The spec shared by every rollout file under ``path`` and the files (footers only).
-
-    Files as `iter_rollout_files` finds them (same errors). Raises `SchemaError`
-    (``path`` set) if a file is unreadable, is not a rollout file with routes,
-    fails its metadata checks, or two files disagree.
-    """
-    spec, schema, files = _scan(list(iter_rollout_files(path, steps=steps)))
-    if spec is None:
-        check_rollout_schema(schema, files[0].path)
-    assert spec is not None
-    return spec, files
-
-
-def read_row_group(
-    path: PathLike,
-    row_group: int,
-    columns: Sequence[str] | None = None,
-    step: int | None = None,
-    *,
-    validate: bool = True,
-    layers: Sequence[int] | None = None,
-) -> pa.Table:
-    """One row group of a rollout file, routes restored; with ``step``, an int64 ``step`` column.
-
-    The table keeps the file's schema metadata (the spec) and is validated like
-    `read_rollouts` (``validate=False`` skips the data checks); ``layers`` projects
-    the routes like `read_rollouts` (only those layer groups are read). Raises
-    `SchemaError` (``path`` set) for an unreadable, corrupt or foreign file, the
-    validation errors (``path`` set) for bad data, and ``ValueError`` /
-    ``TypeError`` for a ``row_group`` that is not an index of the file.
-    """
-    p = Path(path)
-    group = check_int(row_group, "row_group", minimum=0)
-    with reading(p), open_parquet(p) as pf:
+def _checked_file(step: int | None, path: Path) -> RolloutFile:
+    """The `RolloutFile` of ``path`` with its footer checked (`r3arrow.io._verify`)."""
+    with reading(path), open_parquet(path) as pf:
+        md = pf.metadata
         schema = pf.schema_arrow
-        footer_spec(pf, p)
-        groups = pf.metadata.num_row_groups
-        if group < groups:
-            leaves = read_leaves(schema, columns, layers)
-            table = pf.read_row_group(group, columns=leaves)
-            check_rows(table, pf.metadata.row_group(group).num_rows, p, f"row group {group}")
-    if group >= groups:  # argument misuse, raised outside the corrupt-file translation
-        raise ValueError(f"row_group: expected an index below {groups} ({p}), found {group}")
-    table = restore_unit(
-        table.replace_schema_metadata(schema.metadata),
-        p,
-        layers,
-        validate,
-        validate,
-        columns is not None,
-    )
-    if step is not None:
-        values = pa.array(np.full(table.num_rows, step, dtype=np.int64))
-        table = table.append_column(pa.field("step", pa.int64()), values)
-        if validate:
-            mark_validated(table)
-    return table
+        spec = footer_spec(pf, path)
+        sizes = tuple(md.row_group(g).total_byte_size for g in range(md.num_row_groups))
+        restored = unsealed(restore(schema.empty_table())).schema
+        groups = stored_layer_groups(schema, spec)
+        return RolloutFile(path, step, spec, restored, md.num_rows, sizes, groups, md)
+
+
+def rollout_files(
+    path: PathLike, *, steps: Sequence[int] | None = None, require_routes: bool = False
+) -> list[RolloutFile]:
+    """Every rollout Parquet file under ``path``, in read order, footers checked.
+
+    ``path`` is a rollout file, a root of ``step=N/`` partitions (numeric step order,
+    then part order) or one partition directory ``step=N``. ``steps`` selects
+    partitions; every requested step must exist. All files must share one spec (or
+    none: R3 off); ``require_routes`` refuses R3-off files. This is how the planners
+    (`r3arrow.stats`, `r3arrow.ray`, directory collation) find their inputs; pass the
+    result (or some of it) to `iter_rollouts` / `read_rollouts` to read it.
+
+    Raises ``FileNotFoundError`` if ``path`` does not exist, ``TypeError`` if ``steps``
+    is not a sequence of ints, `SchemaError` (``path`` set) for ``steps`` given with a
+    single file, a path that is neither a regular file nor a directory, a directory
+    without partitions or part files or with a non-canonical ``step=`` name, a
+    requested step that is absent, an unreadable, corrupt or foreign file (version,
+    metadata checksum, spec, layer groups), two files that disagree on the spec, and
+    (``require_routes``) a file without routes.
+    """
+    files = [_checked_file(step, f) for step, f in rollout_paths(path, steps=steps)]
+    first = files[0]
+    for f in files[1:]:
+        if f.spec != first.spec:
+            want = first.spec if first.spec is not None else "no routes (R3 off)"
+            found = f.spec if f.spec is not None else "no routes (R3 off)"
+            raise SchemaError(
+                f"{f.path}: expected the spec of {first.path} ({want}), found {found}",
+                path=f.path,
+            )
+    if require_routes and first.spec is None:
+        raise SchemaError(
+            f"{first.path}: expected an r3arrow rollout file with routes (metadata key "
+            f"{SPEC_METADATA_KEY.decode()!r}), found an R3-off file (columns "
+            f"{first.schema.names})",
+            path=first.path,
+        )
+    return files
 
 
 # ---------------------------------------------------------------------- read
-def read_rollouts_dataset(path: PathLike) -> ds.Dataset:
-    """A `pyarrow.dataset.Dataset` over a file or step directory (storage types, lazy, unchecked).
+def _selected(
+    path: Source, wanted: list[int] | None, row_groups: Sequence[int] | None
+) -> tuple[list[RolloutFile], list[RolloutFile], list[int] | None]:
+    """Every file of ``path``, those to read (``steps`` filtered), the checked ``row_groups``."""
+    if isinstance(path, str | bytes) or not isinstance(path, Sequence):
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no such rollout file or directory")
+        if wanted is not None and not p.is_dir():
+            raise SchemaError(f"{p}: steps= needs a step=N/ directory, found a single file", path=p)
+        files = rollout_files(p)
+    else:
+        files = [f for f in path if isinstance(f, RolloutFile)]
+        if not files or len(files) != len(path):
+            raise TypeError("path: expected a rollout path or RolloutFile s of rollout_files")
+    keep = [f for f in files if wanted is None or f.step in wanted]
+    if row_groups is None:
+        return files, keep, None
+    if len(files) != 1:
+        raise ValueError(f"row_groups: expected a single rollout file, found {len(files)} files")
+    if isinstance(row_groups, str | bytes) or not isinstance(row_groups, Sequence):
+        raise TypeError(f"row_groups: expected a sequence of ints, found {type(row_groups)}")
+    n = files[0].num_row_groups
+    groups = [check_int(g, "row_groups", minimum=0) for g in row_groups]
+    if bad := [g for g in groups if g >= n]:
+        raise ValueError(f"row_groups: expected indices below {n} ({files[0].path}), found {bad}")
+    return files, keep, groups
 
-    A directory is read with hive partitioning (``step`` int64), its part files
-    in numeric step order. Page checksums are verified when it is scanned; the
-    rows are not validated (use `read_rollouts` for that). Routes come in their
-    storage form (a struct of layer groups, ``docs/storage.md``).
-    """
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such rollout file or directory")
+
+def _ipc(
+    p: Path,
+    steps: list[int] | None,
+    columns: Sequence[str] | None,
+    layers: Sequence[int] | None,
+    row_groups: Sequence[int] | None,
+    validate: bool,
+) -> pa.Table:
+    """An Arrow IPC rollout file, memory-mapped, checked, then selected like Parquet."""
+    if steps is not None:
+        raise SchemaError(f"{p}: steps= needs a step=N/ directory, found an IPC file", path=p)
+    if row_groups is not None:
+        raise ValueError(f"row_groups: expected a Parquet file, found an Arrow IPC file {p}")
+    table = read_ipc_file(p, validate=validate)
     with reading(p):
-        if p.is_dir():
-            return ds.dataset(
-                [str(f) for _, f in step_files(p)],
-                format=_PARQUET_FORMAT,
-                partition_base_dir=str(p),
-                partitioning=STEP_PARTITIONING,
-            )
-        return ds.dataset(p, format=_PARQUET_FORMAT)
+        if layers is not None:
+            table = project_layers(table, layers)
+        return shape(table, None, columns, validate)
 
 
-def _files(
-    p: Path, wanted: Sequence[int] | None, footers: dict[Path, pq.FileMetaData] | None = None
-) -> tuple[list[tuple[int | None, Path]], list[RolloutFile]]:
-    """The (step, file) pairs to read under ``p`` (file or root) and all scanned files.
+def iter_rollouts(
+    path: Source,
+    *,
+    steps: Sequence[int] | None = None,
+    columns: Sequence[str] | None = None,
+    layers: Sequence[int] | None = None,
+    row_groups: Sequence[int] | None = None,
+    max_memory: int | None = DEFAULT_MAX_MEMORY,
+    batch_rows: int | None = None,
+    validate: bool = True,
+) -> Iterator[pa.Table]:
+    """Yield bounded pieces of restored rollout rows of a file, root or IPC file, in order.
 
-    ``footers`` receives each checked footer (see `_footer`).
+    ``path``: a rollout Parquet file, a root of ``step=N/`` partitions or one partition
+    (files as `rollout_files` finds them, footers checked and one spec shared before the
+    first piece), an Arrow IPC file (by its magic bytes: one memory-mapped piece), or
+    `RolloutFile` s from `rollout_files` (not checked again). Pieces of a step carry its
+    int64 ``step`` column (when ``columns`` is ``None`` or lists it); a file outside a
+    root has none. ``steps`` selects partitions (absent ones read as no rows);
+    ``columns`` selects and orders columns; ``layers`` (global layer ids) projects the
+    routes columns (layer projection, ``docs/storage.md``: only those layers, ascending,
+    the spec has ``num_layers = len(layers)`` and ``r3arrow.route_layers`` names them; a
+    layer-group file reads only the groups holding them); ``row_groups`` reads only
+    those row groups (indices, in that order) of a single Parquet file.
+
+    The memory budget (``docs/storage.md``): a piece holds at most ``max_memory / 4``
+    bytes of restored rows (default budget 1 GiB; ``None``: one piece per step) and at
+    most ``batch_rows`` rows; pieces never span two steps; only about one row group is
+    read ahead. A step or file without rows yields one empty piece. The footer and page
+    checksums are always verified; the rows are validated (as `read_rollouts`) unless
+    ``validate=False``, and validated pieces are marked so.
+
+    Raises (when the piece holding the fault is read) ``FileNotFoundError`` if ``path``
+    does not exist, the errors of `rollout_files` (but absent ``steps`` are no error),
+    `SchemaError` (``path`` set) for a corrupt or foreign file or ``steps`` on a single
+    file, the validation errors (``path`` set) for bad rows, ``TypeError`` /
+    ``ValueError`` for bad ``steps``, ``row_groups`` (out of range, or more than one
+    file), ``max_memory`` or ``batch_rows``, ``ValueError`` / `RouteShapeError` for
+    ``layers`` the file does not hold.
     """
-    if p.is_dir():
-        pairs: list[tuple[int | None, Path]] = list(step_files(p))
-        if not pairs:
-            raise SchemaError(f"{p}: expected step=N/*.parquet rollout files, found none", path=p)
-        _, _, scanned = _scan(pairs, footers)
-        keep = [(f.step, f.path) for f in scanned if wanted is None or f.step in wanted]
-        return keep, scanned
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such rollout file or directory")
-    _, _, scanned = _scan([(None, p)], footers)
-    return [(None, p)], scanned
+    wanted = check_steps(steps)
+    if (not isinstance(path, Sequence) or isinstance(path, str | bytes)) and is_ipc(Path(path)):
+        yield _ipc(Path(path), wanted, columns, layers, row_groups, validate)
+        return
+    _, files, groups = _selected(path, wanted, row_groups)
+    yield from iter_pieces(
+        [(f.step, f.path) for f in files],
+        footers={f.path: f.footer for f in files},
+        columns=columns,
+        layers=layers,
+        max_memory=max_memory,
+        batch_rows=batch_rows,
+        validate=validate,
+        row_groups=groups,
+    )
 
 
 def read_rollouts(
-    path: PathLike,
+    path: Source,
     *,
-    columns: Sequence[str] | None = None,
     steps: Sequence[int] | None = None,
+    columns: Sequence[str] | None = None,
     layers: Sequence[int] | None = None,
+    row_groups: Sequence[int] | None = None,
     validate: bool = True,
 ) -> pa.Table:
-    """Read a rollout Parquet file or ``step=N`` directory whole; routes restored, spec kept.
+    """The rows `iter_rollouts` yields for the same arguments, as one table (chunks kept).
 
-    A directory reads in step order and adds an int64 ``step`` column (kept under
-    ``columns`` only if listed); ``steps`` selects partitions (absent ones read
-    as no rows). Every file must carry the same spec (or none: R3 off).
-    ``layers`` (global layer ids) returns a projected table (layer projection,
-    ``docs/storage.md``): routes columns hold only those layers, ascending, the
-    spec has ``num_layers = len(layers)`` and ``r3arrow.route_layers`` names them;
-    a layer-group file reads only the groups holding them. For bounded memory
-    use `iter_rollouts`.
-
-    The footer (version, metadata checksum, spec, layer groups) and page
-    checksums are always verified. The rows are validated — core columns and
-    types, no nulls, loss-mask lengths, routes ``<=`` tokens, ids in range and
-    distinct on router layers, the terminal-gap rule — unless ``validate=False``
-    (for a caller re-reading files it wrote itself in a hot loop); a validated
-    table is marked so writing it again skips the checks. Files written before
-    the checksums existed read without those checks.
-
-    Raises `SchemaError` (``path`` set) on a corrupt or foreign file, the
-    validation errors (``path`` set) on bad rows, ``FileNotFoundError`` if
-    ``path`` does not exist, ``TypeError`` if ``steps`` holds a non-int,
-    ``ValueError`` / `RouteShapeError` for ``layers`` the file does not hold.
+    The spec stays in the schema metadata; with no row selected (``steps`` absent),
+    no rows with the schema of the first file. Validated as a whole (error rows index
+    the whole table) unless ``validate=False`` (for a caller re-reading files it wrote
+    itself in a hot loop); a validated table is marked so writing it again skips the
+    checks. For bounded memory use `iter_rollouts`. Raises what `iter_rollouts` raises.
     """
     wanted = check_steps(steps)
-    p = Path(path)
-    footers: dict[Path, pq.FileMetaData] = {}
-    pairs, scanned = _files(p, wanted, footers)
-    parts = [
-        t
-        for _, t in iter_pieces(
-            pairs,
-            footers=footers,
+    if (not isinstance(path, Sequence) or isinstance(path, str | bytes)) and is_ipc(Path(path)):
+        return _ipc(Path(path), wanted, columns, layers, row_groups, validate)
+    every, files, groups = _selected(path, wanted, row_groups)
+    first = every[0]
+    where = first.path if isinstance(path, Sequence) and not isinstance(path, str) else Path(path)
+    parts = list(
+        iter_pieces(
+            [(f.step, f.path) for f in files],
+            footers={f.path: f.footer for f in files},
             columns=columns,
             layers=layers,
             max_memory=None,
             batch_rows=None,
             validate=False,
             check=validate,
+            row_groups=groups,
         )
-    ]
+    )
     if not parts:  # no selected step is present: no rows, the schema of the first file
-        first = scanned[0]
         empty = restore_unit(
             empty_table(first.path, columns, layers), first.path, None, False, False, False
         )
         parts = [shape(empty, first.step, columns, False)]
-    table = parts[0] if len(parts) == 1 else concat(parts, p)
+    table = parts[0] if len(parts) == 1 else concat(parts, where)
     if not validate:
         return table
-    with reading(p):
+    with reading(where):
         meta = table.schema.metadata or {}
         spec = RouteSpec.from_schema(table.schema) if SPEC_METADATA_KEY in meta else None
         return check_table(table, spec, projected=columns is not None)
 
 
-def iter_rollouts(
-    path: PathLike,
-    *,
-    steps: Sequence[int] | None = None,
-    columns: Sequence[str] | None = None,
-    layers: Sequence[int] | None = None,
-    max_memory: int | None = DEFAULT_MAX_MEMORY,
-    batch_rows: int | None = None,
-    validate: bool = True,
-) -> Iterator[tuple[int | None, pa.Table]]:
-    """Yield bounded ``(step, table)`` pieces of a rollout file or root, in read order.
-
-    A directory yields its steps in numeric order (``steps`` filters; absent
-    ones are skipped), each piece with the ``step`` column like `read_rollouts`;
-    a file yields ``(None, piece)``. The memory budget (``docs/storage.md``): a piece
-    holds at most ``max_memory / 4`` bytes of restored rows (default budget
-    1 GiB; ``None``: one piece per step) and at most ``batch_rows`` rows; pieces
-    of one step are consecutive and never span two steps; only about one row
-    group is read ahead. ``layers`` projects like `read_rollouts`. Each piece is
-    checked like `read_rollouts` (``validate=False`` skips the data checks).
-    Same errors, raised when the piece holding the fault is read.
-    """
-    wanted = check_steps(steps)
-    p = Path(path)
-    footers: dict[Path, pq.FileMetaData] = {}
-    pairs, _ = _files(p, wanted, footers)
-    yield from iter_pieces(
-        pairs,
-        footers=footers,
-        columns=columns,
-        layers=layers,
-        max_memory=max_memory,
-        batch_rows=batch_rows,
-        validate=validate,
-    )
-
-
-def iter_rollout_tables(
-    path: PathLike,
-    *,
-    columns: Sequence[str] | None = None,
-    steps: Sequence[int] | None = None,
-    layers: Sequence[int] | None = None,
-    max_memory: int | None = DEFAULT_MAX_MEMORY,
-    validate: bool = True,
-) -> Iterator[tuple[int | None, pa.Table]]:
-    """Yield bounded ``(step, table)`` pieces of restored rollout rows (the stats reader).
-
-    The files are those of `iter_rollout_files` (a file, a root or one
-    partition; every requested step must exist), all checked to share one spec
-    before the first piece is read. Pieces as `iter_rollouts` makes them
-    (``max_memory``, ``layers``; several consecutive pieces per step when a step
-    exceeds the budget); a step's pieces have the int64 ``step`` column (when
-    listed under ``columns`` or ``columns`` is ``None``); a single file yields
-    ``(None, piece)``. Checked like `read_rollouts` (``validate=False`` skips
-    the data checks). `r3arrow.stats`, Ray reads and directory collation build on it.
-    """
-    spec_files = list(iter_rollout_files(path, steps=steps))
-    footers: dict[Path, pq.FileMetaData] = {}
-    _scan(spec_files, footers)
-    yield from iter_pieces(
-        spec_files,
-        footers=footers,
-        columns=columns,
-        layers=layers,
-        max_memory=max_memory,
-        batch_rows=None,
-        validate=validate,
-    )
-
-
-def scan_rollouts(path: PathLike, **kwargs: Any) -> Iterator[pa.Table]:
-    """Tables from `iter_rollouts`, without the step key."""
-    for _, table in iter_rollouts(path, **kwargs):
-        yield table
-
-
-__all__ = [
-    "RolloutFile",
-    "check_rollout_schema",
-    "iter_rollout_tables",
-    "iter_rollouts",
-    "list_steps",
-    "open_error",
-    "read_rollouts",
-    "read_rollouts_dataset",
-    "read_row_group",
-    "scan_rollout_files",
-    "scan_rollouts",
-    "write_rollouts",
-]
+__all__ = ["RolloutFile", "iter_rollouts", "read_rollouts", "rollout_files", "write_rollouts"]

@@ -1,8 +1,8 @@
 """Portable routes storage: plain nested integer lists that generic tools read as numbers.
 
-The default storage form (`r3arrow.io._storage`) is one opaque
-``fixed_size_binary`` value per token: fast and compact, but pandas, Polars,
-DuckDB and Hugging Face ``datasets`` see bytes, not expert ids. A portable file
+The default storage form (layer groups, `r3arrow.io._groups`) is opaque
+``fixed_size_binary`` values: fast and compact, but pandas, Polars, DuckDB and
+Hugging Face ``datasets`` see bytes, not expert ids. A portable file
 stores every routes-typed column as
 
     ``large_list<list<list<dtype>>>``  (trajectory -> token -> layer -> top-k ids)
@@ -10,12 +10,13 @@ stores every routes-typed column as
 with the spec's id dtype (uint8, uint16 or int32), which every one of those tools
 reads as integers (``docs/portable.md`` has the per-tool recipe and the
 measured costs). The schema metadata key ``r3arrow.routes_storage`` records the
-format ``nested_list/v1`` and the converted columns, so `from_storage` restores
+format ``nested_list/v1`` and the converted columns, so `from_portable` restores
 the exact nested ``fixed_size_list`` type on read (zero-copy: the leaf values
 buffer is reused, only the list lengths are checked).
 
 Both conversions are vectorised: offsets are built with ``numpy.arange`` and
-the id buffer is shared, never copied per token.
+the id buffer is shared, never copied per token. A leaf format: it imports no other
+format and not the dispatcher (`r3arrow.io._storage`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import orjson
 import pyarrow as pa
 
 from r3arrow.errors import SchemaError
-from r3arrow.io._storage import STORAGE_KEY
+from r3arrow.io._project import STORAGE_KEY
 from r3arrow.spec import RouteSpec, routes_to_numpy
 
 PORTABLE_FORMAT = "nested_list/v1"
@@ -111,8 +112,8 @@ def to_portable(table: pa.Table) -> pa.Table:
     The input has the in-memory routes type (``large_list`` of the spec's nested
     ``fixed_size_list``) and the spec in its schema metadata (`SchemaError`
     without it). The result carries ``r3arrow.routes_storage`` =
-    ``{"format": "nested_list/v1", "columns": [...]}`` so `from_storage` (and so
-    every r3arrow reader) restores the exact type. Other columns are unchanged.
+    ``{"format": "nested_list/v1", "columns": [...]}`` so every r3arrow reader
+    restores the exact type (`from_portable`). Other columns are unchanged.
     """
     spec = RouteSpec.from_schema(table.schema)
     names = _routes_columns(table, spec)
@@ -132,9 +133,9 @@ def to_portable(table: pa.Table) -> pa.Table:
 def from_portable(table: pa.Table, names: list[str]) -> pa.Table:
     """Restore the portable columns ``names`` (those present) to the nested routes type.
 
-    Called by `from_storage` for the ``nested_list/v1`` format (the storage key is
-    left for it to drop). Raises `SchemaError` naming the column if a column is
-    not ``large_list<list<list<dtype>>>`` of the spec's shape and dtype.
+    Called by the dispatcher (`r3arrow.io._storage.restore`) for the ``nested_list/v1``
+    format (the storage key is left for it to drop). Raises `SchemaError` naming the
+    column if a column is not ``large_list<list<list<dtype>>>`` of the spec's shape and dtype.
     """
     spec = RouteSpec.from_schema(table.schema)
     for name in names:

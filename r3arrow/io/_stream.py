@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from r3arrow._checks import check_int
 from r3arrow._validated import mark_validated
 from r3arrow.errors import SchemaError
-from r3arrow.io._groups import read_leaves, restore
+from r3arrow.io._storage import read_leaves, restore
 from r3arrow.io._verify import (
     check_rows,
     check_storage,
@@ -128,12 +128,14 @@ def _file_units(
     target: int | None,
     batch_rows: int | None,
     footer: pq.FileMetaData | None = None,
+    row_groups: Sequence[int] | None = None,
 ) -> Iterator[tuple[pa.Table, int]]:
     """(storage-form table, footer bytes) of a file's row groups, split to fit ``target``.
 
     ``footer``: the file's footer, already checked by `r3arrow.io._verify.footer_spec`
     (else it is read and checked here). Each row group is held to the footer's row
-    count (see `r3arrow.io._verify.check_rows`). Errors carry ``path``.
+    count (see `r3arrow.io._verify.check_rows`). ``row_groups``: only those (valid
+    indices, in that order). Errors carry ``path``.
     """
     with reading(path), open_parquet(path, buffered=target is not None, metadata=footer) as pf:
         schema = pf.schema_arrow
@@ -141,7 +143,7 @@ def _file_units(
             footer_spec(pf, path)
         leaves = read_leaves(schema, columns, layers)
         md = pf.metadata
-        for g in range(md.num_row_groups):
+        for g in range(md.num_row_groups) if row_groups is None else row_groups:
             rg = md.row_group(g)
             rows = rg.num_rows
             # The row group's decoded size over all columns: an upper bound of what a column or
@@ -218,7 +220,7 @@ def shape(
         order = [c for c in dict.fromkeys(names) if c in table.schema.names and c != ROWS_COLUMN]
         if order != table.schema.names:
             table = table.select(order)
-    return cast("pa.Table", mark_validated(table)) if validated else table
+    return mark_validated(table) if validated else table
 
 
 def concat(parts: list[pa.Table], where: Path) -> pa.Table:
@@ -242,15 +244,16 @@ def iter_pieces(
     validate: bool,
     check: bool | None = None,
     footers: Mapping[Path, pq.FileMetaData] | None = None,
-) -> Iterator[tuple[int | None, pa.Table]]:
-    """``(step, table)`` pieces of ``files`` in order, each within ``max_memory / 4`` bytes.
+    row_groups: Sequence[int] | None = None,
+) -> Iterator[pa.Table]:
+    """Table pieces of ``(step, file)`` pairs in order, each within ``max_memory / 4`` bytes.
 
     Pieces are restored (and projected to ``layers``), checked like `read_rollouts`
     when ``validate`` (``check``, default ``validate``: the storage null checks),
     carry a ``step`` column for a root's files and never span two steps. A step (or
     file) without rows yields one empty table. ``footers``: checked footers by path
-    (each file is then opened once, its footer not parsed again). See the module
-    docstring.
+    (each file is then opened once, its footer not parsed again); ``row_groups``: of a
+    single file, only those (`_file_units`). See the module docstring.
     """
     budget = check_budget(max_memory)
     target = None if budget is None else max(1, budget // PIECE_FRACTION)
@@ -264,25 +267,25 @@ def iter_pieces(
         emitted = False
         for path in paths:
             footer = None if footers is None else footers.get(path)
-            units = _file_units(path, columns, layers, target, rows_cap, footer)
+            units = _file_units(path, columns, layers, target, rows_cap, footer, row_groups)
             for unit, nbytes in units:
                 if pending and (
                     (target is not None and held + nbytes > target)
                     or (rows_cap is not None and rows + unit.num_rows > rows_cap)
                 ):
-                    yield step, shape(concat(pending, path), step, columns, validate)
+                    yield shape(concat(pending, path), step, columns, validate)
                     emitted = True
                     pending, held, rows = [], 0, 0
                 pending.append(restore_unit(unit, path, layers, storage_check, validate, projected))
                 held += nbytes
                 rows += unit.num_rows
         if pending:
-            yield step, shape(concat(pending, paths[-1]), step, columns, validate)
+            yield shape(concat(pending, paths[-1]), step, columns, validate)
         elif not emitted:
             empty = restore_unit(
                 empty_table(paths[0], columns, layers), paths[0], None, False, validate, projected
             )
-            yield step, shape(empty, step, columns, validate)
+            yield shape(empty, step, columns, validate)
 
 
 __all__ = [

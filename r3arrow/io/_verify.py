@@ -206,17 +206,6 @@ def file_spec(schema: pa.Schema, path: Path) -> RouteSpec | None:
                 f"expected column 'routes' ({SPEC_METADATA_KEY.decode()!r} is set), "
                 f"found columns {schema.names}"
             )
-        stored = schema.field("routes").type
-        value = stored.value_type if pa.types.is_large_list(stored) else None
-        if (
-            value is not None
-            and pa.types.is_fixed_size_binary(value)
-            and value.byte_width != spec.row_nbytes
-        ):
-            raise SchemaError(
-                f"column 'routes': expected fixed_size_binary({spec.row_nbytes}) per token "
-                f"for {spec} (metadata key {SPEC_METADATA_KEY.decode()!r}), found {value}"
-            )
         check_group_schema(schema, spec)
     return spec
 
@@ -391,7 +380,7 @@ def check_table(table: pa.Table, spec: RouteSpec | None, *, projected: bool = Fa
         _check_lengths(table)
     if spec is not None:
         _check_ids(table, spec, skip=("routes",) if whole else ())
-    return cast("pa.Table", mark_validated(_not_null_core(table)))
+    return mark_validated(_not_null_core(table))
 
 
 __all__ = [

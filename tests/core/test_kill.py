@@ -19,8 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from r3arrow.io import read_rollouts, write_rollouts
-from r3arrow.io._layout import find_temps
+from r3arrow.io import find_temps, read_rollouts, write_rollouts
 from r3arrow.spec import RouteSpec
 from r3arrow.testing import assert_rollouts_equal, random_rollouts
 

@@ -26,7 +26,7 @@ def _r3off_table() -> pa.Table:
 def test_ipc_round_trip_without_routes(tmp_path: Path) -> None:
     table = _r3off_table()
     path = r3arrow.write_ipc(table, tmp_path / "r.arrow")
-    back = r3arrow.read_ipc(path)
+    back = r3arrow.read_rollouts(path)
     assert back.equals(table)
     assert "routes" not in back.schema.names
 
@@ -42,9 +42,9 @@ def test_ipc_reader_validates_rows(tmp_path: Path) -> None:
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, bad.schema) as writer:
         writer.write_table(bad)
     with pytest.raises(r3arrow.SchemaError) as info:
-        r3arrow.read_ipc(path)
+        r3arrow.read_rollouts(path)
     assert info.value.path == str(path)
-    assert r3arrow.read_ipc(path, validate=False).num_rows == 2
+    assert r3arrow.read_rollouts(path, validate=False).num_rows == 2
 
 
 @pytest.mark.parametrize("name", ["r.parquet", "r.arrow"])
