@@ -1,11 +1,11 @@
-"""Benchmark: expert-load statistics (r3arrow.stats, local and Ray engines) against baselines.
+"""Benchmark: expert-load statistics (r3arrow.stats, locally and on Ray) against baselines.
 
 Part 1, in memory (≥ 100M expert ids in the full run): `r3arrow.stats.expert_load`
 (one ``np.bincount`` over ``layer * E + id`` codes per cache-sized chunk) vs a
 numpy ``np.bincount`` per layer and vs a naive Polars explode + group-by.
 Part 2, a multi-step Parquet directory: the single-process streamed path vs
-``r3arrow.stats.expert_load(..., engine="ray")`` on a local 2-CPU Ray cluster (driver and Ray
-hash-aggregate reduction).
+``r3arrow.stats.expert_load(..., executor=r3arrow.ray.RayExecutor())`` on a local 2-CPU
+Ray cluster (driver and Ray hash-aggregate reduction).
 
 The in-memory cases share one subprocess and run interleaved round-robin (the
 machine is shared: interleaving spreads its noise evenly); each directory case
@@ -183,16 +183,18 @@ def case_directory(name: str, root: str) -> dict[str, Any]:
     else:
         import ray
 
+        from r3arrow.ray import RayExecutor
+
         t0 = time.perf_counter()
         ray.init(
             num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
         )
         ray.data.DataContext.get_current().enable_progress_bars = False
         init = time.perf_counter() - t0
-        reduce: stats.Reduce = "ray" if name == "dir-ray-hash" else "driver"
+        executor = RayExecutor(reduce="ray" if name == "dir-ray-hash" else "driver")
 
         def fn() -> None:
-            load = stats.expert_load(root, engine="ray", reduce=reduce)
+            load = stats.expert_load(root, executor=executor)
             result["c"] = load["tokens"].to_numpy()
 
         t0 = time.perf_counter()
@@ -334,10 +336,10 @@ def main() -> None:
         dir_ids = dres["dir-local"]["ids"]
         dlabels = {
             "dir-local": "r3arrow.stats.expert_load(dir), 1 process, streamed by step",
-            "dir-ray-driver": "r3arrow.stats.expert_load(dir, engine='ray'), 2 CPUs, "
+            "dir-ray-driver": "r3arrow.stats.expert_load(dir, executor=RayExecutor()), 2 CPUs, "
             "reduce='driver'",
-            "dir-ray-hash": "r3arrow.stats.expert_load(dir, engine='ray'), 2 CPUs, "
-            "reduce='ray' (hash aggregate)",
+            "dir-ray-hash": "r3arrow.stats.expert_load(dir, executor=RayExecutor(reduce='ray')), "
+            "2 CPUs (hash aggregate)",
         }
         drows = []
         for c, d in dres.items():

@@ -1,4 +1,4 @@
-"""Ray Data reading, the distributed partials of `r3arrow.stats`, collation as map_batches.
+"""Ray Data reading and `RayExecutor`, the Ray executor of the `r3arrow.stats` partials.
 
 See the package docstring of `r3arrow.ray`.
 """
@@ -6,38 +6,39 @@ See the package docstring of `r3arrow.ray`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
-import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 
-from r3arrow import stats as _stats
 from r3arrow._checks import check_choice, check_int
 from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
-from r3arrow.io import read_row_group, scan_rollout_files
+from r3arrow.io import read_rollouts, rollout_files
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
-from r3arrow.stats import REDUCES, ExpertCounts, Reduce, RouteAgreement, TokenSubset
 
 if TYPE_CHECKING:
     import ray.data
 
 _NO_STEP = -1  # partial rows of data without a step column
 #: A block of rollout rows (spec in its metadata) → ``{step or None: int64 partial vector}``.
-BlockFn = Callable[[pa.Table], Mapping[int | None, np.ndarray]]
+_BlockFn = Callable[[pa.Table], Mapping[int | None, np.ndarray]]
 #: The exact sum of two partial vectors (an empty vector is zero).
-CombineFn = Callable[[Any, Any], np.ndarray]
+_CombineFn = Callable[[Any, Any], np.ndarray]
+#: Final combine of the partials: "driver" streams them to the driver and sums there
+#: (cheap: a few KB per block); "ray" uses a Ray ``AggregateFnV2`` (hash-shuffle
+#: aggregate; seconds of fixed overhead on a small cluster). Both are exact.
+Reduce = Literal["driver", "ray"]
 
 
 # ================================================================== reading
 def _units(path: PathLike, steps: Sequence[int] | None) -> tuple[RouteSpec, list[dict[str, Any]]]:
     """The shared spec and the read units (path, row group, step); one footer read per file."""
-    spec, files = scan_rollout_files(path, steps=steps)
+    files = rollout_files(path, steps=steps, require_routes=True)
+    spec = files[0].spec
+    assert spec is not None  # require_routes
     units = [
         {"path": str(f.path), "row_group": g, "step": f.step}
         for f in files
@@ -50,9 +51,17 @@ def rollout_spec(path: PathLike, *, steps: Sequence[int] | None = None) -> Route
     """The `RouteSpec` shared by every rollout file under ``path`` (footers only).
 
     Raises `SchemaError` (``path`` set) if a file lacks the spec or two files
-    disagree on it; see `r3arrow.io.scan_rollout_files`.
+    disagree on it; see `r3arrow.io.rollout_files`.
     """
-    return scan_rollout_files(path, steps=steps)[0]
+    return _units(path, steps)[0]
+
+
+def _with_step(table: pa.Table, step: int | None) -> pa.Table:
+    """A row group's rows, without metadata, with the int64 ``step`` column of its partition."""
+    table = table.replace_schema_metadata(None)
+    if step is None:
+        return table
+    return table.append_column("step", pa.array(np.full(table.num_rows, step, dtype=np.int64)))
 
 
 class _ReadUnits:
@@ -67,13 +76,13 @@ class _ReadUnits:
         steps: list[Any] = batch.column("step").to_pylist()
         units = zip(paths, groups, steps, strict=True)
         parts = [  # one Parquet row group each: not a hot loop
-            read_row_group(path, group, self.columns, step).replace_schema_metadata(None)
+            _with_step(read_rollouts(path, row_groups=[group], columns=self.columns), step)
             for path, group, step in units
         ]
         return pa.concat_tables(parts)
 
 
-def read_rollouts(
+def rollout_dataset(
     path: PathLike,
     *,
     columns: Sequence[str] | None = None,
@@ -110,7 +119,7 @@ def _read(
 class _Partials:
     """Block → one row per step present: ``step`` int64, ``partial`` large_list<int64>."""
 
-    def __init__(self, spec_json: bytes, block_fn: BlockFn) -> None:
+    def __init__(self, spec_json: bytes, block_fn: _BlockFn) -> None:
         self.spec_json = spec_json
         self.block_fn = block_fn
 
@@ -125,7 +134,7 @@ class _Partials:
         )
 
 
-def _sum_aggregate(combine: CombineFn) -> Any:
+def _sum_aggregate(combine: _CombineFn) -> Any:
     """A Ray ``AggregateFnV2`` summing the ``partial`` vectors exactly (empty vector = zero)."""
     from ray.data.aggregate import AggregateFnV2
     from ray.data.block import BlockAccessor
@@ -173,8 +182,8 @@ def _as_dataset(
         return _read(source, columns, steps)
     if isinstance(source, pa.Table | pa.RecordBatch):
         raise TypeError(
-            "engine='ray': expected a rollout path or a Ray Dataset, found an in-memory "
-            f"{type(source).__name__} (use engine='local')"
+            "RayExecutor: expected a rollout path or a Ray Dataset, found an in-memory "
+            f"{type(source).__name__} (use executor=None)"
         )
     if spec is None:
         raise TypeError(
@@ -190,7 +199,7 @@ def _as_dataset(
     return source, spec
 
 
-def _drain(parts: Any, combine: CombineFn) -> dict[int, np.ndarray]:
+def _drain(parts: Any, combine: _CombineFn) -> dict[int, np.ndarray]:
     """Sum partial rows per step on the driver as they stream in (each row is a few KB)."""
     acc: dict[int, np.ndarray] = {}
     for batch in parts.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -202,274 +211,64 @@ def _drain(parts: Any, combine: CombineFn) -> dict[int, np.ndarray]:
     return acc
 
 
-def partials(
-    source: Any,
-    block_fn: BlockFn,
-    combine: CombineFn,
-    *,
-    columns: Sequence[str],
-    spec: RouteSpec | None = None,
-    steps: Sequence[int] | None = None,
-    grouped: bool = False,
-    reduce: Reduce = "driver",
-) -> tuple[dict[int | None, np.ndarray], RouteSpec]:
-    """Exact partial vectors of ``source`` computed on Ray: the engine of ``stats(engine="ray")``.
+@dataclasses.dataclass(frozen=True)
+class RayExecutor:
+    """The Ray executor of `r3arrow.stats`: ``stats.expert_load(path, executor=RayExecutor())``.
 
-    ``source``: a rollout path (read with `read_rollouts`, only ``columns``) or a
-    `read_rollouts` Dataset (``spec`` required; ``steps`` filters its rows).
-    ``block_fn`` (picklable) maps each block, spec restored in its metadata, to
-    ``{step or None: vector}``; ``combine`` (picklable) adds two vectors. Returns
-    (``{None: total}``, spec), or with ``grouped`` (``{step: total}``, spec) with
-    a ``None`` key for rows without a step. ``reduce``: `Reduce`.
+    Each block is reduced to the statistic's exact integer partials in ``map_batches``
+    (in parallel; only the small partials move), then combined as ``reduce`` says
+    (`Reduce`): streamed to the driver and summed (``"driver"``, default) or with a Ray
+    ``AggregateFnV2`` hash aggregate (``"ray"``, grouped by ``step`` for the by-step
+    statistics). Integer sums are order-independent, so every path equals the
+    single-process one exactly. Raises ``ValueError`` for another ``reduce``.
     """
-    check_choice(reduce, "reduce", REDUCES)
-    ds, spec = _as_dataset(source, spec, list(columns), steps)
-    fn = _Partials(spec.to_json(), block_fn)
-    parts = ds.map_batches(fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
-    out: dict[int | None, np.ndarray]
-    if reduce == "ray":
-        if grouped:
-            rows = parts.groupby("step").aggregate(_sum_aggregate(combine)).take_all()
-            per = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}
-        else:
-            result = parts.aggregate(_sum_aggregate(combine))
-            vec = result["partial"] if isinstance(result, dict) else result
-            total = np.asarray(vec if vec is not None else np.zeros(0), dtype=np.int64)
-            return {None: total}, spec
-    else:
-        per = _drain(parts, combine)
-    if not grouped:
-        total = np.zeros(0, np.int64)
-        for vec in per.values():
-            total = combine(total, vec)
-        return {None: total}, spec
-    out = {None if s == _NO_STEP else s: v for s, v in per.items()}
-    return out, spec
 
+    reduce: Reduce = "driver"
 
-# ============================================== deprecated statistics aliases
-def _deprecated(name: str) -> None:
-    warnings.warn(
-        f"r3arrow.ray.{name} is deprecated: use r3arrow.stats.{name}(..., engine='ray')",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+    def __post_init__(self) -> None:
+        check_choice(self.reduce, "reduce", get_args(Reduce))
 
+    def map_reduce(
+        self,
+        source: Any,
+        block_fn: _BlockFn,
+        combine_fn: _CombineFn,
+        *,
+        columns: Sequence[str],
+        spec: RouteSpec | None = None,
+        steps: Sequence[int] | None = None,
+        by_step: bool = False,
+    ) -> tuple[dict[int | None, np.ndarray], RouteSpec]:
+        """Exact partial vectors of ``source`` computed on Ray (`r3arrow.stats.Executor`).
 
-def expert_counts(
-    source: PathLike | ray.data.Dataset,
-    *,
-    spec: RouteSpec | None = None,
-    tokens: TokenSubset = "all",
-    steps: Sequence[int] | None = None,
-    reduce: Reduce = "driver",
-) -> ExpertCounts:
-    """Deprecated: ``r3arrow.stats.expert_counts(source, engine="ray", ...)``."""
-    _deprecated("expert_counts")
-    return _stats.expert_counts(
-        source, tokens=tokens, steps=steps, engine="ray", spec=spec, reduce=reduce
-    )
-
-
-def expert_counts_by_step(
-    source: PathLike | ray.data.Dataset,
-    *,
-    spec: RouteSpec | None = None,
-    tokens: TokenSubset = "all",
-    steps: Sequence[int] | None = None,
-    reduce: Reduce = "driver",
-) -> dict[int, ExpertCounts]:
-    """Deprecated: ``r3arrow.stats.expert_counts_by_step(source, engine="ray", ...)``."""
-    _deprecated("expert_counts_by_step")
-    return _stats.expert_counts_by_step(
-        source, tokens=tokens, steps=steps, engine="ray", spec=spec, reduce=reduce
-    )
-
-
-def expert_load(
-    source: PathLike | ray.data.Dataset,
-    *,
-    spec: RouteSpec | None = None,
-    tokens: TokenSubset = "all",
-    steps: Sequence[int] | None = None,
-    by_step: bool = False,
-    reduce: Reduce = "driver",
-) -> pl.DataFrame:
-    """Deprecated: ``r3arrow.stats.expert_load(source, engine="ray", ...)``."""
-    _deprecated("expert_load")
-    options: dict[str, Any] = {"tokens": tokens, "steps": steps, "by_step": by_step}
-    return _stats.expert_load(source, engine="ray", spec=spec, reduce=reduce, **options)
-
-
-def route_agreement(
-    source: PathLike | ray.data.Dataset,
-    other: str,
-    *,
-    spec: RouteSpec | None = None,
-    tokens: TokenSubset = "all",
-    steps: Sequence[int] | None = None,
-    reduce: Reduce = "driver",
-) -> RouteAgreement:
-    """Deprecated: ``r3arrow.stats.route_agreement(source, other, engine="ray", ...)``."""
-    _deprecated("route_agreement")
-    return _stats.route_agreement(
-        source, other, spec, tokens=tokens, steps=steps, engine="ray", reduce=reduce
-    )
-
-
-def route_agreement_by_step(
-    source: PathLike | ray.data.Dataset,
-    other: str,
-    *,
-    spec: RouteSpec | None = None,
-    tokens: TokenSubset = "all",
-    steps: Sequence[int] | None = None,
-    reduce: Reduce = "driver",
-) -> dict[int, RouteAgreement]:
-    """Deprecated: ``r3arrow.stats.route_agreement_by_step(source, other, engine="ray", ...)``."""
-    _deprecated("route_agreement_by_step")
-    return _stats.route_agreement_by_step(
-        source, other, tokens=tokens, steps=steps, engine="ray", spec=spec, reduce=reduce
-    )
-
-
-# ================================================================ collation
-def _tensor_fields(mb: Any) -> Iterable[tuple[str, Any]]:
-    if isinstance(mb, Mapping):
-        return mb.items()
-    if dataclasses.is_dataclass(mb) and not isinstance(mb, type):
-        return ((f.name, getattr(mb, f.name)) for f in dataclasses.fields(mb))
-    raise TypeError(
-        f"collator: expected a dataclass or mapping of arrays, found {type(mb).__name__}"
-    )
-
-
-def _as_numpy(value: Any) -> np.ndarray | None:
-    if isinstance(value, np.ndarray):
-        return value
-    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
-        return np.asarray(value.detach().cpu().numpy())
-    return None
-
-
-def microbatch_row(mb: Any, trajectory_ids: Sequence[str], step: int | None) -> pa.Table:
-    """One-row Arrow table of a microbatch: per array field ``name`` (flat) and ``name.shape``.
-
-    Also ``trajectory_ids`` and ``step`` (null without steps); ints, floats and
-    bools are kept as scalar columns, other fields (spec, None) are dropped.
-    """
-    cols: dict[str, pa.Array[Any]] = {
-        "step": pa.array([step], type=pa.int64()),
-        "trajectory_ids": pa.array([list(trajectory_ids)], type=pa.large_list(pa.large_string())),
-    }
-    for name, value in _tensor_fields(mb):
-        arr = _as_numpy(value)
-        if arr is not None:
-            flat = pa.array(np.ascontiguousarray(arr).reshape(-1))
-            cols[name] = pa.LargeListArray.from_arrays(
-                pa.array([0, len(flat)], type=pa.int64()), flat
-            )
-            cols[f"{name}.shape"] = pa.array([list(arr.shape)], type=pa.list_(pa.int64()))
-        elif isinstance(value, bool | int | float | np.integer | np.floating):
-            cols[name] = pa.array([value.item() if isinstance(value, np.generic) else value])
-        elif isinstance(value, tuple) and all(isinstance(v, int) for v in value):
-            cols[name] = pa.array([list(value)], type=pa.list_(pa.int64()))
-    return pa.table(cols)
-
-
-def microbatch_arrays(rows: pa.Table) -> list[dict[str, Any]]:
-    """Decode `collate` output rows: arrays reshaped by their ``.shape`` columns, and scalars."""
-    out: list[dict[str, Any]] = []
-    shapes = [n[: -len(".shape")] for n in rows.column_names if n.endswith(".shape")]
-    for i in range(rows.num_rows):
-        row: dict[str, Any] = {}
-        for name in rows.column_names:
-            if name.endswith(".shape"):
-                continue
-            col = rows.column(name)
-            if name in shapes:
-                cell = col[i].values
-                shape = rows.column(f"{name}.shape")[i].as_py()
-                row[name] = np.asarray(cell.to_numpy(zero_copy_only=False)).reshape(shape)
+        ``source``: a rollout path (read with `rollout_dataset`, only ``columns``) or a
+        `rollout_dataset` Dataset (``spec`` required; ``steps`` filters its rows).
+        ``block_fn`` (picklable) maps each block, spec restored in its metadata, to
+        ``{step or None: vector}``; ``combine_fn`` (picklable) adds two vectors. Returns
+        (``{None: total}``, spec), or with ``by_step`` (``{step: total}``, spec) with a
+        ``None`` key for rows without a step. Raises ``TypeError`` for an in-memory
+        table or a Dataset without ``spec``.
+        """
+        ds, spec = _as_dataset(source, spec, list(columns), steps)
+        fn = _Partials(spec.to_json(), block_fn)
+        parts = ds.map_batches(fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
+        if self.reduce == "ray":
+            if by_step:
+                rows = parts.groupby("step").aggregate(_sum_aggregate(combine_fn)).take_all()
+                per = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}
             else:
-                row[name] = col[i].as_py()
-        out.append(row)
-    return out
-
-
-def _ids(part: pa.Table) -> list[str]:
-    return cast(list[str], part.column("trajectory_id").to_pylist())
-
-
-class _Collate:
-    """Batch → one microbatch row per step present (a microbatch never mixes steps)."""
-
-    def __init__(
-        self, make_collator: Callable[[], Callable[[pa.Table], Any]], spec_json: bytes
-    ) -> None:
-        self.make_collator = make_collator
-        self.spec_json = spec_json
-        self._collator: Callable[[pa.Table], Any] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"make_collator": self.make_collator, "spec_json": self.spec_json, "_collator": None}
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        if self._collator is None:  # built in the worker: collators hold locks and buffer pools
-            self._collator = self.make_collator()
-        table = batch.replace_schema_metadata({SPEC_METADATA_KEY: self.spec_json})
-        if "step" not in table.schema.names:
-            groups: list[tuple[int | None, pa.Table]] = [(None, table)]
+                result = parts.aggregate(_sum_aggregate(combine_fn))
+                vec = result["partial"] if isinstance(result, dict) else result
+                total = np.asarray(vec if vec is not None else np.zeros(0), dtype=np.int64)
+                return {None: total}, spec
         else:
-            steps = np.asarray(table.column("step").to_numpy(), dtype=np.int64)
-            cuts = np.flatnonzero(np.diff(steps)) + 1
-            bounds = [0, *cuts.tolist(), len(steps)]
-            groups = [(int(steps[a]), table.slice(a, b - a)) for a, b in itertools.pairwise(bounds)]
-        rows = [
-            microbatch_row(self._collator(part), _ids(part), step)
-            for step, part in groups
-            if part.num_rows
-        ]
-        return pa.concat_tables(rows, promote_options="permissive")
+            per = _drain(parts, combine_fn)
+        if not by_step:
+            total = np.zeros(0, np.int64)
+            for vec in per.values():
+                total = combine_fn(total, vec)
+            return {None: total}, spec
+        return {None if s == _NO_STEP else s: v for s, v in per.items()}, spec
 
 
-def collate(
-    dataset: ray.data.Dataset,
-    make_collator: Callable[[], Callable[[pa.Table], Any]],
-    *,
-    spec: RouteSpec,
-    batch_size: int | None = None,
-) -> ray.data.Dataset:
-    """Collate ``dataset`` (from `read_rollouts`) as ``map_batches``; one output row per microbatch.
-
-    ``make_collator``: a picklable zero-argument factory, called once per
-    worker, e.g. ``functools.partial(MegatronCollator, spec, packed=True)``.
-    Each Ray batch (``batch_size`` trajectories, or a block when None) is split
-    at step boundaries and each part collated. Rows are plain Arrow (see
-    `microbatch_row`), so ``.write_parquet(dir)`` writes them back and
-    `microbatch_arrays` decodes them; ``trajectory_ids`` names each row's inputs.
-    """
-    return dataset.map_batches(
-        cast(Any, _Collate(make_collator, spec.to_json())),  # a callable instance
-        batch_format="pyarrow",
-        batch_size=batch_size,
-        zero_copy_batch=True,
-    )
-
-
-__all__ = [
-    "BlockFn",
-    "CombineFn",
-    "Reduce",
-    "collate",
-    "expert_counts",
-    "expert_counts_by_step",
-    "expert_load",
-    "microbatch_arrays",
-    "microbatch_row",
-    "partials",
-    "read_rollouts",
-    "rollout_spec",
-    "route_agreement",
-    "route_agreement_by_step",
-]
+__all__ = ["RayExecutor", "Reduce", "rollout_dataset", "rollout_spec"]

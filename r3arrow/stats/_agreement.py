@@ -5,7 +5,7 @@ expert *sets* are equal, and overlap by ``|A ∩ B|``. `RouteAgreement` adds up
 exactly across batches, steps and workers; its fractions are the R3 paper's
 quantities (rollout router vs trainer router, see ``docs/design.md``).
 
-With numba (`r3arrow.stats._kernels.numba_kernels`) and a known ``num_experts``,
+With numba (`r3arrow._kernels.compiled`) and a known ``num_experts``,
 `compare_routes` is one compiled pass that marks each set in a stamp array; on
 bad input (an id out of range or repeated) it re-runs the numpy reference, which
 raises the documented error. Both backends give the same integers.
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from r3arrow._kernels import compiled
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec, as_route_rows
 from r3arrow.stats._kernels import (
@@ -31,7 +32,6 @@ from r3arrow.stats._kernels import (
     check_selection,
     chunks,
     map_chunks,
-    numba_kernels,
     router_block,
 )
 
@@ -185,7 +185,7 @@ def compare_routes(
             f"expected two route arrays of one shape, found {list(x.shape)} and {list(y.shape)}"
         )
     sel = check_selection(select, x.shape[0])
-    nb = numba_kernels()
+    nb = compiled()
     if nb is not None and spec.num_experts is not None and _small_ints(x):
         fast = _agree_numba(nb, x, y, spec, spec.num_experts, sel)
         if fast is not None:

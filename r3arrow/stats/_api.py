@@ -1,23 +1,24 @@
-"""The public statistics, one API for both engines: ``engine="local"`` (default) or ``"ray"``.
+"""The public statistics: a source streamed in this process, or handed to an executor.
 
-``engine="local"`` streams the source in this process (`r3arrow.stats._sources`).
-``engine="ray"`` hands the same per-block partials to `r3arrow.ray.partials`
-(a Ray Data ``map_batches`` and an exact sum); the results are identical.
+``executor=None`` (default) streams the source here (`r3arrow.stats._sources`: a table
+batch by batch, a path by row group under ``max_memory``). An `Executor` (e.g.
+`r3arrow.ray.RayExecutor`) is handed the statistic's per-block partial function
+(`r3arrow.stats._sources.BlockPartials`) and the exact combine of two partials, and
+runs them over its own workers (`Executor.map_reduce`); the integers are identical.
+Stats knows no executor's code: `Executor` is a structural `typing.Protocol`.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import operator
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal, cast
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from r3arrow._checks import check_choice
 from r3arrow.errors import SchemaError
 from r3arrow.io import project_layers
 from r3arrow.spec import RouteSpec
@@ -41,116 +42,94 @@ from r3arrow.stats._sources import (
 from r3arrow.stats._stream import check_budget
 from r3arrow.stats._summaries import stack_steps
 
-Engine = Literal["local", "ray"]
-ENGINES: tuple[str, ...] = ("local", "ray")
-#: Final combine of the Ray engine's partials: "driver" streams them to the driver and sums
-#: there (cheap: a few KB per block); "ray" uses a Ray ``AggregateFnV2`` (hash-shuffle
-#: aggregate; seconds of fixed overhead on a small cluster). Both are exact.
-Reduce = Literal["driver", "ray"]
-REDUCES: tuple[str, ...] = ("driver", "ray")
+#: A block of rollout rows (spec in its schema metadata) → ``{step or None: int64 partial}``.
+BlockFn = Callable[[pa.Table], Mapping[int | None, np.ndarray]]
+#: The exact sum of two partial vectors (an empty vector is zero).
+CombineFn = Callable[[Any, Any], np.ndarray]
 
 
-def _check_engine(
-    engine: object,
-    reduce: object,
-    spec: RouteSpec | None,
-    max_memory: object = None,
-    validate: object = False,
-) -> str:
-    check_choice(reduce, "reduce", REDUCES)
-    out = check_choice(engine, "engine", ENGINES)
-    if out == "ray" and (max_memory is not None or validate):
-        raise ValueError(
-            "max_memory, validate: apply to engine='local' only, found "
-            f"max_memory={max_memory!r}, validate={validate!r} with 'ray'"
-        )
-    if out == "local":
+@runtime_checkable
+class Executor(Protocol):
+    """Runs a statistic's per-block partials on other workers and sums them exactly.
+
+    `map_reduce` reads ``source`` (a rollout path, only ``columns``; or a dataset of
+    rollout rows of the executor's own kind, with ``spec``; ``steps``: the steps kept),
+    maps every block (a ``pyarrow.Table``, the spec restored in its schema metadata)
+    through ``block_fn`` to ``{step or None: int64 vector}`` and adds the vectors with
+    ``combine_fn`` (exact integer sums: the order does not matter). Both functions are
+    picklable. Returns (``{None: total}``, spec), or with ``by_step`` (``{step: total}``,
+    spec) with a ``None`` key for rows without a step; no blocks: an empty dict or an
+    empty vector. Raises ``TypeError`` for a source it cannot read (e.g. an in-memory
+    table) or a dataset without ``spec``. Implemented by `r3arrow.ray.RayExecutor`.
+    """
+
+    def map_reduce(
+        self,
+        source: Any,
+        block_fn: BlockFn,
+        combine_fn: CombineFn,
+        *,
+        columns: Sequence[str],
+        spec: RouteSpec | None,
+        steps: Sequence[int] | None,
+        by_step: bool,
+    ) -> tuple[dict[int | None, np.ndarray], RouteSpec]: ...
+
+
+def _check_executor(
+    executor: object, spec: object, max_memory: object, validate: object, layers: object
+) -> Executor | None:
+    """The executor (None: local streaming) after checking the arguments that go with it."""
+    if executor is None:
         check_budget(max_memory)
-    if out == "local" and reduce != "driver":
-        raise ValueError(f"reduce: applies to engine='ray' only, found {reduce!r} with 'local'")
-    if out == "local" and spec is not None:
-        raise TypeError("spec: applies to engine='ray' with a Ray Dataset source, found a spec")
-    return out
+        if spec is not None:
+            raise TypeError(
+                "spec: applies to an executor's dataset source (executor=...), "
+                "found a spec with executor=None"
+            )
+        return None
+    if not isinstance(executor, Executor):
+        raise TypeError(
+            "executor: expected None or an Executor with map_reduce "
+            f"(e.g. r3arrow.ray.RayExecutor()), found {type(executor).__name__}"
+        )
+    local = {"max_memory": max_memory, "validate": validate, "layers": layers}
+    used = {k: v for k, v in local.items() if v is not None and v is not False}
+    if used:
+        raise ValueError(
+            f"{', '.join(used)}: local streaming settings, apply to executor=None only, "
+            f"found {used} with {type(executor).__name__}"
+        )
+    return executor
 
 
-def _ray_partials(
+def _mapped(
+    executor: Executor,
     source: Any,
     kind: Kind,
-    tokens: str,
+    tokens: object,
     other: str | None,
-    *,
     spec: RouteSpec | None,
     steps: Sequence[int] | None,
-    grouped: bool,
-    reduce: str,
-    column: str = "routes",
-) -> tuple[dict[int | None, np.ndarray], RouteSpec]:
-    """Encoded partials from the Ray engine (not ``grouped``: one total under ``None``)."""
-    block = BlockPartials(kind, tokens, other, column=column)
-    # Imported by name at call time: r3arrow.ray sits above stats in the layers and
-    # needs the ray extra; stats never imports it at module import time.
-    ray_module = importlib.import_module("r3arrow.ray")
-    parts, spec = ray_module.partials(
+    by_step: bool,
+    column: object = "routes",
+) -> ExpertCounts | RouteAgreement | dict[int, ExpertCounts | RouteAgreement]:
+    """The statistic computed by ``executor``: the total, or per step with ``by_step``."""
+    block = BlockPartials(kind, check_subset(tokens), other, column=check_column(column))
+    parts, spec = executor.map_reduce(
         source,
         block,
         combiner(kind),
         columns=block.columns(),
         spec=spec,
         steps=steps,
-        grouped=grouped,
-        reduce=reduce,
+        by_step=by_step,
     )
-    return parts, spec
-
-
-def _ray_total(
-    source: Any,
-    kind: Kind,
-    tokens: str,
-    other: str | None,
-    spec: RouteSpec | None,
-    steps: Sequence[int] | None,
-    reduce: str,
-    column: str = "routes",
-) -> ExpertCounts | RouteAgreement:
-    parts, spec = _ray_partials(
-        source,
-        kind,
-        tokens,
-        other,
-        spec=spec,
-        steps=steps,
-        grouped=False,
-        reduce=reduce,
-        column=column,
-    )
-    vec = parts.get(None, np.zeros(0, np.int64))
-    if vec.size:
-        return decode(kind, vec)
-    return ExpertCounts.empty(spec) if kind == "counts" else RouteAgreement.empty(spec)
-
-
-def _ray_by_step(
-    source: Any,
-    kind: Kind,
-    tokens: str,
-    other: str | None,
-    spec: RouteSpec | None,
-    steps: Sequence[int] | None,
-    reduce: str,
-    column: str = "routes",
-) -> dict[int, ExpertCounts | RouteAgreement]:
-    parts, _ = _ray_partials(
-        source,
-        kind,
-        tokens,
-        other,
-        spec=spec,
-        steps=steps,
-        grouped=True,
-        reduce=reduce,
-        column=column,
-    )
+    if not by_step:
+        vec = parts.get(None, np.zeros(0, np.int64))
+        if vec.size:
+            return decode(kind, vec)
+        return ExpertCounts.empty(spec) if kind == "counts" else RouteAgreement.empty(spec)
     out: dict[int, ExpertCounts | RouteAgreement] = {}
     for step, vec in parts.items():
         if step is None:
@@ -207,19 +186,13 @@ def _local_counts(
     )
 
 
-def _local_only_layers(layers: object) -> None:
-    if layers is not None:
-        raise ValueError(f"layers: applies to engine='local' only, found {layers!r} with 'ray'")
-
-
 def expert_counts(
     source: Any,
     *,
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
-    engine: Engine = "local",
+    executor: Executor | None = None,
     spec: RouteSpec | None = None,
-    reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
     column: str = "routes",
@@ -227,35 +200,34 @@ def expert_counts(
 ) -> ExpertCounts:
     """Total `ExpertCounts` of a rollout table, a Parquet file or a step-partitioned root.
 
-    ``source``: a table or record batch, a file, a root (streamed by step), or
-    with ``engine="ray"`` also a Ray Dataset from `r3arrow.ray.read_rollouts`
-    (then ``spec`` is required: Ray blocks carry no schema metadata).
+    ``source``: a table or record batch, a file, a root (streamed by step), or with an
+    ``executor`` a path or the executor's dataset (e.g. `r3arrow.ray.rollout_dataset`;
+    then ``spec`` is required: Ray blocks carry no schema metadata).
     ``tokens``: the subset (`r3arrow.stats.TOKEN_SUBSETS`); ``steps``: the steps
-    to include. ``reduce``: the Ray engine's final combine (`Reduce`).
-    ``max_memory``: with ``engine="local"``, the memory budget (bytes) of a path
-    streamed by row group (default 1 GiB, `r3arrow.stats._stream`); the
-    counts do not depend on it. A path's footers and page checksums are always
-    verified and every counted id is checked against ``num_experts``
-    (`ExpertRangeError`); ``validate=True`` adds every row check of
-    `r3arrow.io.read_rollouts` (distinct ids, lengths, nulls; slower).
+    to include. ``executor``: None streams in this process; an `Executor` (e.g.
+    `r3arrow.ray.RayExecutor()`) runs the same partials on its workers, same integers.
+    Local streaming settings (``executor=None`` only; with an executor ``ValueError``):
+    ``max_memory``, the memory budget (bytes) of a path streamed by row group (default
+    1 GiB, `r3arrow.stats._stream`; the counts do not depend on it); ``validate=True``
+    adds every row check of `r3arrow.io.read_rollouts` (distinct ids, lengths, nulls;
+    slower) to what is always done (a path's footers and page checksums verified, every
+    counted id checked against ``num_experts``: `ExpertRangeError`); ``layers``: global
+    layer ids to count (None: every router layer); a path then reads only those layers
+    (layer projection, ``docs/storage.md``), a table is projected in memory; dense
+    layers among them are skipped.
     ``column``: the routes column to count (default ``routes``; e.g. ``"train_routes"``,
     the trainer routers' own choices, ``docs/train-routes.md``): the token subsets
     still come from ``prompt_ids`` / ``response_ids`` / ``loss_mask``, with the
-    column's list lengths. ``layers``: global layer ids to count (None: every router
-    layer); a path then reads only those layers (layer projection, ``docs/storage.md``),
-    a table is projected in memory; dense layers among them are skipped. Raises
-    ``ValueError`` / ``TypeError`` for bad arguments (``layers`` outside
-    ``[0, num_layers)`` or of dense layers only: ``ValueError``; ``layers`` with
-    ``engine="ray"``: ``ValueError``), `RouteShapeError` for layers a projected
-    source does not hold, `SchemaError` for missing columns, steps or files.
+    column's list lengths. Raises ``ValueError`` / ``TypeError`` for bad arguments
+    (``layers`` outside ``[0, num_layers)`` or of dense layers only: ``ValueError``;
+    ``executor`` not an `Executor`, ``spec`` without one: ``TypeError``),
+    `RouteShapeError` for layers a projected source does not hold, `SchemaError` for
+    missing columns, steps or files.
     """
-    if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
-        check_subset(tokens)
-        _local_only_layers(layers)
-        total = _ray_total(
-            source, "counts", tokens, None, spec, steps, reduce, check_column(column)
+    if ex := _check_executor(executor, spec, max_memory, validate, layers):
+        return cast(
+            ExpertCounts, _mapped(ex, source, "counts", tokens, None, spec, steps, False, column)
         )
-        return cast(ExpertCounts, total)
     parts = _local_counts(source, tokens, steps, max_memory, validate, column, layers)
     if isinstance(parts, dict):
         return functools.reduce(operator.add, parts.values())
@@ -267,9 +239,8 @@ def expert_counts_by_step(
     *,
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
-    engine: Engine = "local",
+    executor: Executor | None = None,
     spec: RouteSpec | None = None,
-    reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
     column: str = "routes",
@@ -277,15 +248,10 @@ def expert_counts_by_step(
 ) -> dict[int, ExpertCounts]:
     """`ExpertCounts` per step, ascending: a step-partitioned root or a table with ``step``.
 
-    Arguments as `expert_counts` (``reduce="ray"``: Ray ``groupby("step")``).
-    Raises `SchemaError` if the source has no steps.
+    Arguments as `expert_counts`. Raises `SchemaError` if the source has no steps.
     """
-    if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
-        check_subset(tokens)
-        _local_only_layers(layers)
-        per = _ray_by_step(
-            source, "counts", tokens, None, spec, steps, reduce, check_column(column)
-        )
+    if ex := _check_executor(executor, spec, max_memory, validate, layers):
+        per = _mapped(ex, source, "counts", tokens, None, spec, steps, True, column)
         return cast(dict[int, ExpertCounts], per)
     parts = _local_counts(source, tokens, steps, max_memory, validate, column, layers)
     if isinstance(parts, dict):
@@ -299,9 +265,8 @@ def expert_load(
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
     by_step: bool = False,
-    engine: Engine = "local",
+    executor: Executor | None = None,
     spec: RouteSpec | None = None,
-    reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
     column: str = "routes",
@@ -314,14 +279,14 @@ def expert_load(
     layer routed to that expert (Int64; zero-count experts included, so each
     layer has ``num_experts`` rows and sums to ``topk × tokens``). Sorted by
     (layer, expert); with ``by_step`` true, a leading ``step`` (Int64) column.
-    ``source``, ``tokens``, ``steps``, ``engine``, ``spec``, ``reduce``,
-    ``max_memory``, ``validate``, ``column``, ``layers``: as `expert_counts` (with
-    ``layers``, only those router layers have rows); both engines return the same frame.
+    ``source``, ``tokens``, ``steps``, ``executor``, ``spec``, ``max_memory``,
+    ``validate``, ``column``, ``layers``: as `expert_counts` (with ``layers``, only
+    those router layers have rows); every executor returns the same frame.
     """
     kw: dict[str, Any] = {
         "tokens": tokens,
         "steps": steps,
-        "engine": engine,
+        "executor": executor,
         "spec": spec,
         "max_memory": max_memory,
         "validate": validate,
@@ -329,8 +294,8 @@ def expert_load(
         "layers": layers,
     }
     if not by_step:
-        return expert_counts(source, reduce=reduce, **kw).to_polars()
-    per = expert_counts_by_step(source, reduce=reduce, **kw)
+        return expert_counts(source, **kw).to_polars()
+    per = expert_counts_by_step(source, **kw)
     return stack_steps({s: c.to_polars() for s, c in per.items()})
 
 
@@ -341,8 +306,7 @@ def route_agreement(
     *,
     tokens: TokenSubset | np.ndarray = "all",
     steps: Sequence[int] | None = None,
-    engine: Engine = "local",
-    reduce: Reduce = "driver",
+    executor: Executor | None = None,
     max_memory: int | None = None,
     validate: bool = False,
     layers: Sequence[int] | None = None,
@@ -353,8 +317,9 @@ def route_agreement(
     an optional bool ``[T]``); a rollout table and another table of the same
     trajectories, an aligned ``[T, L, K]`` array, or the name of a second routes
     column in it (e.g. the trainer router's RECORD-mode routes); or a Parquet
-    file / step-partitioned root and such a column name (streamed by step). With
-    ``engine="ray"``: a path or Ray Dataset (with ``spec``) and a column name.
+    file / step-partitioned root and such a column name (streamed by step). With an
+    ``executor`` (as `expert_counts`): a path or the executor's dataset (with
+    ``spec``) and a column name.
     ``max_memory``, ``validate``: how a path is streamed (as `expert_counts`;
     the agreement kernels also refuse repeated ids within a top-k set).
     ``layers``: global layer ids to compare (with a table or path ``a`` and a column
@@ -363,20 +328,13 @@ def route_agreement(
     counts; see `RouteAgreement` for the per-layer fractions and
     `RouteAgreement.summary` for the R3 paper's quantities.
     """
-    check_choice(reduce, "reduce", REDUCES)
-    if check_choice(engine, "engine", ENGINES) == "ray":
-        _check_engine(engine, reduce, None, max_memory, validate)
+    if ex := _check_executor(executor, None, max_memory, validate, layers):
         if not isinstance(b, str):
             raise TypeError(
-                f"route_agreement(engine='ray'): expected b to name a routes column, "
+                f"route_agreement with an executor: expected b to name a routes column, "
                 f"found {type(b).__name__}"
             )
-        subset = check_subset(tokens)
-        _local_only_layers(layers)
-        return cast(RouteAgreement, _ray_total(a, "agreement", subset, b, spec, steps, reduce))
-    if reduce != "driver":
-        raise ValueError(f"reduce: applies to engine='ray' only, found {reduce!r} with 'local'")
-    check_budget(max_memory)
+        return cast(RouteAgreement, _mapped(ex, a, "agreement", tokens, b, spec, steps, False))
     wanted = check_layers(layers)
     parts = agreement_parts(a, b, spec, tokens, steps, max_memory, validate, wanted)
     return sum_parts(parts, a, spec, RouteAgreement.empty)
@@ -388,9 +346,8 @@ def route_agreement_by_step(
     *,
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
-    engine: Engine = "local",
+    executor: Executor | None = None,
     spec: RouteSpec | None = None,
-    reduce: Reduce = "driver",
     max_memory: int | None = None,
     validate: bool = False,
     layers: Sequence[int] | None = None,
@@ -400,10 +357,8 @@ def route_agreement_by_step(
     Arguments as `expert_counts` (``layers`` as `route_agreement`); raises `SchemaError`
     if the source has no steps.
     """
-    if _check_engine(engine, reduce, spec, max_memory, validate) == "ray":
-        check_subset(tokens)
-        _local_only_layers(layers)
-        per = _ray_by_step(source, "agreement", tokens, other, spec, steps, reduce)
+    if ex := _check_executor(executor, spec, max_memory, validate, layers):
+        per = _mapped(ex, source, "agreement", tokens, other, spec, steps, True)
         return cast(dict[int, RouteAgreement], per)
     wanted = check_layers(layers)
     parts = agreement_parts(source, other, None, tokens, steps, max_memory, validate, wanted)
@@ -411,10 +366,9 @@ def route_agreement_by_step(
 
 
 __all__ = [
-    "ENGINES",
-    "REDUCES",
-    "Engine",
-    "Reduce",
+    "BlockFn",
+    "CombineFn",
+    "Executor",
     "expert_counts",
     "expert_counts_by_step",
     "expert_load",

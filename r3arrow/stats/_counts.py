@@ -1,7 +1,7 @@
 """Expert counts: exact routed-token counts per router layer and expert.
 
 Counting is one pass over the ids: with numba (the ``fast`` extra; see
-`r3arrow.stats._kernels.numba_kernels`) a compiled kernel adds each id to its
+`r3arrow._kernels.compiled`) a compiled kernel adds each id to its
 (layer, expert) counter; without it, per cache-sized chunk of tokens,
 ``layer * E + id`` codes and one bincount (torch's when installed: GIL-free).
 Either way chunks run on a thread pool, with no Python loop per token or layer,
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from r3arrow._kernels import compiled
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec, as_route_rows
 from r3arrow.stats._kernels import (
@@ -29,7 +30,6 @@ from r3arrow.stats._kernels import (
     check_selection,
     chunks,
     map_chunks,
-    numba_kernels,
     raise_range,
 )
 
@@ -142,7 +142,7 @@ def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = No
     if ntok == 0:
         return ExpertCounts.empty(spec)
     e = spec.num_experts
-    nb = numba_kernels()
+    nb = compiled()
     if nb is not None and e is not None and arr.dtype.itemsize <= 4:  # int64 ids: numpy
         return _count_numba(nb, arr, spec, e, sel, ntok)
     signed = arr.dtype.kind == "i"

@@ -2,7 +2,7 @@
 
 Counts are per layer, so they need no whole token: for files in layer-group storage
 (``docs/storage.md``) `layered_counts` reads each stored group of router layers in
-its own streamed pass (`r3arrow.io.iter_rollout_tables` with ``layers=``, a layer
+its own streamed pass (`r3arrow.io.iter_rollouts` with ``layers=``, a layer
 projection: one group wanted whole restores without the interleave copy of a full read)
 and stacks the per-group counts, mapping each projected table's layers to global
 ids through `r3arrow.table.route_layers`. Every route byte is still read once; the
@@ -30,7 +30,7 @@ import numpy as np
 
 from r3arrow._typing import PathLike
 from r3arrow.errors import RouteShapeError
-from r3arrow.io import scan_rollout_files
+from r3arrow.io import rollout_files
 from r3arrow.spec import RouteSpec
 from r3arrow.stats._counts import ExpertCounts
 from r3arrow.stats._selection import columns_for
@@ -56,9 +56,11 @@ def stored_groups(
     ``layers``: keep only these global layers (None: every router layer). None unless
     every file is in layer-group storage with the same groups
     (`r3arrow.io.RolloutFile.layer_groups`) and at least two groups hold wanted
-    router layers. Files are checked by `r3arrow.io.scan_rollout_files` (its errors).
+    router layers. Files are checked by `r3arrow.io.rollout_files` (its errors).
     """
-    spec, files = scan_rollout_files(path, steps=steps)
+    files = rollout_files(path, steps=steps, require_routes=True)
+    spec = files[0].spec
+    assert spec is not None  # require_routes
     groups = {f.layer_groups for f in files}
     if len(groups) != 1:
         return None
@@ -113,7 +115,8 @@ def layered_counts(
     passes = stored_groups(path, steps, layers)
     if passes is None:
         return None
-    spec, _ = scan_rollout_files(path, steps=steps)
+    spec = rollout_files(path, steps=steps, require_routes=True)[0].spec
+    assert spec is not None  # require_routes
     threads = max(1, min(PASS_THREADS, _cpus(), len(passes)))
     share = max(1, check_budget(max_memory) // threads)  # the passes at once share the budget
     columns = columns_for(tokens, column=column)

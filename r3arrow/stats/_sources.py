@@ -5,9 +5,9 @@ Every statistic is a sum of *partials that add up exactly* (`ExpertCounts`,
 its ``step`` column when it has one; a multi-chunk routes column is never
 combined); a path is streamed by row group under a memory budget
 (`r3arrow.stats._stream`: only the needed columns, the next piece read while
-the current one is counted), so no step is ever resident. The Ray engine runs
-the same `BlockPartials` on every block and sums the encoded vectors with
-`combine_vectors`, so all paths give identical integers.
+the current one is counted), so no step is ever resident. An executor
+(`r3arrow.stats._api.Executor`) runs the same `BlockPartials` on every block and sums
+the encoded vectors with `combine_vectors`, so all paths give identical integers.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def iter_source(
     checks; ``layers``: a layer projection, layer projection); a table must have the
     columns (and ``layers`` must be None).
     Raises ``TypeError`` for another kind of source, `SchemaError` for missing
-    columns or steps (see `r3arrow.io.scan_rollout_files`).
+    columns or steps (see `r3arrow.io.rollout_files`).
     """
     budget = check_budget(max_memory)
     if is_path(source):
@@ -319,7 +319,7 @@ def agreement_parts(
     yield None, compare_routes(a, b, spec, select=select)
 
 
-# ===================================================== encoded partials (Ray)
+# ================================================ encoded partials (executors)
 def decode(kind: Kind, vec: Any) -> ExpertCounts | RouteAgreement:
     """The partial an int64 vector encodes (inverse of ``to_vector``)."""
     if kind == "counts":
@@ -345,9 +345,9 @@ def combiner(kind: Kind) -> Callable[[Any, Any], np.ndarray]:
 
 
 class BlockPartials:
-    """Table → ``{step or None: encoded partial}`` of one statistic (picklable; Ray's block map).
+    """Table → ``{step or None: encoded partial}`` of one statistic (an executor's block map).
 
-    ``kind`` "counts" (`batch_counts` of routes column ``column``) or "agreement"
+    Picklable. ``kind`` "counts" (`batch_counts` of routes column ``column``) or "agreement"
     (`batch_agreement` against column ``other``); ``tokens`` the subset. The table
     needs the spec in its schema metadata; a ``step`` column groups the rows.
     """

@@ -1,7 +1,7 @@
 """Streaming a rollout file or root: bounded pieces, read ahead on a thread.
 
 A statistic over a path never materialises a step: `iter_pieces` yields the
-bounded ``(step, table)`` pieces of `r3arrow.io.iter_rollout_tables` (memory
+bounded ``(step, table)`` pieces of `r3arrow.io.iter_rollouts` (memory
 budget: each piece at most a quarter of ``max_memory``, row groups merged or split
 to fit; every requested step must exist and all files share one spec) with only
 the columns the statistic needs. `prefetch` reads the next piece on a
@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from r3arrow._checks import check_int
 from r3arrow._typing import PathLike
-from r3arrow.io import iter_rollout_tables
+from r3arrow.io import iter_rollouts, rollout_files
 
 #: Default memory budget of a streamed statistic (bytes): a laptop's share.
 DEFAULT_MAX_MEMORY = 1 << 30
@@ -72,21 +72,44 @@ def iter_pieces(
     (version, metadata checksum, one spec) and the page checksums are always
     verified; ``validate=True`` adds the row checks of `read_rollouts` (the statistics
     check the expert-id range they count themselves, see `r3arrow.stats.expert_counts`).
-    Raises what `r3arrow.io.iter_rollout_tables` raises (`SchemaError` with ``path``
+    Raises what `r3arrow.io.rollout_files` / `r3arrow.io.iter_rollouts` raise (`SchemaError`,
+    ``path``
     for corrupt, foreign or mismatched files, missing steps; the validation errors for
     bad rows), ``TypeError`` / ``ValueError`` for a bad ``max_memory``. ``layers``:
     global layer ids to read (a projected table, layer projection; None: all).
     """
     budget = check_budget(max_memory)
-    pieces = iter_rollout_tables(
-        path,
-        columns=list(columns),
-        steps=steps,
+    files = rollout_files(path, steps=steps)  # every requested step must exist
+    pieces = iter_rollouts(
+        files,
+        columns=[*columns, "step"],
         layers=None if layers is None else list(layers),
         max_memory=budget,
         validate=bool(validate),
     )
-    yield from prefetch(pieces)
+    yield from prefetch(_stepped(pieces, [f.step for f in files], "step" in columns))
+
+
+def _stepped(
+    pieces: Iterator[pa.Table], steps: list[int | None], keep: bool
+) -> Iterator[tuple[int | None, pa.Table]]:
+    """``(step, piece)`` of `r3arrow.io.iter_rollouts` pieces (a root's carry ``step``).
+
+    Pieces come in step order and never span two steps; an empty piece is the only
+    piece of a step without rows, the next step of ``steps`` (the files' steps).
+    """
+    order = list(dict.fromkeys(steps))
+    at = -1
+    for piece in pieces:
+        if piece.num_rows and "step" in piece.schema.names:
+            at = order.index(int(piece.column("step")[0].as_py()), max(at, 0))
+        elif not piece.num_rows:
+            at += 1
+        else:
+            at = 0
+        if "step" in piece.schema.names and not keep:
+            piece = piece.drop_columns(["step"])
+        yield order[min(at, len(order) - 1)], piece
 
 
 __all__ = ["DEFAULT_MAX_MEMORY", "check_budget", "iter_pieces", "prefetch"]

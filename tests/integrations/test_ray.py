@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from test_stats import SPEC, make_table
 
 from r3arrow import stats
 from r3arrow.errors import SchemaError
 from r3arrow.io import read_rollouts, write_rollouts
-from r3arrow.table import take_rows
 
 ray = pytest.importorskip("ray", reason="ray is not installed (the ray extra)")
 r3ray = pytest.importorskip("r3arrow.ray")
+ON_RAY = r3ray.RayExecutor()
 
 pytestmark = [
     pytest.mark.ray,
@@ -59,7 +56,7 @@ def _sorted(table: pa.Table) -> pa.Table:
 
 
 def test_read_restores_routes(cluster: None, step_dir: Path) -> None:
-    ds = r3ray.read_rollouts(step_dir, steps=[2, 5])
+    ds = r3ray.rollout_dataset(step_dir, steps=[2, 5])
     got = _sorted(pa.concat_tables(ds.iter_batches(batch_format="pyarrow", batch_size=None)))
     want = _sorted(read_rollouts(step_dir, steps=[2, 5]))
     assert got.schema.field("routes").type == SPEC.routes_type
@@ -67,72 +64,37 @@ def test_read_restores_routes(cluster: None, step_dir: Path) -> None:
     assert got.select(want.column_names).to_pylist() == want.to_pylist()
     assert r3ray.rollout_spec(step_dir) == SPEC
     one_file = sorted((step_dir / "step=5").glob("*.parquet"))[0]  # no step column
-    assert stats.expert_load(one_file, tokens="response", engine="ray").equals(
+    assert stats.expert_load(one_file, tokens="response", executor=ON_RAY).equals(
         stats.expert_load(one_file, tokens="response")
     )
     with pytest.raises(SchemaError, match="step"):
-        stats.expert_load(one_file, by_step=True, engine="ray")
-    with pytest.warns(DeprecationWarning, match="engine='ray'"):  # the old name still works
-        old = r3ray.expert_load(one_file, tokens="response")
-    assert old.equals(stats.expert_load(one_file, tokens="response"))
+        stats.expert_load(one_file, by_step=True, executor=ON_RAY)
 
 
 def test_stats_equal_local_path(cluster: None, step_dir: Path) -> None:
-    assert stats.expert_load(step_dir, tokens="loss", by_step=True, engine="ray").equals(
+    assert stats.expert_load(step_dir, tokens="loss", by_step=True, executor=ON_RAY).equals(
         stats.expert_load(step_dir, tokens="loss", by_step=True)
     )
     # A Dataset source (needs the spec), with and without a step filter.
-    ds = r3ray.read_rollouts(step_dir).materialize()
-    agreement = stats.route_agreement(ds, "trainer_routes", SPEC, engine="ray")
+    ds = r3ray.rollout_dataset(step_dir).materialize()
+    agreement = stats.route_agreement(ds, "trainer_routes", SPEC, executor=ON_RAY)
     assert agreement == stats.route_agreement(step_dir, "trainer_routes")
     assert agreement.differing_fraction > 0
-    got = stats.expert_counts(ds, spec=SPEC, steps=[0, 5], tokens="prompt", engine="ray")
+    got = stats.expert_counts(ds, spec=SPEC, steps=[0, 5], tokens="prompt", executor=ON_RAY)
     assert got == stats.expert_counts(step_dir, steps=[0, 5], tokens="prompt")
     with pytest.raises(TypeError, match="spec="):  # argument misuse: a builtin
-        stats.expert_counts(ds, engine="ray")
+        stats.expert_counts(ds, executor=ON_RAY)
+    with pytest.raises(TypeError, match="in-memory Table"):  # a table streams locally
+        stats.expert_counts(read_rollouts(step_dir), executor=ON_RAY)
+    with pytest.raises(TypeError, match="name a routes column"):
+        stats.route_agreement(ds, ds, SPEC, executor=ON_RAY)
 
 
 def test_ray_hash_aggregate_equals_local_path(cluster: None, step_dir: Path) -> None:
     """reduce="ray": Ray's AggregateFnV2 + groupby("step") over the partials."""
-    got = stats.route_agreement_by_step(
-        step_dir, "trainer_routes", tokens="loss", engine="ray", reduce="ray"
-    )
+    hashed = r3ray.RayExecutor(reduce="ray")
+    got = stats.route_agreement_by_step(step_dir, "trainer_routes", tokens="loss", executor=hashed)
     assert got == stats.route_agreement_by_step(step_dir, "trainer_routes", tokens="loss")
     assert {s: a.differing_fraction > 0 for s, a in got.items()} == dict.fromkeys(STEPS, True)
-
-
-def test_collate_as_map_batches_and_write_back(
-    cluster: None, step_dir: Path, tmp_path: Path
-) -> None:
-    collate_mod = pytest.importorskip("r3arrow.collate")
-    make = functools.partial(collate_mod.MegatronCollator, SPEC, packed=True, align=4)
-    collator = make()
-    out = tmp_path / "microbatches"
-    ds = r3ray.read_rollouts(step_dir)
-    r3ray.collate(ds, make, spec=SPEC, batch_size=4).write_parquet(str(out))
-    rows = r3ray.microbatch_arrays(pq.read_table(out))
-    local = read_rollouts(step_dir)
-    index = {
-        (s, t): i
-        for i, (s, t) in enumerate(
-            zip(local["step"].to_pylist(), local["trajectory_id"].to_pylist(), strict=True)
-        )
-    }
-    seen: list[Any] = []
-    for row in rows:
-        ids = row["trajectory_ids"]
-        assert 1 <= len(ids) <= 4
-        part = take_rows(local, [index[(row["step"], t)] for t in ids])
-        mb = collator(part)
-        for name in (
-            "input_ids",
-            "position_ids",
-            "loss_mask",
-            "padding_mask",
-            "layer_major",
-            "cu_seqlens",
-        ):
-            np.testing.assert_array_equal(row[name], getattr(mb, name).numpy(), err_msg=name)
-        np.testing.assert_array_equal(row["seq_lens"], mb.seq_lens)
-        seen += [(row["step"], t) for t in ids]
-    assert sorted(seen) == sorted(index)  # every trajectory exactly once, no microbatch mixes steps
+    total = stats.expert_counts(step_dir, tokens="response", executor=hashed)
+    assert total == stats.expert_counts(step_dir, tokens="response")

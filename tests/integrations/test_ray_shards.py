@@ -25,7 +25,7 @@ from r3arrow.table import flat_routes, route_layers
 from r3arrow.testing import random_rollouts
 
 ray = pytest.importorskip("ray", reason="ray is not installed (the ray extra)")
-pytest.importorskip("r3arrow.collate", reason="torch is not installed (the plan needs it)")
+r3collate = pytest.importorskip("r3arrow.collate", reason="torch is not installed")
 r3ray = pytest.importorskip("r3arrow.ray")
 
 pytestmark = [
@@ -166,6 +166,16 @@ def test_bounded_store_and_single_stage(cluster: None, root: Path) -> None:
     ]
     for t, w in zip(tables, want, strict=True):
         np.testing.assert_array_equal(flat_routes(t)[0], flat_routes(w)[0])
+    # What a rank's collator makes of a delivered microbatch equals the local collation.
+    collator = r3collate.MegatronCollator(SPEC, packed=True, align=4)
+    for t, w in zip(tables, want, strict=True):
+        got, local = collator(t), collator(w)
+        for name in ("input_ids", "position_ids", "loss_mask", "padding_mask", "layer_major"):
+            np.testing.assert_array_equal(
+                getattr(got, name).numpy(), getattr(local, name).numpy(), err_msg=name
+            )
+        np.testing.assert_array_equal(got.cu_seqlens.numpy(), local.cu_seqlens.numpy())
+        np.testing.assert_array_equal(got.seq_lens, local.seq_lens)
 
 
 def test_contiguous_assignment(cluster: None, root: Path) -> None:

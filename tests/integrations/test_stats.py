@@ -243,16 +243,18 @@ def test_bad_arguments() -> None:
         stats.expert_load([1, 2, 3])
 
 
-def test_engine_and_argument_misuse_raise_builtins(tmp_path: Path) -> None:
+def test_executor_and_argument_misuse_raise_builtins(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     table = make_table(rng, SPEC, [(2, 2, 3)])
-    with pytest.raises(ValueError, match="engine: expected one of 'local', 'ray'"):
-        stats.expert_load(table, engine="spark")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="executor: expected None or an Executor"):
+        stats.expert_load(table, executor="ray")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="executor: expected None or an Executor"):
+        stats.route_agreement(table, "routes", executor="ray")  # type: ignore[arg-type]
+    from r3arrow.ray import RayExecutor  # constructing it needs no ray
+
     with pytest.raises(ValueError, match="reduce: expected one of"):
-        stats.expert_counts(table, reduce="tree")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="reduce: applies to engine='ray'"):
-        stats.route_agreement(table, "routes", reduce="ray")
-    with pytest.raises(TypeError, match="spec: applies to engine='ray'"):
+        RayExecutor(reduce="tree")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="spec: applies to an executor's dataset"):
         stats.expert_counts(table, spec=SPEC)
     with pytest.raises(TypeError, match="steps"):
         stepped = table.append_column("step", pa.array([0], pa.int64()))
@@ -260,6 +262,59 @@ def test_engine_and_argument_misuse_raise_builtins(tmp_path: Path) -> None:
     write_rollouts(table, tmp_path, step=0)
     with pytest.raises(TypeError, match="steps"):
         stats.expert_load(tmp_path, steps=[0.0])  # type: ignore[list-item]
+
+
+class _ListExecutor:
+    """A test `stats.Executor` without Ray: the "dataset" is a list of rollout tables."""
+
+    def __init__(self) -> None:
+        self.columns: list[str] = []
+
+    def map_reduce(
+        self,
+        source: Any,
+        block_fn: Any,
+        combine_fn: Any,
+        *,
+        columns: Any,
+        spec: RouteSpec | None,
+        steps: Any,
+        by_step: bool,
+    ) -> tuple[dict[int | None, np.ndarray], RouteSpec]:
+        assert spec is not None and steps is None
+        self.columns = list(columns)
+        acc: dict[int | None, np.ndarray] = {}
+        for table in source:  # the spec travels in each block's metadata
+            for step, vec in block_fn(table.select([*columns, "step"])).items():
+                key = step if by_step else None
+                acc[key] = combine_fn(acc.get(key, np.zeros(0, np.int64)), vec)
+        return acc, spec
+
+
+def test_an_executor_gets_the_partials_and_sums_them_exactly() -> None:
+    """Any object with ``map_reduce`` is an executor: the same integers as local streaming."""
+    rng = np.random.default_rng(3)
+    parts = [
+        make_table(rng, SPEC, [(3, 9, 11), (2, 5, 6)], tag=f"s{s}", trainer_flip=0.2)
+        for s in (0, 1, 1)
+    ]
+    parts = [
+        t.append_column("step", pa.array([s] * 2, pa.int64()))
+        for t, s in zip(parts, (0, 1, 1), strict=True)
+    ]
+    whole = pa.concat_tables(parts)
+    ex = _ListExecutor()
+    assert isinstance(ex, stats.Executor)
+    got = stats.expert_counts(parts, tokens="loss", spec=SPEC, executor=ex)
+    assert got == stats.expert_counts(whole, tokens="loss")
+    assert "loss_mask" in ex.columns and "trainer_routes" not in ex.columns
+    by_step = stats.expert_load(parts, by_step=True, spec=SPEC, executor=ex)
+    assert by_step.equals(stats.expert_load(whole, by_step=True))
+    agree = stats.route_agreement_by_step(parts, "trainer_routes", spec=SPEC, executor=ex)
+    assert agree == stats.route_agreement_by_step(whole, "trainer_routes")
+    assert stats.route_agreement([], "trainer_routes", SPEC, executor=ex).tokens == 0  # empty
+    with pytest.raises(ValueError, match="executor=None only"):
+        stats.expert_counts(parts, spec=SPEC, executor=ex, max_memory=1 << 20)
 
 
 def test_agreement_errors_name_the_global_row() -> None:

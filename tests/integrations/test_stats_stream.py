@@ -3,8 +3,8 @@
 Streamed statistics (a file or root read piece by piece under ``max_memory``, the next piece
 read while the current one is counted) must give the integers of the in-memory statistics on
 the whole table, for every row-group size, budget, token subset and kernel backend (numba or
-numpy, ``R3ARROW_NO_NUMBA``), also for multi-chunk tables (chunked routes), and must hold about
-the budget, not a step.
+numpy, `r3arrow.testing.use_backend`), also for multi-chunk tables (chunked routes), and must
+hold about the budget, not a step.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, cast
@@ -27,10 +28,11 @@ from hypothesis import strategies as st
 from r3arrow import stats
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, SchemaError
 from r3arrow.io import read_rollouts, write_rollouts
+from r3arrow.ray import RayExecutor  # an executor object: constructing one needs no ray
 from r3arrow.spec import RouteSpec, numpy_to_routes
 from r3arrow.stats import _layered as stats_layered
 from r3arrow.table import rollout_table
-from r3arrow.testing import random_rollouts, random_routes
+from r3arrow.testing import random_rollouts, random_routes, use_backend
 from r3arrow.testing.strategies import rollout_tables, shapes, specs
 
 SPEC = RouteSpec(num_layers=4, topk=2, num_experts=12, moe_layers=(0, 2, 3))
@@ -39,10 +41,10 @@ BACKENDS = ["numba", "numpy"] if HAS_NUMBA else ["numpy"]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the test with the numba kernels and with the numpy ones (``R3ARROW_NO_NUMBA``)."""
-    monkeypatch.setenv("R3ARROW_NO_NUMBA", "1" if request.param == "numpy" else "0")
-    return str(request.param)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run the test with the numba kernels and with the numpy ones (`use_backend`)."""
+    with use_backend(request.param):
+        yield str(request.param)
 
 
 def _trainer_table(rng: np.random.Generator, spec: RouteSpec, n: int, tag: str) -> pa.Table:
@@ -150,7 +152,7 @@ def test_streamed_agreement_and_drift(
     )
 
 
-def test_backends_give_the_same_integers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backends_give_the_same_integers() -> None:
     """numba and numpy kernels: every id width, dense layers, a selection, signed storage."""
     if not HAS_NUMBA:
         pytest.skip("numba (extra 'fast') not installed")
@@ -171,16 +173,16 @@ def test_backends_give_the_same_integers(monkeypatch: pytest.MonkeyPatch) -> Non
             a, b = a.astype(dtype), b.astype(dtype)
         sel = rng.random(3000) < 0.4
         results = []
-        for env in ("0", "1"):
-            monkeypatch.setenv("R3ARROW_NO_NUMBA", env)
-            results.append(
-                (
-                    stats.count_routes(a, spec),
-                    stats.count_routes(a, spec, select=sel),
-                    stats.compare_routes(a, b, spec),
-                    stats.compare_routes(a, b, spec, select=sel),
+        for name in ("numba", "numpy"):
+            with use_backend(name):
+                results.append(
+                    (
+                        stats.count_routes(a, spec),
+                        stats.count_routes(a, spec, select=sel),
+                        stats.compare_routes(a, b, spec),
+                        stats.compare_routes(a, b, spec, select=sel),
+                    )
                 )
-            )
         assert results[0] == results[1], (spec, dtype)
         assert results[0][0].tokens == 3000 and results[0][1].tokens == int(sel.sum())
 
@@ -285,10 +287,10 @@ def test_budget_and_validate_arguments(tmp_path: Path) -> None:
         stats.expert_load(tmp_path, max_memory=0)
     with pytest.raises(TypeError, match="max_memory"):
         stats.expert_load(tmp_path, max_memory="1GB")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="engine='local' only"):
-        stats.expert_load(tmp_path, engine="ray", max_memory=1 << 20)
-    with pytest.raises(ValueError, match="engine='local' only"):
-        stats.route_agreement(tmp_path, "routes", engine="ray", validate=True)
+    with pytest.raises(ValueError, match="executor=None only"):
+        stats.expert_load(tmp_path, executor=RayExecutor(), max_memory=1 << 20)
+    with pytest.raises(ValueError, match="executor=None only"):
+        stats.route_agreement(tmp_path, "routes", executor=RayExecutor(), validate=True)
     with pytest.raises(SchemaError, match=r"steps \[3\]"):
         stats.expert_load(tmp_path, steps=[3], max_memory=1 << 20)
     # A route set agrees with itself, streamed or not.
