@@ -20,12 +20,12 @@ from typing import Any
 from r3arrow.collate import Microbatch
 
 
-def packed_seq_params(mb: Microbatch) -> Any:
+def _packed_seq_params(mb: Microbatch) -> Any:
     """``PackedSeqParams`` (THD) of a packed microbatch: real and padded cu_seqlens, max length."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if not mb.packed or mb.cu_seqlens is None or mb.cu_seqlens_padded is None:
-        raise ValueError("packed_seq_params: expected a packed microbatch, found an unpacked one")
+        raise ValueError("model_inputs: expected a packed microbatch, found an unpacked one")
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=mb.cu_seqlens,
@@ -91,7 +91,7 @@ def _is_first_stage(vp_stage: int | None) -> bool:
     return bool(parallel_state.get_pipeline_model_parallel_rank() == 0)
 
 
-def stage_padding_mask(mb: Microbatch, *, pre_process: bool) -> Any:
+def _stage_padding_mask(mb: Microbatch, *, pre_process: bool) -> Any:
     """The router padding mask a stage passes to ``GPTModel.forward``.
 
     ``pre_process=True`` (the stage embeds tokens and scatters the mask itself): the whole
@@ -122,7 +122,7 @@ def model_inputs(
     """Keyword arguments for ``GPTModel.forward``: tokens, positions, the router padding mask
     (True = padding), labels and ``PackedSeqParams`` when packed.
 
-    The padding mask is what this pipeline stage's routers need (see `stage_padding_mask`):
+    The padding mask is what this pipeline stage's routers need (`_stage_padding_mask`):
     the whole ``[b, S]`` on the stage that embeds tokens, which scatters it itself; this TP
     rank's sequence-parallel slice ``[b, S/tp]`` on every later stage. The stage is, first
     found: ``pre_process`` as given; ``model.pre_process`` (``model``: the ``GPTModel`` chunk
@@ -148,10 +148,10 @@ def model_inputs(
         "input_ids": mb.input_ids,
         "position_ids": mb.position_ids,
         "attention_mask": None,
-        "padding_mask": stage_padding_mask(mb, pre_process=bool(pre_process)),
+        "padding_mask": _stage_padding_mask(mb, pre_process=bool(pre_process)),
     }
     if labels:
         out["labels"] = mb.labels
     if mb.packed:
-        out["packed_seq_params"] = packed_seq_params(mb)
+        out["packed_seq_params"] = _packed_seq_params(mb)
     return out

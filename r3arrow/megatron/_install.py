@@ -8,14 +8,14 @@ every target's shape, dtype and ids are checked once (the id rules are `r3arrow.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
-from r3arrow._checks import check_choice, check_nonnegative_int, check_optional_int
+from r3arrow._checks import check_choice, check_nonnegative_int
 from r3arrow.collate import Microbatch
 from r3arrow.errors import ReplayDuplicateError, ReplayError, ReplayRangeError
-from r3arrow.ids import check_router_ids
+from r3arrow.ids import check_routes
 from r3arrow.megatron._routers import (
     _global_layer,
     _is_mtp,
@@ -27,11 +27,11 @@ from r3arrow.megatron._schedule import _mark_native
 
 
 def _check_target_ids(arr: torch.Tensor, num_experts: int | None, layer_ids: Sequence[int]) -> None:
-    """The id rules on ``[layers, tokens, K]`` replay targets (`r3arrow.ids.check_router_ids`)."""
-    check_router_ids(
+    """The id rules on ``[layers, tokens, K]`` replay targets (`r3arrow.ids.check_routes`)."""
+    check_routes(
         arr,
-        num_experts,
-        layer_ids,
+        num_experts=num_experts,
+        layer_ids=layer_ids,
         layers_first=True,
         what="replay target",
         range_error=ReplayRangeError,
@@ -39,47 +39,18 @@ def _check_target_ids(arr: torch.Tensor, num_experts: int | None, layer_ids: Seq
     )
 
 
-def validate_targets(
+def _check_targets(
     targets: Sequence[torch.Tensor],
-    *,
+    names: Sequence[int],
     num_tokens: int,
-    topk: int | None = None,
-    num_experts: int | None = None,
-    layers: Sequence[int] | None = None,
-    check_ids: bool = True,
+    topk: int | None,
+    num_experts: int | None,
+    check_ids: bool,
 ) -> None:
-    """Check replay targets: int32/int64 ``[num_tokens, topk]`` tensors with valid ids.
-
-    Parameters
-    ----------
-    targets:
-        One tensor per router, ``[num_tokens, topk]``.
-    num_tokens:
-        Tokens this rank's router sees.
-    topk:
-        Top-k; the first target's when None.
-    num_experts:
-        Exclusive bound of the ids (None: only ``>= 0``).
-    layers:
-        Global layer id of each target (messages and error fields); default ``0 ..``.
-    check_ids:
-        Also check ids in ``[0, num_experts)`` and no expert twice in a row.
-
-    Raises
-    ------
-    TypeError, ValueError
-        ``num_tokens``/``topk`` not ints, or ``layers`` not one id per target.
-    ReplayError
-        A target is not an int32/int64 tensor of that shape (``layer`` set);
-        `ReplayRangeError`/`ReplayDuplicateError` for ids (``token`` and ``layer`` set).
-    """
-    num_tokens = check_nonnegative_int(num_tokens, "num_tokens")
-    topk = check_optional_int(topk, "topk", minimum=1)
-    names = list(layers) if layers is not None else list(range(len(targets)))
-    if len(names) != len(targets):
-        raise ValueError(
-            f"layers: expected one layer id per target ({len(targets)}), found {len(names)}"
-        )
+    """Each target an int32/int64 ``[num_tokens, topk]`` tensor (top-k: the first target's when
+    None), else `ReplayError` with ``layer`` set; with ``check_ids`` also ids in
+    ``[0, num_experts)`` and no expert twice in a row (`ReplayRangeError`/
+    `ReplayDuplicateError`, ``token`` and ``layer`` set). ``names``: global layer ids."""
     for name, t in zip(names, targets, strict=True):
         if not isinstance(t, torch.Tensor):
             raise ReplayError(
@@ -104,7 +75,8 @@ def validate_targets(
             _check_target_ids(t.unsqueeze(0), num_experts, [name])
 
 
-MTP_POLICIES = ("exclude", "replay", "error")
+MtpPolicy = Literal["exclude", "replay", "error"]
+"""What `install_replay` does with multi-token-prediction routers (``mtp=``)."""
 _MTP_OPTIONS = (
     "mtp='exclude' (default: MTP routers route natively, no targets), mtp='replay' (the "
     "microbatch carries routes for their global layers, layer_number - 1) or mtp='error'"
@@ -119,7 +91,7 @@ def install_replay(
     num_experts: int | None = None,
     layers: Sequence[int] | None = None,
     check: bool = True,
-    mtp: str = "exclude",
+    mtp: MtpPolicy = "exclude",
 ) -> list[torch.Tensor]:
     """Validate replay targets, then hand them to Megatron's ``RouterReplay``; return them.
 
@@ -140,7 +112,7 @@ def install_replay(
 
     * ``mtp="exclude"`` (default): MTP routers among ``routers`` get no target; their
       instances are marked native for the schedule (action None, skipped by
-      `set_replay_action`/`replay_backward`), so they route with their own weights while
+      the replay actions and `replay_backward`), so they route with their own weights while
       the decoder replays. The return value has one target per replayed instance.
     * ``mtp="replay"``: MTP routers are replayed like decoder routers, by global layer
       ``layer_number - 1``; the microbatch must carry routes for those layers.
@@ -154,7 +126,7 @@ def install_replay(
     `ReplayRangeError`, `ReplayDuplicateError`) for targets that do not fit, before anything
     reaches Megatron.
     """
-    mtp = check_choice(mtp, "mtp", MTP_POLICIES)
+    mtp = check_choice(mtp, "mtp", get_args(MtpPolicy))  # type: ignore[assignment]
     if isinstance(mb, Microbatch) and (mb.spec is None or not mb.r3):
         raise ReplayError(
             "install_replay: expected a microbatch with routes, found one collated with R3 "
@@ -196,14 +168,7 @@ def install_replay(
         )
     # A microbatch's targets share one buffer: scan all its layers in one blockwise pass.
     fast = isinstance(mb, Microbatch)
-    validate_targets(
-        targets,
-        num_tokens=tokens,
-        topk=topk,
-        num_experts=experts,
-        layers=ids,
-        check_ids=check and not fast,
-    )
+    _check_targets(targets, ids, tokens, topk, experts, check and not fast)
     # The collator's fused pass already checked these ids against the same bound: once per
     # trust boundary (docs/collation.md). Another bound (routers' or the caller's) re-checks.
     if (
@@ -235,7 +200,7 @@ def _order_by_routers(
     instances: list[Any],
     experts: int | None,
     topk: int | None,
-    mtp: str,
+    mtp: MtpPolicy,
 ) -> tuple[list[torch.Tensor], list[Any], list[Any], int | None, int | None]:
     """(targets in instance order, the instances that receive them, native MTP instances,
     experts, top-k), mapped through each router's ``layer_number`` under the MTP policy."""

@@ -21,7 +21,7 @@ import torch
 from r3arrow._checks import check_int
 from r3arrow.errors import ReplayError
 from r3arrow.megatron._routers import _global_layer, _instances, _is_mtp, _replay_of, _routers
-from r3arrow.megatron._schedule import clear_replay_state, set_replay_action
+from r3arrow.megatron._schedule import _clear_replay_state, _set_replay_action
 
 _scope = threading.local()
 
@@ -125,16 +125,13 @@ def record_schedule(
         raise ReplayError("record_schedule: expected at least one MoE router, found none")
     ids = _layer_ids(routers, layers)
     instances = [_replay_of(r) for r in routers]
-    clear_replay_state()
+    _clear_replay_state()
     _scope.active = True
     recorder = RouteRecorder(instances, ids)
     try:
-        set_replay_action("record", routers)
+        _set_replay_action("record", routers)
         yield recorder
     finally:
         recorder._open = False
         _scope.active = False
-        clear_replay_state()
-
-
-__all__ = ["RouteRecorder", "record_schedule"]
+        _clear_replay_state()

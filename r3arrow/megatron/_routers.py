@@ -90,11 +90,9 @@ def _global_layer(router: Any) -> int:
     return number - 1
 
 
-def router_layers(model_or_routers: Any) -> list[int]:
-    """Global 0-based layer ids of the routers of a model (``layer_number - 1``), MTP excluded.
-
-    Raises `ReplayError` if a router has no ``layer_number``.
-    """
+def _model_router_layers(model_or_routers: Any) -> list[int]:
+    """Global 0-based layer ids of a model's routers (``layer_number - 1``), MTP excluded;
+    `ReplayError` if a router has no ``layer_number``."""
     out = []
     for r in _routers(model_or_routers):
         number = getattr(r, "layer_number", None)

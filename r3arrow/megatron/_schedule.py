@@ -5,9 +5,9 @@ See ``docs/design.md``, "Schedule scope": Megatron keeps replay targets in globa
 
 Native routers: `install_replay` with ``mtp="exclude"`` marks the ``RouterReplay`` instances
 of MTP routers native for the rest of the schedule (action None: they route with their own
-weights). `set_replay_action` on every instance and `replay_backward` skip native instances
+weights). `_set_replay_action` on every instance and `replay_backward` skip native instances
 for the replay actions (they hold no targets: Megatron would fail on them);
-`clear_replay_state` drops the marks.
+`_clear_replay_state` drops the marks.
 """
 
 from __future__ import annotations
@@ -15,25 +15,22 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
+from r3arrow._checks import check_choice
 from r3arrow.errors import ReplayError
 from r3arrow.megatron._probe import ReplayProbe, close_probe, open_probe
 from r3arrow.megatron._routers import _instances, _replay_of, _router_replay
 
+ReplayAction = Literal["replay_forward", "replay_backward", "record"]
+_ACTIONS: tuple[ReplayAction, ...] = ("replay_forward", "replay_backward", "record")
 
-def _as_action(action: Any) -> Any:
-    """A ``RouterReplayAction`` (or None) from an enum or its value; `ValueError` otherwise."""
-    enum = _router_replay().RouterReplayAction
-    if action is None or isinstance(action, enum):
-        return action
-    try:
-        return enum(str(action).lower())
-    except ValueError:
-        raise ValueError(
-            f"action: expected a RouterReplayAction or one of {[a.value for a in enum]}, "
-            f"found {action!r}"
-        ) from None
+
+def _as_action(action: ReplayAction | None) -> Any:
+    """The ``RouterReplayAction`` (or None) of an action name; `ValueError` naming the choices."""
+    if action is None:
+        return None
+    return _router_replay().RouterReplayAction(check_choice(action, "action", _ACTIONS))
 
 
 _scope = threading.local()
@@ -41,7 +38,7 @@ _NATIVE = "_r3arrow_native"  # attribute on a RouterReplay instance: route nativ
 
 
 def _mark_native(instances: Iterable[Any]) -> None:
-    """Mark instances native (no targets, no action) until the next `clear_replay_state`."""
+    """Mark instances native (no targets, no action) until the next `_clear_replay_state`."""
     for inst in instances:
         setattr(inst, _NATIVE, True)
         inst.clear_router_replay_action()
@@ -51,7 +48,7 @@ def _is_native(inst: Any) -> bool:
     return bool(getattr(inst, _NATIVE, False))
 
 
-def clear_replay_state() -> None:
+def _clear_replay_state() -> None:
     """Drop every router's recorded/target indices, backward FIFO, action and native mark."""
     rr = _router_replay().RouterReplay
     rr.clear_global_indices()
@@ -61,9 +58,9 @@ def clear_replay_state() -> None:
             delattr(inst, _NATIVE)
 
 
-def set_replay_action(action: Any, routers: Iterable[Any] | None = None) -> None:
-    """Set ``action`` ("record", "replay_forward", "replay_backward", an enum or None) on every
-    router instance, or on the ``RouterReplay`` instances of ``routers`` only.
+def _set_replay_action(action: ReplayAction | None, routers: Iterable[Any] | None = None) -> None:
+    """Set ``action`` (or clear it: None) on every router instance, or on the
+    ``RouterReplay`` instances of ``routers`` only.
 
     With ``routers=None`` the replay actions skip instances marked native (MTP routers
     excluded by `install_replay`); naming routers sets them regardless."""
@@ -82,11 +79,13 @@ def set_replay_action(action: Any, routers: Iterable[Any] | None = None) -> None
 
 @contextlib.contextmanager
 def replay_schedule(
-    action: Any = "replay_forward", *, measure_agreement: bool = False
+    action: ReplayAction | None = "replay_forward", *, measure_agreement: bool = False
 ) -> Iterator[ReplayProbe | None]:
     """Scope of one pipeline schedule: replay state cleared on entry and in ``finally``.
 
-    ``action`` is set on every router after the clear (None leaves routers free). Install
+    ``action`` is set on every router after the clear: ``"replay_forward"`` (default),
+    ``"replay_backward"``, ``"record"`` or None (routers free); another value raises
+    `ValueError` naming the choices. Install
     each microbatch's targets inside, in schedule order; never clear between microbatches
     (``REPLAY_BACKWARD`` consumes them first-in first-out). Not reentrant.
 
@@ -105,12 +104,12 @@ def replay_schedule(
         raise ReplayError(
             "replay_schedule: expected no schedule in progress, found one (nested call)"
         )
-    clear_replay_state()
+    _clear_replay_state()
     _scope.active = True
     probe: ReplayProbe | None = None
     ok = False
     try:
-        set_replay_action(action)
+        _set_replay_action(action)
         if measure_agreement:
             probe = open_probe()
         yield probe
@@ -121,7 +120,7 @@ def replay_schedule(
             if probe is not None:
                 close_probe(probe, ok=ok)
         finally:
-            clear_replay_state()
+            _clear_replay_state()
 
 
 @contextlib.contextmanager
@@ -131,7 +130,7 @@ def replay_backward() -> Iterator[None]:
     routing natively."""
     insts = _instances()
     before = [inst.router_replay_action for inst in insts]
-    set_replay_action("replay_backward")
+    _set_replay_action("replay_backward")
     try:
         yield
     finally:

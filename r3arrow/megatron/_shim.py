@@ -1,12 +1,12 @@
-"""Padding-mask shims for megatron-core's routers.
+"""Padding-mask shims for megatron-core's routers: `apply_shims` / `remove_shims`.
 
-* Expert bias (Megatron-LM #6114): releases without the fix broadcast a ``[tokens]`` padding
-  mask wrongly in expert-bias accounting; `apply_padding_mask_shim` patches
-  ``TopKRouter._apply_expert_bias`` once, unless the installed release already counts masks
-  right (decided by behaviour, `padding_mask_fix_present`).
-* All-padding microbatches: the load-balancing loss divides by the unpadded-token count,
-  0 on a DP padding microbatch; `apply_all_padding_aux_loss_shim` clamps it to 1 (loss 0),
-  unless the release already returns a finite loss (`all_padding_aux_loss_fix_present`).
+* ``"padding_mask"`` (Megatron-LM #6114): releases without the fix broadcast a ``[tokens]``
+  padding mask wrongly in expert-bias accounting; the shim patches
+  ``TopKRouter._apply_expert_bias`` unless the installed release already counts masks right
+  (decided by behaviour, `_padding_mask_fix_present`).
+* ``"all_padding_aux_loss"``: the load-balancing loss divides by the unpadded-token count,
+  0 on a DP padding microbatch; the shim clamps it to 1 (loss 0) unless the release already
+  returns a finite loss (`_all_padding_aux_loss_fix_present`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 _shim_lock = threading.Lock()
-_shim: dict[str, Any] = {}
+_originals: dict[str, Any] = {}  # shim name -> what it replaced (None: inherited)
 
 
 def _unwrapped(fn: Any) -> Callable[..., Any]:
@@ -52,7 +52,7 @@ def _masked_count_is_right(fn: Callable[..., Any]) -> bool | None:
     return bool(torch.equal(probe.local_tokens_per_expert, torch.full((4,), 2.0)))
 
 
-def padding_mask_fix_present() -> bool:
+def _padding_mask_fix_present() -> bool:
     """Whether the installed ``TopKRouter`` counts a ``[tokens]`` padding mask correctly.
 
     By behaviour: the uncompiled body of ``TopKRouter._apply_expert_bias`` runs on a probe
@@ -89,43 +89,7 @@ def _apply_expert_bias(
 _apply_expert_bias._r3arrow_shim = True  # type: ignore[attr-defined]
 
 
-def apply_padding_mask_shim() -> bool:
-    """Patch ``TopKRouter._apply_expert_bias`` once (idempotent) unless the release is fixed.
-
-    Returns True when the shim is in place (now or earlier), False when skipped because the
-    installed release already counts ``[tokens]`` masks right (`padding_mask_fix_present`).
-    The replacement is eager (not ``torch.compile``-d): two tensor ops under ``no_grad``.
-    """
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    with _shim_lock:
-        if getattr(TopKRouter.__dict__.get("_apply_expert_bias"), "_r3arrow_shim", False):
-            return True
-        if padding_mask_fix_present():
-            return False
-        _shim["original"] = TopKRouter.__dict__.get("_apply_expert_bias")
-        TopKRouter._apply_expert_bias = _apply_expert_bias
-        return True
-
-
-def remove_padding_mask_shim() -> None:
-    """Undo `apply_padding_mask_shim` (tests, or after upgrading in place)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    with _shim_lock:
-        if "original" not in _shim:
-            return
-        original = _shim.pop("original")
-        if original is None:  # inherited before the shim: drop the override
-            del TopKRouter._apply_expert_bias
-        else:
-            TopKRouter._apply_expert_bias = original
-
-
 # ------------------------------------------------- all-padding microbatches and aux loss
-_aux_shim: dict[str, Any] = {}
-
-
 def _at_least_one(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return torch.clamp(x, min=1)
@@ -151,7 +115,7 @@ def _guard_token_count(original: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
-def all_padding_aux_loss_fix_present() -> bool:
+def _all_padding_aux_loss_fix_present() -> bool:
     """Whether the installed router's load-balancing loss is finite on a microbatch whose
     tokens are all padding (by behaviour: 2 masked tokens, 4 experts). megatron-core 0.16.1
     divides by the zero unpadded-token count there: NaN loss and NaN router gradients."""
@@ -171,33 +135,54 @@ def all_padding_aux_loss_fix_present() -> bool:
     return bool(torch.isfinite(torch.as_tensor(loss)).all())
 
 
-def apply_all_padding_aux_loss_shim() -> bool:
-    """Make the routers' load-balancing losses 0 (not NaN) on all-padding microbatches.
+def apply_shims() -> dict[str, bool]:
+    """Install the padding shims the installed megatron-core needs; which are in place.
 
-    DP padding microbatches (`r3arrow.microbatch.padding_table`) have ``padding_mask`` True
-    everywhere; with an aux loss on, megatron-core 0.16.1 computes ``0 / 0`` for them and
-    poisons the step with NaN gradients. The shim wraps the ``switch_load_balancing_loss_func``
-    the router module calls (aux, sequence and global aux losses) so the token count is at
-    least 1; every other microbatch's loss is unchanged. Idempotent; returns True when in
-    place, False when skipped because the release already returns a finite loss
-    (`all_padding_aux_loss_fix_present`).
+    Idempotent and thread-safe. Each shim is decided by behaviour, not version, and skipped
+    (False) when the release already behaves:
+
+    * ``"padding_mask"``: ``TopKRouter._apply_expert_bias`` counts a ``[tokens]`` padding
+      mask broadcast as ``[tokens, 1]`` (releases without Megatron-LM #6114, 0.16.1–0.19.2,
+      raise a broadcast error or miscount). The replacement is eager: two tensor ops under
+      ``no_grad``.
+    * ``"all_padding_aux_loss"``: the router module's ``switch_load_balancing_loss_func``
+      (aux, sequence and global aux losses) gets its token count clamped to at least 1, so a
+      microbatch whose tokens are all padding (DP padding, `r3arrow.microbatch.padding_table`)
+      has loss 0 instead of ``0 / 0`` NaN (and NaN router gradients) on megatron-core
+      0.16.1; every other microbatch's loss is unchanged.
+
+    Returns ``{"padding_mask": bool, "all_padding_aux_loss": bool}``: True where the shim is
+    in place (now or from an earlier call), False where the release needs none.
     """
     from megatron.core.transformer.moe import router
 
     with _shim_lock:
-        if getattr(router.switch_load_balancing_loss_func, "_r3arrow_shim", False):
-            return True
-        if all_padding_aux_loss_fix_present():
-            return False
-        _aux_shim["original"] = router.switch_load_balancing_loss_func
-        router.switch_load_balancing_loss_func = _guard_token_count(_aux_shim["original"])
-        return True
+        bias = router.TopKRouter.__dict__.get("_apply_expert_bias")
+        if not getattr(bias, "_r3arrow_shim", False) and not _padding_mask_fix_present():
+            _originals["padding_mask"] = bias
+            router.TopKRouter._apply_expert_bias = _apply_expert_bias
+        loss = router.switch_load_balancing_loss_func
+        if not getattr(loss, "_r3arrow_shim", False) and not _all_padding_aux_loss_fix_present():
+            _originals["all_padding_aux_loss"] = loss
+            router.switch_load_balancing_loss_func = _guard_token_count(loss)
+        bias = router.TopKRouter.__dict__.get("_apply_expert_bias")
+        loss = router.switch_load_balancing_loss_func
+        return {
+            "padding_mask": bool(getattr(bias, "_r3arrow_shim", False)),
+            "all_padding_aux_loss": bool(getattr(loss, "_r3arrow_shim", False)),
+        }
 
 
-def remove_all_padding_aux_loss_shim() -> None:
-    """Undo `apply_all_padding_aux_loss_shim` (tests, or after upgrading in place)."""
+def remove_shims() -> None:
+    """Undo `apply_shims` (tests, or after upgrading in place); a no-op for shims not in place."""
     from megatron.core.transformer.moe import router
 
     with _shim_lock:
-        if "original" in _aux_shim:
-            router.switch_load_balancing_loss_func = _aux_shim.pop("original")
+        if "padding_mask" in _originals:
+            original = _originals.pop("padding_mask")
+            if original is None:  # inherited before the shim: drop the override
+                del router.TopKRouter._apply_expert_bias
+            else:
+                router.TopKRouter._apply_expert_bias = original
+        if "all_padding_aux_loss" in _originals:
+            router.switch_load_balancing_loss_func = _originals.pop("all_padding_aux_loss")

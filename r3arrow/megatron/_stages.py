@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from r3arrow._checks import check_int
-from r3arrow.collate import MegatronCollator
+from r3arrow.collate import MegatronCollator, Parallelism
 from r3arrow.errors import ReplayError
-from r3arrow.megatron._routers import router_layers
+from r3arrow.megatron._routers import _model_router_layers
 from r3arrow.spec import RouteSpec
 
 _UNEVEN = (
@@ -26,7 +27,7 @@ _UNEVEN = (
 )
 
 
-def moe_layer_pattern(config: Any) -> list[bool]:
+def _moe_layer_pattern(config: Any) -> list[bool]:
     """Per global decoder layer: True where it has a router (``moe_layer_freq``; MTP excluded)."""
     n = int(config.num_layers)
     if not getattr(config, "num_moe_experts", None):
@@ -88,26 +89,43 @@ def _stage_range(config: Any, pp_rank: int, vp_stage: int | None, use_megatron: 
     return range(start, start + per_chunk)
 
 
-def stage_router_layers(
-    config: Any,
+def router_layers(
+    source: Any,
     *,
     pp_rank: int | None = None,
     vp_stage: int | None = None,
     use_megatron: bool | None = None,
 ) -> list[int]:
-    """Global ids of the routers a pipeline rank builds, in build order (RouterReplay order).
+    """Global 0-based ids of the routers a pipeline rank builds, in build (RouterReplay) order.
 
-    ``config``: a Megatron ``TransformerConfig`` (or any object with its fields). Dense
-    layers (``moe_layer_freq``) have no router; MTP layers are not counted. With virtual
-    pipelining and ``vp_stage=None``, every model chunk of the rank, chunk by chunk.
-    ``pp_rank`` defaults to Megatron's current rank (0 without pipelining). Uses
-    ``get_transformer_layer_offset``/``get_num_layers_to_build`` when megatron-core is
-    importable (``use_megatron=None``), else the uniform-split arithmetic.
+    ``source``, one of:
+
+    * a model (``torch.nn.Module``), a router or a list of either: the ids of its routers,
+      ``layer_number - 1``, MTP routers excluded; `ReplayError` if a router has no
+      ``layer_number``. The keywords do not apply (`TypeError`).
+    * a Megatron ``TransformerConfig`` (or any object with its fields): the ids from the
+      layer split. Dense layers (``moe_layer_freq``) have no router; MTP layers are not
+      counted. With virtual pipelining and ``vp_stage=None``, every model chunk of the rank,
+      chunk by chunk. ``pp_rank`` defaults to Megatron's current rank (0 without
+      pipelining). Uses ``get_transformer_layer_offset``/``get_num_layers_to_build`` when
+      megatron-core is importable (``use_megatron=None``), else the uniform-split arithmetic.
 
     Raises `TypeError`/`ValueError` for a ``pp_rank`` that is not an int in ``[0, pp)``
     (or missing under pipelining without megatron-core) and `ReplayError` for config values
-    that cannot be split (non-divisible sizes, uneven settings without megatron-core).
+    that cannot be split (``moe_layer_freq`` not a positive int or one 0/1 per layer,
+    non-divisible sizes, uneven settings without megatron-core).
     """
+    if (
+        isinstance(source, torch.nn.Module | list | tuple)
+        or getattr(source, "router_replay", None) is not None
+    ):
+        if pp_rank is not None or vp_stage is not None or use_megatron is not None:
+            raise TypeError(
+                "router_layers: expected pp_rank/vp_stage/use_megatron with a config only, "
+                "found them with a model or routers (their layer_number decides)"
+            )
+        return _model_router_layers(source)
+    config = source
     mega = _megatron_available() if use_megatron is None else bool(use_megatron)
     pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
     if pp_rank is None:
@@ -119,14 +137,14 @@ def stage_router_layers(
             pp_rank = int(parallel_state.get_pipeline_model_parallel_rank())
         else:
             raise ValueError(
-                "stage_router_layers: expected pp_rank with pipeline parallelism, found None"
+                "router_layers: expected pp_rank with pipeline parallelism, found None"
             )
     pp_rank = check_int(pp_rank, "pp_rank", minimum=0, maximum=pp - 1)
     vp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     stages: list[int | None] = (
         [vp_stage] if vp_stage is not None or vp is None or pp == 1 else list(range(int(vp)))
     )
-    moe = moe_layer_pattern(config)
+    moe = _moe_layer_pattern(config)
     out: list[int] = []
     for stage in stages:
         out.extend(i for i in _stage_range(config, pp_rank, stage, mega) if moe[i])
@@ -146,29 +164,36 @@ def collator_for(
 ) -> MegatronCollator:
     """A `MegatronCollator` for this rank: layers from ``model``'s routers (``layer_number``) or
     from ``config`` and the PP/VPP rank; TP/CP sizes, sequence parallelism and FP8 from
-    ``config``; ranks from Megatron's ``parallel_state`` when initialised (else 0). Extra
-    keywords go to the collator and win over the config. ``spec=None``: an R3-off collator
+    ``config``; ranks from Megatron's ``parallel_state`` when initialised (else 0), all but
+    FP8 as the collator's `Parallelism`. Extra keywords go to the collator and win over the
+    config (``parallel=`` replaces the whole `Parallelism`). ``spec=None``: an R3-off collator
     (no layers; sizes and ranks as above)."""
     layers: list[int] | None
     if config is None and model is None:
         raise TypeError("collator_for: expected a config or a model, found neither")
     if spec is None:
         layers = None
-    elif model is not None:
-        layers = router_layers(model)
     else:
-        layers = stage_router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
+        layers = (
+            router_layers(model)
+            if model is not None
+            else router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
+        )
     params: dict[str, Any] = {}
+    sizes: dict[str, Any] = {}
     if config is not None:
-        params = {
+        sizes = {
             "tp_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
             "cp_size": int(getattr(config, "context_parallel_size", 1) or 1),
             "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
-            "fp8": bool(getattr(config, "fp8", None)),
         }
+        params["fp8"] = bool(getattr(config, "fp8", None))
     ranks = _parallel_ranks()
-    params["tp_rank"] = tp_rank if tp_rank is not None else ranks[0]
-    params["cp_rank"] = cp_rank if cp_rank is not None else ranks[1]
+    params["parallel"] = Parallelism(
+        tp_rank=tp_rank if tp_rank is not None else ranks[0],
+        cp_rank=cp_rank if cp_rank is not None else ranks[1],
+        **sizes,
+    )
     params.update(kwargs)
     return MegatronCollator(spec, layers=layers, **params)
 

@@ -31,18 +31,16 @@ from r3arrow.errors import (  # noqa: E402
     ReplayRangeError,
 )
 from r3arrow.megatron import (  # noqa: E402
-    apply_padding_mask_shim,
+    apply_shims,
     install_replay,
     model_inputs,
-    moe_layer_pattern,
-    padding_mask_fix_present,
-    remove_padding_mask_shim,
+    remove_shims,
     replay_backward,
     replay_schedule,
     router_layers,
-    set_replay_action,
-    stage_router_layers,
 )
+from r3arrow.megatron._schedule import _set_replay_action  # noqa: E402
+from r3arrow.megatron._shim import _padding_mask_fix_present  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 
@@ -105,12 +103,12 @@ def _recorded_table(
     hidden: torch.Tensor,
 ) -> Any:
     """Run the routers in RECORD mode on ``hidden`` [S, b, H] and store routes per trajectory."""
-    set_replay_action("record")
+    _set_replay_action("record")
     _forward(routers, hidden)
     recorded = [
         inst.get_recorded_indices() for inst in meg.RouterReplay.global_router_replay_instances
     ]
-    set_replay_action(None)
+    _set_replay_action(None)
     s, b = hidden.shape[:2]
     per_layer = [t.reshape(s, b, TOPK) for t in recorded]  # sequence-major token order
     routes = []
@@ -329,13 +327,13 @@ def test_wrong_targets_rejected_before_megatron(megatron: CpuMegatron) -> None:
 def test_shim_counts_padding_mask_like_a_hand_count(megatron: CpuMegatron) -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
-    remove_padding_mask_shim()
-    assert padding_mask_fix_present() is False  # 0.16.1 lacks Megatron-LM #6114
-    assert apply_padding_mask_shim() is True
+    remove_shims()
+    assert _padding_mask_fix_present() is False  # 0.16.1 lacks Megatron-LM #6114
+    assert apply_shims()["padding_mask"] is True
     patched = TopKRouter._apply_expert_bias
-    assert apply_padding_mask_shim() is True  # idempotent
+    assert apply_shims()["padding_mask"] is True  # idempotent
     assert TopKRouter._apply_expert_bias is patched
-    assert padding_mask_fix_present() is True
+    assert _padding_mask_fix_present() is True
     try:
         (router,) = _routers(
             megatron, [1], moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"
@@ -355,7 +353,7 @@ def test_shim_counts_padding_mask_like_a_hand_count(megatron: CpuMegatron) -> No
         np.testing.assert_array_equal(router.local_tokens_per_expert.numpy(), hand)
         assert hand.sum() == TOPK * int((~padding).sum())
     finally:
-        remove_padding_mask_shim()
+        remove_shims()
     assert TopKRouter._apply_expert_bias is not patched
 
 
@@ -401,7 +399,7 @@ def test_model_inputs_pass_padding_mask_and_packed_params(megatron: CpuMegatron)
         ({"num_layers": 4, "mtp_num_layers": 1}, {0: [0, 1, 2, 3]}),
     ],
 )
-def test_stage_router_layers_match_megatron(
+def test_router_layers_of_a_stage_match_megatron(
     megatron: CpuMegatron, kw: dict[str, Any], expect: dict[int, list[int]]
 ) -> None:
     extra = (
@@ -409,44 +407,46 @@ def test_stage_router_layers_match_megatron(
     )
     cfg = _config(**kw, **extra)
     for rank, layers in expect.items():
-        assert stage_router_layers(cfg, pp_rank=rank, use_megatron=True) == layers
-        assert stage_router_layers(cfg, pp_rank=rank, use_megatron=False) == layers
+        assert router_layers(cfg, pp_rank=rank, use_megatron=True) == layers
+        assert router_layers(cfg, pp_rank=rank, use_megatron=False) == layers
 
 
-def test_stage_router_layers_pure_python_without_megatron_config() -> None:
+def test_router_layers_of_a_stage_pure_python_without_megatron_config() -> None:
     cfg = types.SimpleNamespace(
         num_layers=6,
         num_moe_experts=4,
         moe_layer_freq=[0, 1, 1, 1, 1, 1],
         pipeline_model_parallel_size=3,
     )
-    assert [stage_router_layers(cfg, pp_rank=r, use_megatron=False) for r in range(3)] == [
+    assert [router_layers(cfg, pp_rank=r, use_megatron=False) for r in range(3)] == [
         [1],
         [2, 3],
         [4, 5],
     ]
-    assert (
-        moe_layer_pattern(types.SimpleNamespace(num_layers=3, num_moe_experts=None)) == [False] * 3
-    )
+    dense = types.SimpleNamespace(num_layers=3, num_moe_experts=None)
+    assert router_layers(dense, use_megatron=False) == []  # no layer has a router
     with pytest.raises(ReplayError, match="expected 6 entries"):
-        moe_layer_pattern(
-            types.SimpleNamespace(num_layers=6, num_moe_experts=4, moe_layer_freq=[1, 0])
+        router_layers(
+            types.SimpleNamespace(num_layers=6, num_moe_experts=4, moe_layer_freq=[1, 0]),
+            use_megatron=False,
         )
     uneven = types.SimpleNamespace(**vars(cfg), num_layers_in_first_pipeline_stage=1)
     with pytest.raises(ReplayError, match="need megatron-core"):
-        stage_router_layers(uneven, pp_rank=0, use_megatron=False)
+        router_layers(uneven, pp_rank=0, use_megatron=False)
 
 
 def test_router_layers_from_layer_number_and_collator_for(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, [1, 3])
     model = torch.nn.ModuleList(routers)
     assert router_layers(model) == [1, 3]
+    with pytest.raises(TypeError, match="with a config only"):
+        router_layers(model, pp_rank=0)
     collate = r3arrow.megatron.collator_for(SPEC, model=model)
-    assert collate.layers == (1, 3) and collate.tp_size == 1
+    assert collate.layers == (1, 3) and collate.parallel.tp_size == 1
     cfg = _config(moe_layer_freq=[0, 1, 1, 1])
     assert r3arrow.megatron.collator_for(SPEC, cfg).layers == (1, 2, 3)
     off = r3arrow.megatron.collator_for(None, cfg)  # R3 off: no layers, sizes from the config
-    assert off.spec is None and off.layers == () and off.tp_size == 1
+    assert off.spec is None and off.layers == () and off.parallel.tp_size == 1
 
 
 def test_experts_from_routes_covers_router_layers_only() -> None:

@@ -12,7 +12,7 @@ decoder's config, built after the decoder routers as ``GPTModel`` builds its MTP
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
@@ -28,14 +28,14 @@ from r3arrow import RouteSpec  # noqa: E402
 from r3arrow.collate import MegatronCollator, Microbatch  # noqa: E402
 from r3arrow.errors import ReplayError  # noqa: E402
 from r3arrow.megatron import (  # noqa: E402
-    MTP_POLICIES,
+    MtpPolicy,
     install_replay,
     replay_backward,
     replay_schedule,
     router_layers,
-    set_replay_action,
 )
 from r3arrow.megatron._routers import _global_layer  # noqa: E402
+from r3arrow.megatron._schedule import _set_replay_action  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 
@@ -119,7 +119,7 @@ def test_exclude_default_replays_decoder_and_routes_mtp_natively(megatron: CpuMe
         with replay_backward():  # recompute: decoder pops its targets, MTP stays native
             assert mtp_inst.router_replay_action is None
             recomputed = _route(routers, hidden, mb)
-        set_replay_action("replay_forward")  # a global switch leaves the MTP router native
+        _set_replay_action("replay_forward")  # a global switch leaves the MTP router native
         assert mtp_inst.router_replay_action is None
     for maps in (replayed, recomputed):
         for routing_map, target in zip(maps[:3], mb.replay_targets(), strict=True):
@@ -155,13 +155,13 @@ def test_error_policy_and_unknown_policy(megatron: CpuMegatron) -> None:
         with pytest.raises(ReplayError, match=r"found 1 with layer_number \[5\] > num_layers 4"):
             install_replay(mb, model, mtp="error")
         with pytest.raises(ValueError, match="mtp: expected one of 'exclude', 'replay', 'error'"):
-            install_replay(mb, model, mtp="skip")
+            install_replay(mb, model, mtp="skip")  # type: ignore[arg-type]
         mtp_targets = MegatronCollator(WITH_MTP, layers=[*MOE, MTP])(_table(WITH_MTP, [4]))
         with pytest.raises(ReplayError, match=r"targets for MTP layers need mtp='replay'"):
             install_replay(mtp_targets, model)
         for inst in megatron.RouterReplay.global_router_replay_instances:
             assert inst.target_topk_idx is None  # nothing reached Megatron
-    assert MTP_POLICIES == ("exclude", "replay", "error")
+    assert get_args(MtpPolicy) == ("exclude", "replay", "error")
 
 
 def test_count_mismatch_without_routers_names_mtp_and_the_options(megatron: CpuMegatron) -> None:
@@ -172,7 +172,7 @@ def test_count_mismatch_without_routers_names_mtp_and_the_options(megatron: CpuM
     msg = str(info.value)
     assert "4 routers), found 3 targets for layers [1, 2, 3]" in msg
     assert "MTP routers" in msg and "routers=" in msg
-    assert all(f"mtp='{p}'" in msg for p in MTP_POLICIES)
+    assert all(f"mtp='{p}'" in msg for p in get_args(MtpPolicy))
     assert "does not match instances" not in msg  # not Megatron's generic error
 
 

@@ -28,16 +28,15 @@ pytestmark = [
 ]
 
 from r3arrow import RouteSpec  # noqa: E402
-from r3arrow.collate import MegatronCollator, Microbatch  # noqa: E402
+from r3arrow.collate import MegatronCollator, Microbatch, Parallelism  # noqa: E402
 from r3arrow.megatron import (  # noqa: E402
-    all_padding_aux_loss_fix_present,
-    apply_all_padding_aux_loss_shim,
+    apply_shims,
     install_replay,
     model_inputs,
-    remove_all_padding_aux_loss_shim,
+    remove_shims,
     replay_schedule,
-    stage_padding_mask,
 )
+from r3arrow.megatron._shim import _all_padding_aux_loss_fix_present  # noqa: E402
 from r3arrow.microbatch import is_padding_table, split_microbatches  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 from r3arrow.testing.megatron import (  # noqa: E402
@@ -157,7 +156,10 @@ def test_later_stage_routers_get_the_sequence_parallel_slice(
     routers = _routers(megatron)
     table = _table([5, 8, 3], [5, 6, 3])  # trajectory 1 has an uncaptured suffix
     mb = MegatronCollator(
-        SPEC, layers=MOE, packed=packed, tp_size=2, tp_rank=tp_rank, sequence_parallel=True
+        SPEC,
+        layers=MOE,
+        packed=packed,
+        parallel=Parallelism(tp_size=2, tp_rank=tp_rank, sequence_parallel=True),
     )(table)
     b, s = mb.input_ids.shape  # packed: b == 1, s == T
     torch.manual_seed(3)
@@ -170,7 +172,7 @@ def test_later_stage_routers_get_the_sequence_parallel_slice(
     # Megatron's scatter: split the [s, b] mask along the sequence, transpose back.
     expected = _sp_slice(mb.padding_mask.transpose(0, 1), mb).transpose(0, 1)
     assert torch.equal(later["padding_mask"], expected)
-    assert torch.equal(stage_padding_mask(mb, pre_process=False), expected)
+    assert torch.equal(model_inputs(mb, pre_process=False)["padding_mask"], expected)
 
     with replay_schedule():
         install_replay(mb, routers)
@@ -203,7 +205,9 @@ def test_stage_from_model_and_without_sequence_parallelism(
     megatron: CpuMegatron,
 ) -> None:
     table = _table([5, 3], [5, 3])
-    mb = MegatronCollator(SPEC, layers=MOE, tp_size=2, tp_rank=1, sequence_parallel=True)(table)
+    mb = MegatronCollator(
+        SPEC, layers=MOE, parallel=Parallelism(tp_size=2, tp_rank=1, sequence_parallel=True)
+    )(table)
     cfg = types.SimpleNamespace(tensor_model_parallel_size=2, sequence_parallel=True)
     chunk = types.SimpleNamespace(pre_process=False, config=cfg)
     wrapped = types.SimpleNamespace(module=types.SimpleNamespace(module=chunk))  # DDP(Float16)
@@ -224,7 +228,7 @@ def test_stage_from_model_and_without_sequence_parallelism(
         model_inputs(mb, model=[chunk, chunk])
     with pytest.raises(TypeError, match="pre_process attribute"):
         model_inputs(mb, model=torch.nn.Linear(2, 2))
-    plain = MegatronCollator(SPEC, layers=MOE, tp_size=2, tp_rank=1)(table)
+    plain = MegatronCollator(SPEC, layers=MOE, parallel=Parallelism(tp_size=2, tp_rank=1))(table)
     assert model_inputs(plain, pre_process=False)["padding_mask"] is plain.padding_mask
 
 
@@ -235,7 +239,9 @@ def test_all_padding_microbatch_aux_loss_is_zero_with_the_shim(
     table = _table([5, 8, 3], [5, 6, 3])
     parts = split_microbatches(table, num_microbatches=2, dp_size=3, dp_rank=2)
     assert [is_padding_table(p) for p in parts] == [False, True]
-    collate = MegatronCollator(SPEC, layers=MOE, tp_size=2, tp_rank=0, sequence_parallel=True)
+    collate = MegatronCollator(
+        SPEC, layers=MOE, parallel=Parallelism(tp_size=2, tp_rank=0, sequence_parallel=True)
+    )
     real, pad = collate(parts[0]), collate(parts[1])
     assert pad.is_padding
 
@@ -253,22 +259,22 @@ def test_all_padding_microbatch_aux_loss_is_zero_with_the_shim(
         _clear_aux_tracker(megatron.moe_utils)
         return aux, [r.weight.grad for r in routers]
 
-    remove_all_padding_aux_loss_shim()
-    assert all_padding_aux_loss_fix_present() is False  # 0.16.1 divides 0 by 0 tokens
+    remove_shims()
+    assert _all_padding_aux_loss_fix_present() is False  # 0.16.1 divides 0 by 0 tokens
     aux, grads = run(pad)
     assert all(np.isnan(a) for a in aux) and all(bool(g.isnan().any()) for g in grads)
     before, _ = run(real)
-    assert apply_all_padding_aux_loss_shim() is True
+    assert apply_shims()["all_padding_aux_loss"] is True
     try:
-        assert apply_all_padding_aux_loss_shim() is True  # idempotent
-        assert all_padding_aux_loss_fix_present() is True
+        assert apply_shims()["all_padding_aux_loss"] is True  # idempotent
+        assert _all_padding_aux_loss_fix_present() is True
         aux, grads = run(pad)
         assert aux == [0.0, 0.0] and all(bool(g.isfinite().all()) for g in grads)
         after, _ = run(real)
         assert after == before  # microbatches with real tokens: unchanged
     finally:
-        remove_all_padding_aux_loss_shim()
-    assert all_padding_aux_loss_fix_present() is False
+        remove_shims()
+    assert _all_padding_aux_loss_fix_present() is False
 
 
 def test_stage_from_parallel_state_pipeline_and_virtual_ranks(
@@ -278,9 +284,9 @@ def test_stage_from_parallel_state_pipeline_and_virtual_ranks(
     (the world of one has no pipeline: its rank getters stand in for those of a larger one)."""
     from megatron.core import parallel_state
 
-    mb = MegatronCollator(SPEC, layers=MOE, tp_size=2, tp_rank=0, sequence_parallel=True)(
-        _table([5, 3], [5, 3])
-    )
+    mb = MegatronCollator(
+        SPEC, layers=MOE, parallel=Parallelism(tp_size=2, tp_rank=0, sequence_parallel=True)
+    )(_table([5, 3], [5, 3]))
     whole, sliced = (2, 6), (2, 3)
     vpp: list[int | None] = [None]
     pp_rank = [0]
@@ -327,7 +333,10 @@ def _tp2_worker(rank: int, port: int, out: str) -> None:
             routers = _routers(meg)
             assert routers[0].tp_cp_group.size() == 2
             mb = MegatronCollator(
-                SPEC, layers=MOE, packed=packed, tp_size=2, tp_rank=rank, sequence_parallel=True
+                SPEC,
+                layers=MOE,
+                packed=packed,
+                parallel=Parallelism(tp_size=2, tp_rank=rank, sequence_parallel=True),
             )(_table([5, 8, 3], [5, 6, 3]))
             b, s = mb.input_ids.shape
             torch.manual_seed(3)

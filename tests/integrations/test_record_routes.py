@@ -25,7 +25,12 @@ pytestmark = [
 ]
 
 from r3arrow import RouteSpec, read_rollouts, write_rollouts  # noqa: E402
-from r3arrow.collate import MegatronCollator, Microbatch, uncollate_routes  # noqa: E402
+from r3arrow.collate import (  # noqa: E402
+    MegatronCollator,
+    Microbatch,
+    Parallelism,
+    uncollate_routes,
+)
 from r3arrow.errors import ReplayError, RouteShapeError  # noqa: E402
 from r3arrow.megatron import (  # noqa: E402
     RouteRecorder,
@@ -163,11 +168,16 @@ def test_record_uncollate_agreement(
     flips = {(0, 2, 0), (0, 2, 2), (1, 0, 1), (3, 1, 2), (2, 3, 0), (0, 6, 1)}
     table, emb, want = _case(routers, flips)
     cp = int(layout.get("cp_size", 1))
+    rest = {k: v for k, v in layout.items() if k in ("packed", "align")}
+    par = {k: v for k, v in layout.items() if k not in rest}  # the collator's Parallelism
     parts = []
     # two microbatches of whole trajectories: the result is a multi-chunk table (chunked routes)
     for rows in (np.array([0, 1]), np.array([2, 3])):
         sub = table.take(pa.array(rows))
-        mbs = [MegatronCollator(SPEC, cp_rank=c, **layout)(sub) for c in range(cp)]
+        mbs = [
+            MegatronCollator(SPEC, parallel=Parallelism(cp_rank=c, **par), **rest)(sub)
+            for c in range(cp)
+        ]
         pieces = []
         with record_schedule(routers) as rec:
             assert rec.layers == tuple(MOE)
