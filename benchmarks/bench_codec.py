@@ -39,7 +39,7 @@ from _common import (
 )
 
 from r3arrow import codec
-from r3arrow.codec._base64 import b64encode
+from r3arrow.codec._base64 import HAVE_PYBASE64, b64encode
 from r3arrow.spec import RouteSpec
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128
@@ -134,7 +134,7 @@ def main() -> None:
     spec = RouteSpec(LAYERS, TOPK, EXPERTS)
     rng = np.random.default_rng(0)
     print(f"# codec decode: [tokens, {LAYERS}, {TOPK}] ids < {EXPERTS}, {machine_line()}")
-    print(f"pybase64 SIMD backend: {codec.HAVE_PYBASE64}\n")
+    print(f"pybase64 SIMD backend: {HAVE_PYBASE64}\n")
     rows_out: list[list[Any]] = []
     ipc_times: dict[int, float] = {}
     for n in sizes:

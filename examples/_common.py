@@ -114,7 +114,8 @@ def stats_stage(table: pa.Table, stage: str) -> None:
 
 def collate(spec: RouteSpec, table: pa.Table) -> tuple[list[pa.Table], list[Microbatch]]:
     """Packed microbatches of every router layer (align 8), with the parts they came from."""
-    from r3arrow.collate import MegatronCollator, split_microbatches
+    from r3arrow.collate import MegatronCollator
+    from r3arrow.microbatch import split_microbatches
 
     collator = MegatronCollator(spec, layers=spec.router_layers, packed=True, align=8)
     parts = split_microbatches(table, max_tokens=1024, multiple=collator.multiple)

@@ -1,7 +1,7 @@
 """Split rollouts into microbatches of whole trajectories, by token budget or by count.
 
 Torch-free (numpy and pyarrow only): the planner runs wherever tables are, before any
-trainer tensor exists. `split_microbatch_indices` plans on trajectory lengths;
+trainer tensor exists. `plan_dp_microbatches` plans on trajectory lengths;
 `split_microbatches` applies the plan to a rollout table. The cost model matches the
 layouts of `r3arrow.collate.MegatronCollator` (see ``docs/design.md``, "Layouts for
 Megatron"): packed, a microbatch costs the sum of its lengths rounded up to the alignment
@@ -41,67 +41,6 @@ def _round_up(x: np.ndarray, m: int) -> np.ndarray:
     return np.asarray(-(-x // m) * m, dtype=np.int64)
 
 
-def split_microbatch_indices(
-    lengths: Sequence[int] | np.ndarray,
-    *,
-    max_tokens: int | None = None,
-    num_microbatches: int | None = None,
-    multiple: int = 1,
-    packed: bool = True,
-    dp_size: int = 1,
-    dp_rank: int | None = None,
-) -> list[np.ndarray]:
-    """Row indices (int64, ascending) of each microbatch; every trajectory stays whole.
-
-    Parameters
-    ----------
-    lengths:
-        Tokens (prompt + response) of each trajectory, ``[B]``, all ``>= 1``.
-    max_tokens:
-        Token budget per microbatch (dynamic batch size): the fewest microbatches, at
-        least ``num_microbatches``, whose costs all fit it.
-    num_microbatches:
-        Alone: exactly that many microbatches, balanced by cost (``1 .. B``).
-    multiple:
-        Alignment multiple of a sequence (packed) or of the row length (unpacked),
-        e.g. `r3arrow.collate.alignment_multiple`.
-    packed:
-        Cost model: sum of rounded lengths (packed) or ``rows x longest rounded length``.
-    dp_size, dp_rank:
-        Data parallelism: the microbatches of DP rank ``dp_rank`` (required when
-        ``dp_size > 1``) out of `plan_dp_microbatches`; every rank gets the same number,
-        ``max_tokens``/``num_microbatches`` applying per rank; padding microbatches are
-        empty arrays, last.
-
-    Balancing is longest-first onto the least loaded microbatch; microbatches are
-    ordered by their first row.
-
-    Raises
-    ------
-    TypeError, ValueError
-        ``max_tokens``/``multiple``/``dp_size`` not a positive int, ``num_microbatches`` not
-        in ``1 .. B``, neither ``max_tokens`` nor ``num_microbatches`` given, or ``dp_rank``
-        missing or outside ``[0, dp_size)`` with ``dp_size > 1``.
-    SchemaError
-        ``lengths`` is not a non-empty 1-D array of lengths ``>= 1`` (``row`` set), or a
-        trajectory alone exceeds the budget (``row`` set).
-    """
-    dp = check_positive_int(dp_size, "dp_size")
-    if dp > 1 or dp_rank is not None:
-        if dp_rank is None:
-            raise ValueError(f"dp_rank: expected an int in [0, {dp}) with dp_size={dp}, found None")
-        rank = check_int(dp_rank, "dp_rank", minimum=0, maximum=dp - 1)
-        return plan_dp_microbatches(
-            lengths,
-            dp_size=dp,
-            max_tokens=max_tokens,
-            num_microbatches=num_microbatches,
-            multiple=multiple,
-            packed=packed,
-        )[rank]
-    return _split(lengths, max_tokens, num_microbatches, multiple, packed)
-
-
 def _lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     n = np.asarray(lengths, dtype=np.int64)
     if n.ndim != 1 or n.size == 0:
@@ -122,7 +61,7 @@ def _split(
     multiple: int,
     packed: bool,
 ) -> list[np.ndarray]:
-    """`split_microbatch_indices` without data parallelism."""
+    """One DP rank's microbatches of `plan_dp_microbatches`."""
     multiple = check_positive_int(multiple, "multiple")
     budget = check_optional_int(max_tokens, "max_tokens", minimum=1)
     if budget is None and num_microbatches is None:
@@ -182,24 +121,51 @@ def _balance(cost: np.ndarray, order: np.ndarray, bins: int) -> list[np.ndarray]
 def plan_dp_microbatches(
     lengths: Sequence[int] | np.ndarray,
     *,
-    dp_size: int,
     max_tokens: int | None = None,
     num_microbatches: int | None = None,
     multiple: int = 1,
     packed: bool = True,
+    dp_size: int = 1,
 ) -> list[list[np.ndarray]]:
-    """Microbatch row indices of every DP rank: ``plan[rank][j]`` (int64, ascending).
+    """The microbatch plan: row indices of every DP rank's microbatches, ``plan[rank][j]``.
 
-    Trajectories are balanced over the ``dp_size`` ranks by cost (lengths rounded up to
-    ``multiple``, longest first onto the least loaded rank); each rank's share is split by
-    `split_microbatch_indices` (``max_tokens`` and ``num_microbatches`` per rank; a rank
-    with fewer trajectories than ``num_microbatches`` splits into one per trajectory).
-    Every rank then gets ``M`` microbatches, ``M`` the largest count (at least
-    ``num_microbatches``): the missing ones are padding, empty arrays after the real ones.
-    A rank may hold only padding when there are fewer trajectories than ranks. Every row
-    ``0 .. B-1`` appears exactly once over all ranks.
+    Every trajectory stays whole; indices are int64 and ascending, microbatches ordered by
+    their first row. Without data parallelism (``dp_size=1``) the plan is ``[microbatches]``.
 
-    Raises as `split_microbatch_indices` does (``num_microbatches`` is bounded by ``B``).
+    Parameters
+    ----------
+    lengths:
+        Tokens (prompt + response) of each trajectory, ``[B]``, all ``>= 1``.
+    max_tokens:
+        Token budget per microbatch (dynamic batch size): the fewest microbatches, at
+        least ``num_microbatches``, whose costs all fit it.
+    num_microbatches:
+        Alone: exactly that many microbatches, balanced by cost (``1 .. B``).
+    multiple:
+        Alignment multiple of a sequence (packed) or of the row length (unpacked),
+        e.g. `r3arrow.collate.alignment_multiple`.
+    packed:
+        Cost model: sum of rounded lengths (packed) or ``rows x longest rounded length``.
+    dp_size:
+        Data parallelism: trajectories are balanced over the ``dp_size`` ranks by cost
+        (lengths rounded up to ``multiple``, longest first onto the least loaded rank); each
+        rank's share is split as above (``max_tokens`` and ``num_microbatches`` per rank; a
+        rank with fewer trajectories than ``num_microbatches`` splits into one per
+        trajectory). Every rank then gets ``M`` microbatches, ``M`` the largest count (at
+        least ``num_microbatches``): the missing ones are padding, empty arrays after the
+        real ones. A rank may hold only padding when there are fewer trajectories than
+        ranks. Every row ``0 .. B-1`` appears exactly once over all ranks.
+
+    Balancing is longest-first onto the least loaded microbatch.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``max_tokens``/``multiple``/``dp_size`` not a positive int, ``num_microbatches`` not
+        in ``1 .. B``, or neither ``max_tokens`` nor ``num_microbatches`` given.
+    SchemaError
+        ``lengths`` is not a non-empty 1-D array of lengths ``>= 1`` (``row`` set), or a
+        trajectory alone exceeds the budget (``row`` set).
     """
     dp = check_positive_int(dp_size, "dp_size")
     mult = check_positive_int(multiple, "multiple")
@@ -242,7 +208,7 @@ def padding_table(table: pa.Table) -> pa.Table:
     Its loss mask sums to 0: a loss normalised per microbatch must not divide by it (one
     normalised over the global batch's tokens is unaffected). With a router aux loss on,
     megatron-core 0.16.1 divides by its zero unpadded tokens (NaN gradients); apply
-    ``r3arrow.megatron.apply_all_padding_aux_loss_shim()`` first.
+    ``r3arrow.megatron.apply_shims()`` first.
 
     Raises `SchemaError` when ``table`` lacks the token columns.
     """
@@ -287,21 +253,25 @@ def split_microbatches(
 ) -> list[pa.Table]:
     """Split a rollout table into microbatches of whole trajectories.
 
-    The plan is `split_microbatch_indices` on the prompt + response lengths; each part
-    keeps every column and the schema metadata (the spec). With ``dp_size > 1``, the
-    microbatches of DP rank ``dp_rank``: as many on every rank, padding microbatches
-    (`padding_table`) last. Works on tables with or without a ``routes`` column (R3 off).
-    Raises as that function does.
+    The plan is `plan_dp_microbatches` on the prompt + response lengths; each part keeps
+    every column and the schema metadata (the spec). With ``dp_size > 1``, the microbatches
+    of DP rank ``dp_rank`` (required; in ``[0, dp_size)``): as many on every rank, padding
+    microbatches (`padding_table`) last. Works on tables with or without a ``routes``
+    column (R3 off). Raises as `plan_dp_microbatches` does, and ``ValueError`` for a
+    missing or out-of-range ``dp_rank``.
     """
-    groups = split_microbatch_indices(
+    dp = check_positive_int(dp_size, "dp_size")
+    if dp > 1 and dp_rank is None:
+        raise ValueError(f"dp_rank: expected an int in [0, {dp}) with dp_size={dp}, found None")
+    rank = 0 if dp_rank is None else check_int(dp_rank, "dp_rank", minimum=0, maximum=dp - 1)
+    groups = plan_dp_microbatches(
         sequence_lengths(table),
         max_tokens=max_tokens,
         num_microbatches=num_microbatches,
         multiple=multiple,
         packed=packed,
-        dp_size=dp_size,
-        dp_rank=dp_rank,
-    )
+        dp_size=dp,
+    )[rank]
     return [take_rows(table, g) if g.size else padding_table(table) for g in groups]
 
 
@@ -311,6 +281,5 @@ __all__ = [
     "is_padding_table",
     "padding_table",
     "plan_dp_microbatches",
-    "split_microbatch_indices",
     "split_microbatches",
 ]

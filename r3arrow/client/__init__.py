@@ -1,7 +1,8 @@
 """Async engine client: vLLM's and SGLang's generate APIs with incremental route capture.
 
-``EngineClient(urls, spec, protocol="vllm" | "sglang")``: the same `generate` call, trace
-semantics, retries and size caps over either wire protocol (SGLang: ``docs/sglang.md``).
+``EngineClient(urls, spec, protocol="vllm" | "sglang", retry=RetryPolicy(...))``: the same
+`generate` call, trace semantics, retries and size caps over either wire protocol (SGLang:
+``docs/sglang.md``). Its HTTP errors are `r3arrow.errors.EngineHTTPError`.
 
 `EngineClient` sends a whole conversation as the prompt and, with a `RouteTrace`,
 ``routed_experts_prompt_start = trace.captured`` (``docs/design.md``, "Ragged routes and the
@@ -21,18 +22,14 @@ loop), ``_protocol`` (request bodies, response parsing and route decoding; pure)
 retried and how long to wait), ``_models`` (result types).
 """
 
-from r3arrow.client._client import PROTOCOLS, EngineClient, Protocol
+from r3arrow.client._client import EngineClient, Protocol
 from r3arrow.client._models import GenerateOutput, ParsedResponse
-from r3arrow.client._protocol import ENDPOINT_PATHS, Endpoint, decode_routes, parse_response
+from r3arrow.client._protocol import Endpoint, decode_routes, parse_response
 from r3arrow.client._retry import RetryPolicy
-from r3arrow.errors import EngineHTTPError
 
 __all__ = [
-    "ENDPOINT_PATHS",
-    "PROTOCOLS",
     "Endpoint",
     "EngineClient",
-    "EngineHTTPError",
     "GenerateOutput",
     "ParsedResponse",
     "Protocol",

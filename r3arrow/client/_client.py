@@ -7,7 +7,7 @@ import hashlib
 import itertools
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 import numpy as np
@@ -49,23 +49,15 @@ from r3arrow.spec import RouteSpec
 _OFFLOAD_BYTES = 1 << 20  # decode larger responses in a worker thread
 _BODY_SLACK_BYTES = 64 << 20  # JSON beside the route payload (token ids, logprobs)
 _NO_ROUTES_HINT = "(start vLLM with --enable-return-routed-experts)"
+_DEFAULT_RETRY = RetryPolicy()  # frozen: one shared default
 
-Protocol = Literal["vllm", "sglang"]
 #: The wire protocols `EngineClient` speaks (``protocol=``).
-PROTOCOLS: tuple[Protocol, ...] = ("vllm", "sglang")
+Protocol = Literal["vllm", "sglang"]
 
 
 def _score(session_id: str, url: str) -> int:
     digest = hashlib.blake2b(f"{url}\x00{session_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
-
-
-def _check_seconds(**values: float) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"{name}: expected a number of seconds, found {value!r}")
-        if not value >= 0:
-            raise ValueError(f"{name}: expected seconds >= 0, found {value!r}")
 
 
 def _check_quality(routes: np.ndarray, spec: RouteSpec, url: str) -> None:
@@ -76,11 +68,11 @@ def _check_quality(routes: np.ndarray, spec: RouteSpec, url: str) -> None:
 class EngineClient:
     """Async client for one set of engine servers (vLLM or the embedded reference engine).
 
-    ``EngineClient(url_or_urls, spec)``; use as ``async with``.
+    ``EngineClient(urls, spec, retry=RetryPolicy(max_retries=5))``; use as ``async with``.
 
     Parameters
     ----------
-    base_url:
+    urls:
         One ``http(s)://`` base URL or a sequence of distinct ones.
     spec:
         The route shape responses must have (None: learn it, see `probe_spec`).
@@ -99,17 +91,15 @@ class EngineClient:
         Requests in flight at once (an int >= 1).
     timeout:
         Seconds, or an `httpx.Timeout`.
-    max_retries, backoff_base, backoff_max, retry_after_max, retry_timeouts:
-        The retry policy (see `r3arrow.client._retry`): retries after connection errors, 429
-        and 5xx, exponential jittered backoff, ``Retry-After`` honoured up to
-        ``retry_after_max``; read/write timeouts retried only with ``retry_timeouts``.
+    retry:
+        The `RetryPolicy` (see `r3arrow.client._retry`): retries after connection errors, 429
+        and 5xx, exponential jittered backoff seeded by its ``seed``, ``Retry-After`` honoured
+        up to ``retry_after_max``; read/write timeouts retried only with ``retry_timeouts``.
     max_payload_bytes:
         Bound on a decoded route payload; the response body is bounded accordingly.
     vocab_size:
         Reject prompt ids outside ``[0, vocab_size)`` before sending (vLLM started with
         ``--skip-tokenizer-init`` does not check them, and its engine core dies on one).
-    seed:
-        Seed of the retry jitter.
     route_quality:
         Check every decoded response with `r3arrow.capture._quality.check_route_quality` before
         recording it (on by default); a failure is a data error: never retried, counted in
@@ -123,38 +113,35 @@ class EngineClient:
 
     def __init__(
         self,
-        base_url: str | Sequence[str],
+        urls: str | Sequence[str],
         spec: RouteSpec | None = None,
         *,
-        endpoint: Endpoint = "generate",
         protocol: Protocol = "vllm",
+        endpoint: Endpoint = "generate",
+        retry: RetryPolicy = _DEFAULT_RETRY,
         model: str | None = None,
         max_concurrency: int = 64,
         timeout: float | httpx.Timeout = 300.0,
-        max_retries: int = 3,
-        backoff_base: float = 0.1,
-        backoff_max: float = 5.0,
-        retry_after_max: float = 30.0,
-        retry_timeouts: bool = False,
         cache_salt: str | None = None,
         max_payload_bytes: int = DEFAULT_MAX_BYTES,
         headers: Mapping[str, str] | None = None,
         vocab_size: int | None = None,
-        seed: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         route_quality: bool = True,
     ) -> None:
-        urls = [base_url] if isinstance(base_url, str) else list(base_url)
-        if not urls or not all(
-            isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls
+        given = [urls] if isinstance(urls, str) else list(urls)
+        if not given or not all(
+            isinstance(u, str) and u.startswith(("http://", "https://")) for u in given
         ):
-            raise ValueError(f"base_url: expected one or more http(s) URLs, found {base_url!r}")
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"base_url: expected distinct URLs, found {urls}")
+            raise ValueError(f"urls: expected one or more http(s) URLs, found {urls!r}")
+        if len(set(given)) != len(given):
+            raise ValueError(f"urls: expected distinct URLs, found {given}")
         if spec is not None and not isinstance(spec, RouteSpec):
             raise TypeError(f"spec: expected a RouteSpec or None, found {type(spec).__name__}")
-        check_choice(endpoint, "endpoint", tuple(ENDPOINT_PATHS))
-        check_choice(protocol, "protocol", PROTOCOLS)
+        check_choice(endpoint, "endpoint", get_args(Endpoint))
+        check_choice(protocol, "protocol", get_args(Protocol))
+        if not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry: expected a RetryPolicy, found {type(retry).__name__}")
         if protocol == "sglang" and endpoint != "generate":
             raise ValueError(
                 f"endpoint: SGLang has one generate endpoint (POST {_sglang.GENERATE_PATH}); "
@@ -163,18 +150,14 @@ class EngineClient:
         if not isinstance(route_quality, bool):
             raise TypeError(f"route_quality: expected a bool, found {route_quality!r}")
         max_concurrency = check_positive_int(max_concurrency, "max_concurrency")
-        max_retries = check_nonnegative_int(max_retries, "max_retries")
         max_payload_bytes = check_nonnegative_int(max_payload_bytes, "max_payload_bytes")
         vocab_size = check_optional_int(vocab_size, "vocab_size", minimum=1)
-        _check_seconds(
-            backoff_base=backoff_base, backoff_max=backoff_max, retry_after_max=retry_after_max
-        )
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
             raise TypeError(
                 f"transport: expected an httpx.AsyncBaseTransport or None, found "
                 f"{type(transport).__name__}"
             )
-        self.base_urls: tuple[str, ...] = tuple(u.rstrip("/") for u in urls)
+        self.base_urls: tuple[str, ...] = tuple(u.rstrip("/") for u in given)
         self.spec = spec
         self.endpoint: Endpoint = endpoint
         self.protocol: Protocol = protocol
@@ -188,14 +171,8 @@ class EngineClient:
         )
         self.model = model
         self.max_concurrency = max_concurrency
-        self.retry = RetryPolicy(
-            max_retries=max_retries,
-            backoff_base=float(backoff_base),
-            backoff_max=float(backoff_max),
-            retry_after_max=float(retry_after_max),
-            retry_timeouts=bool(retry_timeouts),
-            rng=random.Random(seed),
-        )
+        self.retry = retry
+        self._rng = random.Random(retry.seed)
         self.cache_salt = cache_salt
         self.max_payload_bytes = max_payload_bytes
         # A response body may hold the base64 payload (4/3 of it) plus JSON around it; past
@@ -228,27 +205,6 @@ class EngineClient:
             "data_errors": 0,
             "prefix_mismatches": 0,
         }
-
-    # The retry options, readable as before the policy had its own object.
-    @property
-    def max_retries(self) -> int:
-        return self.retry.max_retries
-
-    @property
-    def backoff_base(self) -> float:
-        return self.retry.backoff_base
-
-    @property
-    def backoff_max(self) -> float:
-        return self.retry.backoff_max
-
-    @property
-    def retry_after_max(self) -> float:
-        return self.retry.retry_after_max
-
-    @property
-    def retry_timeouts(self) -> bool:
-        return self.retry.retry_timeouts
 
     # ------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> EngineClient:
@@ -464,7 +420,7 @@ class EngineClient:
             if attempt == policy.max_retries:
                 break
             self.stats["retries"] += 1
-            await asyncio.sleep(policy.delay(attempt, retry_after))
+            await asyncio.sleep(policy.delay(attempt, retry_after, self._rng))
         raise EngineHTTPError(
             f"engine {url}{path} failed after {policy.max_retries + 1} attempts: {last}", url=url
         )
@@ -681,4 +637,4 @@ class EngineClient:
         )
 
 
-__all__ = ["PROTOCOLS", "EngineClient", "Protocol"]
+__all__ = ["EngineClient", "Protocol"]

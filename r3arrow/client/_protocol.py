@@ -33,7 +33,7 @@ from r3arrow.spec import RouteSpec, as_route_rows
 Endpoint = Literal["generate", "completions"]
 
 #: Request paths of the two supported endpoints.
-ENDPOINT_PATHS: dict[str, str] = {
+ENDPOINT_PATHS: dict[Endpoint, str] = {
     "generate": "/inference/v1/generate",
     "completions": "/v1/completions",
 }

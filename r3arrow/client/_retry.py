@@ -26,6 +26,8 @@ import time
 
 import httpx
 
+from r3arrow._checks import check_nonnegative_int, check_optional_int
+
 #: Statuses that are retried besides 5xx.
 RETRY_STATUSES = frozenset({429})
 #: Statuses whose ``Retry-After`` header is honoured.
@@ -47,11 +49,15 @@ def retry_after_seconds(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-    """Retry decisions and backoff delays of one `EngineClient` (seconds throughout).
+    """How an `EngineClient` retries (``EngineClient(..., retry=RetryPolicy(...))``).
 
-    ``rng`` draws the jitter (seeded by the client's ``seed``).
+    ``max_retries``: retries after the first attempt (an int >= 0); ``backoff_base`` /
+    ``backoff_max``: the exponential backoff in seconds; ``retry_after_max``: the longest
+    ``Retry-After`` honoured, in seconds; ``retry_timeouts``: also retry read/write timeouts;
+    ``seed``: seed of the jitter (None: unseeded). Argument misuse raises
+    `ValueError`/`TypeError`.
     """
 
     max_retries: int = 3
@@ -59,7 +65,20 @@ class RetryPolicy:
     backoff_max: float = 5.0
     retry_after_max: float = 30.0
     retry_timeouts: bool = False
-    rng: random.Random = dataclasses.field(default_factory=random.Random)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check_nonnegative_int(self.max_retries, "max_retries")
+        for name in ("backoff_base", "backoff_max", "retry_after_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name}: expected a number of seconds, found {value!r}")
+            if not value >= 0:
+                raise ValueError(f"{name}: expected seconds >= 0, found {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not isinstance(self.retry_timeouts, bool):
+            raise TypeError(f"retry_timeouts: expected a bool, found {self.retry_timeouts!r}")
+        check_optional_int(self.seed, "seed")
 
     @staticmethod
     def retries_status(status: int) -> bool:
@@ -84,14 +103,15 @@ class RetryPolicy:
             return None
         return retry_after_seconds(response.headers.get("retry-after"))
 
-    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+    def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
         """Seconds to wait before retry ``attempt + 1`` (``attempt`` counts from 0).
 
         Exponential with equal jitter, in ``[cap / 2, cap]`` for ``cap = min(backoff_max,
-        backoff_base * 2**attempt)``; at least ``min(retry_after, retry_after_max)``.
+        backoff_base * 2**attempt)``; at least ``min(retry_after, retry_after_max)``. ``rng``
+        draws the jitter (the client's, seeded by ``seed``).
         """
         cap = min(self.backoff_max, self.backoff_base * (2.0**attempt))
-        delay = cap / 2 + self.rng.uniform(0, cap / 2)
+        delay = cap / 2 + rng.uniform(0, cap / 2)
         if retry_after is not None:
             delay = max(delay, min(retry_after, self.retry_after_max))
         return delay

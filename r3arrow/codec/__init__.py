@@ -15,13 +15,13 @@ checked. A decoder is a trust boundary: its output needs no second check.
 
 Errors: for ANY payload a decoder raises only `R3ArrowError` subclasses: `PayloadError`
 (bad base64, header, keys, byte count, IPC stream), `PayloadTooLargeError` (over
-``max_bytes``; for Arrow IPC also over ``max_ratio`` times the payload, floor
-`RATIO_FLOOR_BYTES`), `RouteDTypeError`, `RouteShapeError` (including a row ``[L, K]`` of more
-than `MAX_ROW_IDS` ids, which a zero-row payload could otherwise declare), `ExpertRangeError` /
-`SchemaError` (from the spec checks). The root causes are checked before allocating; a
-library exception that still escapes is wrapped into `PayloadError` at the decoder boundary
-with the original as ``__cause__`` (`_common.payload_boundary`). A bad ``spec``,
-``max_bytes`` or ``max_ratio`` argument is misuse (``ValueError`` / ``TypeError``).
+``max_bytes``; for Arrow IPC also over ``max_ratio`` times the payload, with a floor),
+`RouteDTypeError`, `RouteShapeError` (including a row ``[L, K]`` of more than 2**24 ids,
+which a zero-row payload could otherwise declare), `ExpertRangeError` / `SchemaError` (from
+the spec checks). The root causes are checked before allocating; a library exception that
+still escapes is wrapped into `PayloadError` at the decoder boundary with the original as
+``__cause__`` (`_common.payload_boundary`). A bad ``spec``, ``max_bytes`` or ``max_ratio``
+argument is misuse (``ValueError`` / ``TypeError``).
 
 No format checksums its id bytes, so what corruption can go unnoticed is bounded, not nil
 (``tests/core/test_codec_fuzz.py`` checks exactly this): a changed id byte whose value stays
@@ -34,35 +34,20 @@ the layout writers produce (buffers back to back, nothing after the end-of-strea
 ids' type as the metadata spec says), so an edit outside the id bytes is refused or harmless.
 
 SkyRL packed: `encode_packed` writes the narrowest dtype SkyRL decodes (uint8/int16/int32,
-see `_packed`); `decode_packed` also accepts uint16 (r3arrow's older output).
+see `_packed`); `decode_packed` accepts those three.
 """
 
 from __future__ import annotations
 
-from r3arrow.codec._base64 import HAVE_PYBASE64, B64Payload
-from r3arrow.codec._common import DEFAULT_MAX_BYTES, MAX_ROW_IDS, WIRE_DTYPES
-from r3arrow.codec._ipc import (
-    DEFAULT_MAX_RATIO,
-    IPC_ROWS_METADATA_KEY,
-    RATIO_FLOOR_BYTES,
-    decode_ipc,
-    decode_ipc_routes,
-    encode_ipc,
-)
+from r3arrow.codec._common import DEFAULT_MAX_BYTES
+from r3arrow.codec._ipc import DEFAULT_MAX_RATIO, decode_ipc, decode_ipc_routes, encode_ipc
 from r3arrow.codec._npy import decode_vllm, encode_vllm
-from r3arrow.codec._packed import SKYRL_DTYPES, decode_packed, encode_packed, packed_dtype_for
+from r3arrow.codec._packed import decode_packed, encode_packed
 from r3arrow.codec._sglang import decode_sglang, encode_sglang
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_RATIO",
-    "HAVE_PYBASE64",
-    "IPC_ROWS_METADATA_KEY",
-    "MAX_ROW_IDS",
-    "RATIO_FLOOR_BYTES",
-    "SKYRL_DTYPES",
-    "WIRE_DTYPES",
-    "B64Payload",
     "decode_ipc",
     "decode_ipc_routes",
     "decode_packed",
@@ -72,5 +57,4 @@ __all__ = [
     "encode_packed",
     "encode_sglang",
     "encode_vllm",
-    "packed_dtype_for",
 ]

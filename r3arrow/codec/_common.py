@@ -19,7 +19,7 @@ from r3arrow.errors import (
     RouteDTypeError,
     RouteShapeError,
 )
-from r3arrow.ids import check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
 
 #: Default bound on a decoded payload (and on the array a header declares), in bytes.
@@ -111,7 +111,7 @@ def check_against_spec(arr: np.ndarray, spec: RouteSpec | None, what: str) -> np
         raise RouteShapeError(
             f"{what}: expected [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
         )
-    check_route_ids(arr, spec, what=what)
+    check_routes(arr, spec, what=what, rules="range")
     return arr
 
 

@@ -42,7 +42,7 @@ from r3arrow.errors import (
     RouteShapeError,
     SchemaError,
 )
-from r3arrow.ids import check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import (
     SPEC_METADATA_KEY,
     RouteSpec,
@@ -76,7 +76,9 @@ def _prepare_routes(routes: Any, spec: RouteSpec | None) -> tuple[np.ndarray, Ro
         arr = check_rows_for_encode(routes, "encode_ipc")
     if spec is None:
         # ids >= 0 that fit int32 (no expert count known); the dtype is kept or inferred
-        _, hi = check_route_ids(arr, RouteSpec(arr.shape[1], arr.shape[2], None), what="encode_ipc")
+        _, hi = check_routes(
+            arr, RouteSpec(arr.shape[1], arr.shape[2], None), what="encode_ipc", rules="range"
+        )
         keep = arr.dtype.name in ("uint8", "uint16", "int32")
         dt = arr.dtype if keep else storage_dtype_for(hi + 1 if arr.size else 1)
         spec = RouteSpec(arr.shape[1], arr.shape[2], None, id_dtype=dt.name)
@@ -86,9 +88,9 @@ def _prepare_routes(routes: Any, spec: RouteSpec | None) -> tuple[np.ndarray, Ro
                 f"encode_ipc: expected [rows, {spec.num_layers}, {spec.topk}], found "
                 f"{list(arr.shape)}"
             )
-        _, hi = check_route_ids(arr, spec, what="encode_ipc")
+        _, hi = check_routes(arr, spec, what="encode_ipc", rules="range")
         spec = spec.widened_for(hi)
-    target = spec.dtype.newbyteorder("=")  # check_route_ids ensured every layer fits it
+    target = spec.dtype.newbyteorder("=")  # check_routes ensured every layer fits it
     return np.ascontiguousarray(arr, dtype=target), spec
 
 
@@ -415,7 +417,9 @@ def decode_ipc(
                     )
                 for chunk in _route_chunks(col):
                     _check_no_inner_nulls(chunk)
-                    check_route_ids(routes_to_numpy(chunk, spec), spec, what="Arrow IPC routes")
+                    check_routes(
+                        routes_to_numpy(chunk, spec), spec, what="Arrow IPC routes", rules="range"
+                    )
         return table
 
 
@@ -469,7 +473,7 @@ def _decode_ipc_routes(
                 f"Arrow IPC: expected [rows, {spec.num_layers}, {spec.topk}], found "
                 f"{list(arr.shape)}"
             )
-        check_route_ids(arr, spec, what="Arrow IPC routes")
+        check_routes(arr, spec, what="Arrow IPC routes", rules="range")
     elif sent is not None and arr.shape[1:] != sent.row_shape:
         raise RouteShapeError(
             f"Arrow IPC: metadata spec says [rows, {sent.num_layers}, {sent.topk}], found "

@@ -14,8 +14,8 @@ The format is SkyRL's ``pack_routed_experts`` / ``decode_packed_routed_experts``
   ("non-canonical") dtype than the ids need, so `encode_packed` emits exactly that one.
 * ``shape`` is a list of three plain ints.
 
-`decode_packed` is more lenient than SkyRL: it also accepts a wider dtype than needed and
-``uint16``, because r3arrow's older `encode_packed` kept a ``uint16`` input's dtype.
+`decode_packed` accepts the same three dtype names, and is more lenient than SkyRL only in
+accepting a wider one than the ids need.
 The released skyrl 0.3.0 wheel predates the format (it sends nested lists); its
 ``skyrl/train/dataset/preprocess.py`` already downcast to the same three dtypes.
 """
@@ -31,7 +31,6 @@ import numpy as np
 from r3arrow.codec._base64 import as_b64_input, b64_decoded_len, b64decode, b64encode
 from r3arrow.codec._common import (
     DEFAULT_MAX_BYTES,
-    WIRE_DTYPES,
     WIRE_LE,
     check_against_spec,
     check_max_bytes,
@@ -43,7 +42,7 @@ from r3arrow.codec._common import (
     view_rows,
 )
 from r3arrow.errors import PayloadError, RouteDTypeError, RouteShapeError
-from r3arrow.ids import check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
 
 _PACKED_KEYS: Final[frozenset[str]] = frozenset({"data", "shape", "dtype"})
@@ -54,6 +53,7 @@ SKYRL_DTYPES: Final[tuple[tuple[str, int], ...]] = (
     ("int16", 2**15 - 1),
     ("int32", 2**31 - 1),
 )
+_NAMES: Final[tuple[str, ...]] = tuple(name for name, _ in SKYRL_DTYPES)
 
 
 def decode_packed(
@@ -61,8 +61,8 @@ def decode_packed(
 ) -> np.ndarray:
     """Decode SkyRL's ``{"data": base64, "shape": [N, L, K], "dtype": name}`` to ``[N, L, K]``.
 
-    ``dtype`` is one of uint8/int16/int32 (what SkyRL and `encode_packed` write) or uint16
-    (r3arrow's older output), data little-endian; the keys must be exactly these three. The
+    ``dtype`` is one of uint8/int16/int32 (what SkyRL and `encode_packed` write), data
+    little-endian; the keys must be exactly these three. The
     result keeps the payload dtype and is a writable view on the decoded buffer.
 
     Raises only `R3ArrowError` subclasses for any ``obj``: `PayloadError` (not a dict, keys,
@@ -91,10 +91,8 @@ def _decode_packed(
             f"{what}: expected keys ['data', 'dtype', 'shape'], found {sorted(map(str, obj))}"
         )
     name = obj["dtype"]
-    if not isinstance(name, str) or name not in WIRE_LE:
-        raise RouteDTypeError(
-            f"{what}: expected dtype one of {list(WIRE_DTYPES)}, found {name!r:.100}"
-        )
+    if not isinstance(name, str) or name not in _NAMES:
+        raise RouteDTypeError(f"{what}: expected dtype one of {list(_NAMES)}, found {name!r:.100}")
     dt = WIRE_LE[name]
     shape = check_shape(obj["shape"], what)
     s = as_b64_input(obj["data"], what)
@@ -146,7 +144,7 @@ def encode_packed(arr: Any, spec: RouteSpec | None = None) -> dict[str, Any]:
         raise RouteShapeError(
             f"{what}: expected [rows, {spec.num_layers}, {spec.topk}], found {list(a.shape)}"
         )
-    _, hi = check_route_ids(a, spec, what=what)
+    _, hi = check_routes(a, spec, what=what, rules="range")
     name = packed_dtype_for(max(hi, 0))
     # In range for ``name`` (checked above), so the cast is exact; a no-op for C-order uint8.
     a = np.ascontiguousarray(a, dtype=WIRE_LE[name])

@@ -24,12 +24,11 @@ costs more than the copy); large copies are split over threads.
 R3 off: ``MegatronCollator(spec=None)`` collates tables without routes into the same model
 inputs, with no replay buffer (``Microbatch.routes`` is None).
 
-Microbatch planning (`split_microbatches`, `split_microbatch_indices`; with ``dp_size`` the
-same number of microbatches on every DP rank, padding microbatches where a rank has fewer,
-``Microbatch.is_padding``) lives in the torch-free `r3arrow.microbatch` and is re-exported
-here. Megatron-specific construction
-(a collator from a Megatron config or model) is ``collator_for`` of the Megatron
-integration, which imports this package (never the other way round).
+Microbatch planning (`r3arrow.microbatch.split_microbatches`; with ``dp_size`` the same
+number of microbatches on every DP rank, padding microbatches where a rank has fewer,
+``Microbatch.is_padding``) lives in the torch-free `r3arrow.microbatch`. Megatron-specific
+construction (a collator from a Megatron config or model) is ``collator_for`` of the
+Megatron integration, which imports this package (never the other way round).
 
 Modules: `_collator` (the collator), `_microbatch` (the output type and the scatter of
 model outputs), `_layout` (alignment and positions), `_kernels` (route copy kernels),
@@ -38,7 +37,7 @@ model outputs), `_layout` (alignment and positions), `_kernels` (route copy kern
 
 from __future__ import annotations
 
-from r3arrow.collate._collator import MegatronCollator
+from r3arrow.collate._collator import MegatronCollator, Parallelism
 from r3arrow.collate._directory import collate_directory
 from r3arrow.collate._inverse import uncollate_routes
 from r3arrow.collate._layout import alignment_multiple
@@ -48,17 +47,15 @@ from r3arrow.collate._microbatch import (
     packed_to_batch,
     unpacked_to_batch,
 )
-from r3arrow.microbatch import split_microbatch_indices, split_microbatches
 
 __all__ = [
     "MegatronCollator",
     "Microbatch",
+    "Parallelism",
     "alignment_multiple",
     "collate_directory",
     "next_token_shift",
     "packed_to_batch",
-    "split_microbatch_indices",
-    "split_microbatches",
     "uncollate_routes",
     "unpacked_to_batch",
 ]

@@ -67,12 +67,42 @@ def _route_layers(table: pa.Table | pa.RecordBatch, spec: RouteSpec) -> tuple[in
     return tuple(int(g) for g in json.loads(raw))
 
 
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """This rank's place in Megatron's tensor and context parallelism (a collator's ``parallel``).
+
+    ``tp_size``/``tp_rank``: tensor parallelism; ``sequence_parallel``: Megatron's sequence
+    parallelism (each TP rank's routers see its slice of the positions); ``cp_size``/
+    ``cp_rank``: context parallelism. Sizes are positive ints and ranks lie in ``[0, size)``;
+    anything else raises `ValueError`/`TypeError`.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        tp = check_positive_int(self.tp_size, "tp_size")
+        check_int(self.tp_rank, "tp_rank", minimum=0, maximum=tp - 1)
+        cp = check_positive_int(self.cp_size, "cp_size")
+        check_int(self.cp_rank, "cp_rank", minimum=0, maximum=cp - 1)
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel: expected a bool, found {self.sequence_parallel!r}")
+
+
+#: No tensor or context parallelism.
+_SINGLE = Parallelism()
+
+
 class MegatronCollator:
     """Rollout table (or record batch) → `Microbatch` for this rank's routers.
 
     ``layers``: global ids of this stage's routers, in Megatron's build order (default:
-    every router layer of ``spec``); they must be router layers of ``spec``. ``align``
-    combines by lcm with the TP/CP/FP8 multiples (`alignment_multiple`): unpacked, the row
+    every router layer of ``spec``); they must be router layers of ``spec``. ``parallel``:
+    this rank's TP/CP ranks and sequence parallelism (`Parallelism`). ``align`` combines by
+    lcm with the TP/CP/FP8 multiples (`alignment_multiple`): unpacked, the row
     length is rounded up to it; packed, every sequence is. ``pad_token_id`` fills
     ``input_ids``/``labels`` at padding. ``validate`` runs the full rollout-table check
     (terminal-gap rule) first; shapes and lengths are always checked. ``reuse_buffers``
@@ -97,8 +127,7 @@ class MegatronCollator:
     microbatch with ``is_padding`` set, every position padding and dummy rows.
 
     Raises `TypeError`/`ValueError` for argument misuse (``spec`` not a `RouteSpec` or None,
-    layers not distinct ints or given with R3 off, sizes not positive ints, ranks outside
-    ``[0, size)``) and
+    layers not distinct ints or given with R3 off) and
     `RouteShapeError` for layers that are not router layers of ``spec``. Build one for a
     Megatron rank with ``collator_for`` of the Megatron integration.
     """
@@ -110,11 +139,7 @@ class MegatronCollator:
         *,
         packed: bool = False,
         align: int = 1,
-        tp_size: int = 1,
-        tp_rank: int = 0,
-        cp_size: int = 1,
-        cp_rank: int = 0,
-        sequence_parallel: bool = False,
+        parallel: Parallelism = _SINGLE,
         fp8: bool = False,
         pad_token_id: int = 0,
         validate: bool = True,
@@ -142,14 +167,14 @@ class MegatronCollator:
         if len(set(chosen)) != len(chosen):
             raise ValueError(f"layers: expected distinct router layers, found {chosen}")
         self.layers: tuple[int, ...] = tuple(chosen)
-        self.multiple = alignment_multiple(align=align, tp_size=tp_size, cp_size=cp_size, fp8=fp8)
+        if not isinstance(parallel, Parallelism):
+            raise TypeError(f"parallel: expected a Parallelism, found {type(parallel).__name__}")
+        self.parallel = parallel
+        self.multiple = alignment_multiple(
+            align=align, tp_size=parallel.tp_size, cp_size=parallel.cp_size, fp8=fp8
+        )
         self.packed = bool(packed)
         self.align = int(align)
-        self.tp_size = int(tp_size)
-        self.tp_rank = check_int(tp_rank, "tp_rank", minimum=0, maximum=self.tp_size - 1)
-        self.cp_size = int(cp_size)
-        self.cp_rank = check_int(cp_rank, "cp_rank", minimum=0, maximum=self.cp_size - 1)
-        self.sequence_parallel = bool(sequence_parallel)
         self.fp8 = bool(fp8)
         self.pad_token_id = check_int(pad_token_id, "pad_token_id")
         self.validate = bool(validate)
@@ -186,8 +211,8 @@ class MegatronCollator:
             n,
             packed=self.packed,
             multiple=self.multiple,
-            cp_size=self.cp_size,
-            cp_rank=self.cp_rank,
+            cp_size=self.parallel.cp_size,
+            cp_rank=self.parallel.cp_rank,
         )
         return self._fill(batches, spec, layer_index, lay, plen, n, cap, padding)
 
@@ -326,7 +351,7 @@ class MegatronCollator:
         # R3 off: an empty replay buffer, never exposed (Microbatch.layer_major is None).
         k, n_local = (spec.topk, len(self.layers)) if spec is not None else (1, 0)
         tok_shape = (lay.columns, lay.positions)  # packed: columns == 1
-        cp = self.cp_size > 1
+        cp = self.parallel.cp_size > 1
         if spec is not None and spec.num_experts is None and self.spec is not None:
             spec = dataclasses.replace(spec, num_experts=self.spec.num_experts)
         # With a device the replay buffer stays compact (the routes' dtype) on the host; it is
@@ -413,11 +438,11 @@ class MegatronCollator:
             seq_lens=n,
             captured=cap,
             token_index=None if tok_index is None else t(tok_index),
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
-            cp_size=self.cp_size,
-            cp_rank=self.cp_rank,
-            sequence_parallel=self.sequence_parallel,
+            tp_size=self.parallel.tp_size,
+            tp_rank=self.parallel.tp_rank,
+            cp_size=self.parallel.cp_size,
+            cp_rank=self.parallel.cp_rank,
+            sequence_parallel=self.parallel.sequence_parallel,
             layer_major=replay,
             is_padding=padding,
             validated_version=(

@@ -27,7 +27,7 @@ import pyarrow as pa
 from r3arrow._checks import check_int
 from r3arrow.collate._microbatch import Microbatch
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteDTypeError, RouteShapeError
-from r3arrow.ids import check_router_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, numpy_to_routes
 
 
@@ -277,7 +277,9 @@ def _check_ids(
     cap = int(np.iinfo(spec.dtype).max)
     bound = spec.num_experts if spec.num_experts is not None else cap + 1
     try:
-        check_router_ids(picked, bound, need, layers_first=True, what="recorded routes")
+        check_routes(
+            picked, num_experts=bound, layer_ids=need, layers_first=True, what="recorded routes"
+        )
     except (ExpertRangeError, DuplicateExpertError) as exc:
         at = exc.token
         if at is None:

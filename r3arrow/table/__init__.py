@@ -3,7 +3,7 @@
 Building (`rollout_table`), validating (`validate_rollouts`), derived columns
 (`router_padding_mask`, `sequence_loss_mask`, `input_ids`), row selection that keeps
 every column attached (`take_rows`, `filter_rows`) and dynamic sampling (`filter_groups`,
-`replace_groups`, `replace_groups_info`, `reduce_tokens`). All vectorised with Arrow
+`replace_groups`, `reduce_tokens`). All vectorised with Arrow
 compute/numpy. See ``docs/design.md``, "The Arrow data model" and "Dynamic sampling".
 
 R3 on or off: a table built with ``routes`` and ``spec`` has a ``routes`` column and its
@@ -40,11 +40,11 @@ from r3arrow.table._sampling import (
     filter_groups,
     reduce_tokens,
     replace_groups,
-    replace_groups_info,
     varied_groups,
 )
 from r3arrow.table._schema import (
     ROLLOUT_COLUMNS,
+    ROUTE_LAYERS_KEY,
     SCHEMA_VERSION,
     captured_lengths,
     has_routes,
@@ -59,6 +59,7 @@ from r3arrow.table._validate import validate_rollouts
 __all__ = [
     "REDUCTIONS",
     "ROLLOUT_COLUMNS",
+    "ROUTE_LAYERS_KEY",
     "SCHEMA_VERSION",
     "ReplaceResult",
     "captured_lengths",
@@ -70,7 +71,6 @@ __all__ = [
     "list_lengths",
     "reduce_tokens",
     "replace_groups",
-    "replace_groups_info",
     "rollout_schema",
     "rollout_table",
     "route_layers",

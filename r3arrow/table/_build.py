@@ -22,7 +22,7 @@ import pyarrow as pa
 from r3arrow._chunks import chunk, chunked, chunked_routes
 from r3arrow._validated import checked_for, mark_validated
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
-from r3arrow.ids import check_distinct_experts, check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, routes_to_numpy
 from r3arrow.table._schema import rollout_schema, trajectory_id_at
 from r3arrow.table._validate import validate_table
@@ -76,7 +76,7 @@ def _column(values: Any, typ: pa.DataType | None, name: str, rows: int) -> pa.Ar
 def _check_part_ids(part: np.ndarray, spec: RouteSpec, row: int) -> int:
     """Id range of trajectory ``row``'s routes; returns the largest id (errors get ``row``)."""
     try:
-        return check_route_ids(part, spec, what=f"routes[{row}]")[1]
+        return check_routes(part, spec, what=f"routes[{row}]", rules="range")[1]
     except R3ArrowError as exc:
         exc.row = row
         raise
@@ -101,7 +101,7 @@ def _column_parts(
 def _check_flat_ids(flat: np.ndarray, lens: np.ndarray, spec: RouteSpec, base: int) -> int:
     """Id range of a chunk's flat rows; an error names the trajectory's row (and its token)."""
     try:
-        return check_route_ids(flat, spec, what="routes")[1]
+        return check_routes(flat, spec, what="routes", rules="range")[1]
     except R3ArrowError as exc:  # failure path only: re-check the trajectory's own rows
         ends = np.cumsum(lens)
         row = int(np.searchsorted(ends, exc.token or 0, side="right"))
@@ -199,15 +199,18 @@ def _check_distinct(
     """The distinct-experts rule on the parts not checked by the capture path."""
     for base, flat, lens in owing:
         try:
-            check_distinct_experts(flat, spec, what="routes")
+            check_routes(flat, spec, what="routes", rules="distinct")
         except R3ArrowError as exc:  # failure path: re-check the trajectory for its own token
             ends = np.cumsum(lens)
             row = int(np.searchsorted(ends, exc.token or 0, side="right"))
             start, end = int(ends[row] - lens[row]), int(ends[row])
             tid = trajectory_id_at(table, base + row)
             try:
-                check_distinct_experts(
-                    flat[start:end], spec, what=f"routes[{base + row}] (trajectory {tid!r})"
+                check_routes(
+                    flat[start:end],
+                    spec,
+                    what=f"routes[{base + row}] (trajectory {tid!r})",
+                    rules="distinct",
                 )
             except R3ArrowError as own:
                 own.row, own.trajectory_id = base + row, tid

@@ -17,12 +17,11 @@
   by a named rule, ``reduce="sum" | "mean" | "last" | "max"`` (`reduce_tokens`); SkyRL and
   verl sum token rewards.
 * `filter_groups` keeps the rows of kept groups in their original order (DAPO).
-  `replace_groups_info` keeps the row count: each uniform group takes the rows of a kept
+  `replace_groups` keeps the row count: each uniform group takes the rows of a kept
   group (distinct kept groups while there are enough, else drawn with replacement, as
   SkyRL's ``get_bad_sample_replacements``), provided more than ``min_replace_ratio`` of
-  the groups are kept; otherwise it returns the table unchanged with ``enough=False``
-  (SkyRL's keep-sampling signal). `replace_groups` is the same returning only the table
-  (and raising where ``enough`` is False).
+  the groups are kept; otherwise its `ReplaceResult` holds the table unchanged with
+  ``enough=False`` (SkyRL's keep-sampling signal).
 
 Whole rows are selected with Arrow ``take``/``filter``: every per-trajectory column,
 routes included, stays with its trajectory; R3-off tables work the same.
@@ -251,13 +250,14 @@ def filter_groups(
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ReplaceResult:
-    """What `replace_groups_info` did.
+    """What `replace_groups` did.
 
     ``table``: the result (the input unchanged when ``enough`` is False);
     ``source_rows``: int64 ``[B]``, output row ``i`` is input row ``source_rows[i]``;
     ``num_groups`` / ``kept_groups`` / ``replaced_groups``: group counts (``replaced_groups``
     is 0 when nothing was replaced); ``enough``: more than ``min_replace_ratio`` of the
-    groups were kept (or nothing needed replacing).
+    groups were kept (or nothing needed replacing); False is SkyRL's ``keep_sampling``: sample
+    another batch.
     """
 
     table: pa.Table
@@ -267,13 +267,8 @@ class ReplaceResult:
     replaced_groups: int
     enough: bool
 
-    @property
-    def keep_sampling(self) -> bool:
-        """SkyRL's signal: too few groups kept, sample another batch (``not enough``)."""
-        return not self.enough
 
-
-def replace_groups_info(
+def replace_groups(
     table: pa.Table,
     by: str = "group_id",
     value: str = "reward",
@@ -291,7 +286,8 @@ def replace_groups_info(
     replacement. The k-th row of a uniform group becomes the ``k mod size``-th row of its
     replacement group (which keeps its own trajectory and group ids). Row count and kept
     rows' positions are unchanged. When ``kept_groups <= min_replace_ratio * num_groups``
-    (SkyRL's threshold) nothing is replaced and ``enough`` is False. Other parameters and
+    (SkyRL's threshold; with the default 0, when every group is uniform) nothing is replaced
+    and ``enough`` is False: the result signals, never raises for it. Other parameters and
     errors as `filter_groups`; ``min_replace_ratio`` must lie in ``[0, 1]``.
     """
     seed = check_int(seed, "seed", minimum=0)
@@ -329,40 +325,3 @@ def replace_groups_info(
     g = draw[codes[rows]]
     src[rows] = order[first[g] + rank[rows] % sizes[g]]
     return ReplaceResult(take_rows(table, src), src, n, good, int(dropped_ids.size), True)
-
-
-def replace_groups(
-    table: pa.Table,
-    by: str = "group_id",
-    value: str = "reward",
-    *,
-    seed: int = 0,
-    min_replace_ratio: float = 0.0,
-    tolerance: float = 0.0,
-    ignore_masked: bool = True,
-    reduce: Reduce | None = None,
-) -> pa.Table:
-    """`replace_groups_info`'s table; raises `SchemaError` where it reports ``enough=False``.
-
-    With the default ``min_replace_ratio=0`` that is only when every group is uniform
-    (nothing to draw from). Use `replace_groups_info` for the keep-sampling signal instead.
-    """
-    out = replace_groups_info(
-        table,
-        by,
-        value,
-        seed=seed,
-        min_replace_ratio=min_replace_ratio,
-        tolerance=tolerance,
-        ignore_masked=ignore_masked,
-        reduce=reduce,
-    )
-    if not out.enough:
-        what = (
-            f"every group has a uniform {value!r}; no group to draw from"
-            if out.kept_groups == 0
-            else f"expected more than {min_replace_ratio} of the {out.num_groups} groups kept "
-            f"(varied {value!r}), found {out.kept_groups}"
-        )
-        raise SchemaError(f"replace_groups: {what} (replace_groups_info signals instead)")
-    return out.table

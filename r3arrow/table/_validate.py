@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from r3arrow._coverage import first_terminal_gap_rows, terminal_gap_error
 from r3arrow._typing import TableLike
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
-from r3arrow.ids import check_distinct_experts, check_routes
+from r3arrow.ids import check_routes
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
 from r3arrow.table._schema import (
     has_routes,
@@ -133,19 +133,23 @@ def _check_route_nulls(table: TableLike, spec: RouteSpec) -> None:
 
 def _check_ids(table: TableLike, spec: RouteSpec, *, ids: Literal["all", "distinct"]) -> None:
     """`check_routes` (or only the distinct rule) per chunk; errors name row and trajectory."""
-    check = check_routes if ids == "all" else check_distinct_experts
     base = 0
     for ch in _chunks(table.column("routes")):
         flat = routes_to_numpy(pc.list_flatten(ch), spec)
         try:
-            check(flat, spec, what="routes")
+            check_routes(flat, spec, what="routes", rules=ids)
         except R3ArrowError as exc:  # failure path: re-check the trajectory for its own token
             row, _ = _row_of(ch, exc.token or 0)
             offsets = np.asarray(ch.offsets, dtype=np.int64)  # type: ignore[attr-defined]
             start, end = int(offsets[row] - offsets[0]), int(offsets[row + 1] - offsets[0])
             tid = trajectory_id_at(table, base + row)
             try:
-                check(flat[start:end], spec, what=f"routes[{base + row}] (trajectory {tid!r})")
+                check_routes(
+                    flat[start:end],
+                    spec,
+                    what=f"routes[{base + row}] (trajectory {tid!r})",
+                    rules=ids,
+                )
             except R3ArrowError as own:
                 own.row, own.trajectory_id = base + row, tid
                 raise own from None

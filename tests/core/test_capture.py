@@ -66,13 +66,13 @@ def test_bound_trace_validates_once_and_the_store_trusts_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[int] = []
-    real = r3arrow.ids.check_turn_routes
+    real = r3arrow.ids.check_routes
 
-    def counting(arr: np.ndarray, spec: RouteSpec, *, what: str = "routes") -> int:
+    def counting(arr: np.ndarray, spec: RouteSpec, **kw: Any) -> Any:
         calls.append(arr.shape[0])
-        return real(arr, spec, what=what)
+        return real(arr, spec, **kw)
 
-    monkeypatch.setattr(r3arrow.capture._trace, "check_turn_routes", counting)
+    monkeypatch.setattr(r3arrow.capture._trace, "check_routes", counting)
     store = TurnStore(SPEC)
     trace = store.trace("t")
     trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2)
@@ -243,6 +243,6 @@ def test_built_and_selected_tables_are_marked_validated() -> None:
     assert is_validated(take_rows(table, [1, 0]))
     assert is_validated(filter_rows(table, [True, False, True, False]))
     assert is_validated(filter_groups(table)) and filter_groups(table).num_rows == 2
-    assert is_validated(replace_groups(table))
+    assert is_validated(replace_groups(table).table)
     outside = pa.Table.from_batches(table.to_batches())
     assert not is_validated(outside) and not is_validated(take_rows(outside, [0]))

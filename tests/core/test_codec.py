@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from r3arrow import codec
+from r3arrow.codec._ipc import IPC_ROWS_METADATA_KEY
+from r3arrow.codec._packed import packed_dtype_for
 from r3arrow.errors import (
     ExpertRangeError,
     PayloadError,
@@ -277,9 +279,9 @@ def test_encode_packed_accepts_torch_tensors() -> None:
         assert codec.encode_packed(t.cuda()) == obj
 
 
-def test_decode_packed_accepts_every_skyrl_dtype_and_legacy_uint16() -> None:
+def test_decode_packed_accepts_every_skyrl_dtype() -> None:
     arr = np.array([[[1, 7]]])
-    for name in ("uint8", "int16", "int32", "uint16"):
+    for name in ("uint8", "int16", "int32"):
         raw = arr.astype(np.dtype(name).newbyteorder("<")).tobytes()
         obj = {"data": base64.b64encode(raw).decode(), "shape": [1, 1, 2], "dtype": name}
         out = codec.decode_packed(obj)
@@ -300,7 +302,8 @@ def test_decode_packed_accepts_every_skyrl_dtype_and_legacy_uint16() -> None:
         (lambda o: o.update(shape=[12]), RouteShapeError, "3-D"),
         (lambda o: o.update(shape=[3, 3, 2]), PayloadError, "expects 18 bytes, found 12"),
         (lambda o: o.update(shape=[1, 3, 2]), PayloadError, "expects 6 bytes, found 12"),
-        (lambda o: o.update(dtype="uint16"), PayloadError, "expects 24 bytes, found 12"),
+        (lambda o: o.update(dtype="int16"), PayloadError, "expects 24 bytes, found 12"),
+        (lambda o: o.update(dtype="uint16"), RouteDTypeError, "found 'uint16'"),
         (lambda o: o.update(data=o["data"][:-4]), PayloadError, "found 9"),
         (lambda o: o.update(data=o["data"][:-1]), PayloadError, "multiple of 4"),
         (lambda o: o.update(data="@" + o["data"][1:]), PayloadError, "invalid base64"),
@@ -369,7 +372,7 @@ def test_ipc_stream_layout() -> None:
     assert table.schema.field("routes").type == SPEC.arrow_type
     sent = RouteSpec.from_schema(table.schema)
     assert sent.same_shape(SPEC) and sent.num_experts == 16 and sent.dtype == np.dtype(np.uint8)
-    assert codec.IPC_ROWS_METADATA_KEY not in table.schema.metadata
+    assert IPC_ROWS_METADATA_KEY not in table.schema.metadata
     assert table.column("routes").to_pylist()[1] == [[6, 7], [8, 9], [10, 11]]
 
 
@@ -510,7 +513,7 @@ def test_round_trip_every_codec(case: tuple[np.ndarray, RouteSpec]) -> None:
     i = codec.decode_ipc_routes(codec.encode_ipc(arr, spec), spec)
     assert v.dtype == arr.dtype and s.dtype == np.int32
     # packed narrows to SkyRL's dtype for the largest id (never uint16)
-    assert p.dtype == codec.packed_dtype_for(int(arr.max(initial=0)))
+    assert p.dtype == packed_dtype_for(int(arr.max(initial=0)))
     assert i.dtype == spec.dtype
     for out in (v, p, s, i):
         assert out.shape == arr.shape and np.array_equal(out, arr)

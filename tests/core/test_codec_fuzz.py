@@ -41,7 +41,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3arrow import codec
-from r3arrow.codec._ipc import _FlatTable
+from r3arrow.codec._ipc import RATIO_FLOOR_BYTES, _FlatTable
+from r3arrow.codec._packed import packed_dtype_for
 from r3arrow.errors import PayloadError, PayloadTooLargeError, R3ArrowError, RouteShapeError
 from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
 from r3arrow.testing import strategies as r3st
@@ -223,7 +224,7 @@ def test_round_trip_every_decoder(case: tuple[np.ndarray, RouteSpec]) -> None:
     for name, out in decoded.items():
         COUNTS[f"round trip {name}: examples"] += 1
         assert out.shape == arr.shape and np.array_equal(out, arr), name
-    assert codec.encode_packed(arr)["dtype"] == codec.packed_dtype_for(int(arr.max(initial=0)))
+    assert codec.encode_packed(arr)["dtype"] == packed_dtype_for(int(arr.max(initial=0)))
 
 
 # ---------------------------------------------------------------- (b) arbitrary input
@@ -565,7 +566,7 @@ def test_zstd_bomb_is_refused_under_the_default_cap() -> None:
 
 def test_ratio_floor_lets_small_compressed_streams_through() -> None:
     small = zstd_bomb(batches=2, batch_bytes=1 << 20)  # 2 MiB from a few KB: under the floor
-    assert len(small) * codec.DEFAULT_MAX_RATIO < 2 << 20 < codec.RATIO_FLOOR_BYTES
+    assert len(small) * codec.DEFAULT_MAX_RATIO < 2 << 20 < RATIO_FLOOR_BYTES
     assert codec.decode_ipc_routes(small).shape == (2 * (1 << 20) // 32, 4, 8)
     with pytest.raises(PayloadTooLargeError, match="max_bytes"):
         codec.decode_ipc_routes(small, max_bytes=1 << 20)

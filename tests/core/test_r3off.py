@@ -27,7 +27,6 @@ from r3arrow.table import (
     has_routes,
     input_ids,
     replace_groups,
-    replace_groups_info,
     rollout_schema,
     rollout_table,
     route_spec,
@@ -128,11 +127,11 @@ def test_selection_and_sampling_without_routes() -> None:
     # g varies (0, 1); h: c is all-masked, so one live member: kept.
     assert filter_groups(table).num_rows == 4
     assert pylist(filter_groups(table, ignore_masked=False).column("trajectory_id")) == ["a", "b"]
-    info = replace_groups_info(table, ignore_masked=False, seed=0)
+    info = replace_groups(table, ignore_masked=False, seed=0)
     assert info.enough and info.replaced_groups == 1
     assert pylist(info.table.column("trajectory_id")) == ["a", "b", "a", "b"]
     assert not has_routes(info.table) and validate_rollouts(info.table) is None
-    assert replace_groups(table, ignore_masked=False, seed=0).equals(info.table)
+    assert replace_groups(table, ignore_masked=False, seed=0).table.equals(info.table)
 
 
 def test_validate_refuses_a_lost_routes_column() -> None:
@@ -169,7 +168,9 @@ def test_r3_off_operations_match_r3_on(table: pa.Table, data: st.DataObject) -> 
     idx = data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=6)) if n else []
     assert without_routes(take_rows(on, idx)).equals(take_rows(off, idx))
     if n and varied_any(on):
-        assert without_routes(replace_groups(on, seed=1)).equals(replace_groups(off, seed=1))
+        assert without_routes(replace_groups(on, seed=1).table).equals(
+            replace_groups(off, seed=1).table
+        )
     assert r3arrow.validate_rollouts is validate_rollouts
 
 

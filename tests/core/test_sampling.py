@@ -1,4 +1,4 @@
-"""Dynamic sampling: filter_groups / replace_groups(_info) / reduce_tokens.
+"""Dynamic sampling: filter_groups / replace_groups / reduce_tokens.
 
 Literal cases for each rule (singleton groups kept, the tolerance boundary, all-masked
 trajectories left out of the spread test, the replace signal, token-reward reductions),
@@ -21,13 +21,12 @@ from hypothesis import strategies as st
 import r3arrow
 from r3arrow import RouteSpec
 from r3arrow._validated import is_validated
-from r3arrow.errors import R3ArrowError, SchemaError
+from r3arrow.errors import SchemaError
 from r3arrow.table import (
     ReplaceResult,
     filter_groups,
     reduce_tokens,
     replace_groups,
-    replace_groups_info,
     rollout_table,
     varied_groups,
     with_columns,
@@ -253,10 +252,10 @@ def test_replace_groups_literal_and_deterministic() -> None:
         ["a", "a", "b", "b", "b", "c", "c", "d", "d"],
         [0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.5, 0.0, 0.0],
     )  # kept: a, c; uniform: b, d
-    out = replace_groups(table, seed=3)
+    out = replace_groups(table, seed=3).table
     assert out.num_rows == table.num_rows
     assert out.schema.equals(table.schema, check_metadata=True)
-    assert out.equals(replace_groups(table, seed=3))  # deterministic under a seed
+    assert out.equals(replace_groups(table, seed=3).table)  # deterministic under a seed
     got = steps(out)
     assert [got[i] for i in (0, 1, 5, 6)] == [0, 1, 5, 6]  # kept rows stay in place
     assert all(got[p] in {0, 1, 5, 6} for p in (2, 3, 4, 7, 8))
@@ -271,41 +270,38 @@ def test_replace_groups_literal_and_deterministic() -> None:
     r3arrow.validate_rollouts(out)
 
 
-def test_replace_groups_info_and_the_keep_sampling_signal() -> None:
+def test_replace_groups_result_and_the_keep_sampling_signal() -> None:
     table = table_of(["a", "a", "b", "b", "c", "c", "d", "d"], [0, 1, 1, 1, 0, 0, 1, 1])
-    info = replace_groups_info(table, seed=1)  # 1 of 4 groups kept, more than 0 * 4
+    info = replace_groups(table, seed=1)  # 1 of 4 groups kept, more than 0 * 4
     assert isinstance(info, ReplaceResult)
     assert (info.num_groups, info.kept_groups, info.replaced_groups) == (4, 1, 3)
-    assert info.enough and not info.keep_sampling
+    assert info.enough
     assert steps(info.table) == [0, 1, 0, 1, 0, 1, 0, 1]  # with replacement: fewer kept
     assert info.source_rows.tolist() == steps(info.table)
     # SkyRL's threshold: enough iff kept > min_replace_ratio * groups (strict).
-    below = replace_groups_info(table, seed=1, min_replace_ratio=0.25)  # 1 > 1.0: no
-    assert not below.enough and below.keep_sampling
+    below = replace_groups(table, seed=1, min_replace_ratio=0.25)  # 1 > 1.0: no
+    assert not below.enough  # SkyRL's keep_sampling: sample another batch
     assert below.table is table and below.replaced_groups == 0
     assert below.source_rows.tolist() == list(range(8))
-    assert replace_groups_info(table, seed=1, min_replace_ratio=0.2).enough  # 1 > 0.8
-    with pytest.raises(SchemaError, match=r"more than 0\.25 of the 4 groups") as err:
-        replace_groups(table, seed=1, min_replace_ratio=0.25)  # no signal: an error
-    assert isinstance(err.value, R3ArrowError)
+    assert replace_groups(table, seed=1, min_replace_ratio=0.2).enough  # 1 > 0.8
+    assert (below.num_groups, below.kept_groups) == (4, 1)  # a signal, never an error
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="min_replace_ratio"):
-            replace_groups_info(table, min_replace_ratio=bad)
+            replace_groups(table, min_replace_ratio=bad)
     with pytest.raises(TypeError, match="min_replace_ratio"):
-        replace_groups_info(table, min_replace_ratio=None)  # type: ignore[arg-type]
+        replace_groups(table, min_replace_ratio=None)  # type: ignore[arg-type]
 
 
 def test_replace_groups_edge_cases() -> None:
     varied = table_of(["a", "a", "b", "b"], [0.0, 1.0, 1.0, 0.0])
-    assert replace_groups(varied, seed=0) is varied  # nothing dropped: unchanged
-    info = replace_groups_info(varied, min_replace_ratio=1.0)
+    assert replace_groups(varied, seed=0).table is varied  # nothing dropped: unchanged
+    info = replace_groups(varied, min_replace_ratio=1.0)
     assert info.enough and info.replaced_groups == 0  # nothing to replace counts as enough
     uniform = table_of(["a", "a", "b", "b"], [1.0, 1.0, 0.0, 0.0])
-    with pytest.raises(SchemaError, match="uniform"):
-        replace_groups(uniform, seed=0)
-    assert not replace_groups_info(uniform).enough
+    none_kept = replace_groups(uniform, seed=0)  # every group uniform: nothing to draw from
+    assert not none_kept.enough and none_kept.kept_groups == 0 and none_kept.table is uniform
     empty = varied.slice(0, 0)
-    assert replace_groups(empty).num_rows == 0 and filter_groups(empty).num_rows == 0
+    assert replace_groups(empty).table.num_rows == 0 and filter_groups(empty).num_rows == 0
     with pytest.raises(ValueError, match="seed"):
         replace_groups(varied, seed=-1)
 
@@ -352,13 +348,13 @@ def test_filter_groups_keeps_rows_whole_and_in_order(
 def test_replace_groups_keeps_rows_whole(table: pa.Table, data: st.DataObject, seed: int) -> None:
     table = _regroup(table, data)
     keep = varied_groups(table)
-    info = replace_groups_info(table, seed=seed)
+    info = replace_groups(table, seed=seed)
     if not info.enough:
         assert table.num_rows and not keep.any() and info.table is table
         return
     out = info.table
     assert out.num_rows == table.num_rows
-    assert out.equals(replace_groups(table, seed=seed))
+    assert out.equals(replace_groups(table, seed=seed).table)
     src = info.source_rows
     for i in range(table.num_rows):
         assert src[i] == i if keep[i] else keep[src[i]]  # kept stay, others come from kept

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import r3arrow
-from r3arrow.client import EngineClient, EngineHTTPError, GenerateOutput
+from r3arrow.client import EngineClient, GenerateOutput, RetryPolicy
 from r3arrow.errors import (
     EngineError,
+    EngineHTTPError,
     PayloadError,
     R3ArrowError,
     RouteShapeError,
@@ -214,7 +215,7 @@ def test_server_faults_are_retried_and_recorded_once(
 
     async def main() -> tuple[GenerateOutput, dict[str, int]]:
         async with EngineClient(
-            server.url, engine.spec, backoff_base=0.01, max_retries=3
+            server.url, engine.spec, retry=RetryPolicy(backoff_base=0.01, max_retries=3)
         ) as client:
             out = await client.generate(list(range(1, 9)), sampling_params=SP, trace=trace)
             return out, client.stats
@@ -231,7 +232,9 @@ def test_engine_rejection_message_reaches_the_caller(
     engine: ReferenceEngine, server: EngineServer
 ) -> None:
     async def main() -> None:
-        async with EngineClient(server.url, engine.spec, max_retries=3) as client:
+        async with EngineClient(
+            server.url, engine.spec, retry=RetryPolicy(max_retries=3)
+        ) as client:
             await client.generate([1, 2, 3], sampling_params={"max_tokens": 10**6})
 
     with pytest.raises(
@@ -249,7 +252,9 @@ def test_malformed_payload_fails_that_request_and_leaves_trace(
     prompt = list(range(2, 12))
 
     async def main() -> tuple[R3ArrowError, tuple[int, int, int], list[int]]:
-        async with EngineClient(server.url, engine.spec, backoff_base=0.01) as client:
+        async with EngineClient(
+            server.url, engine.spec, retry=RetryPolicy(backoff_base=0.01)
+        ) as client:
             first = await client.generate(prompt, sampling_params=SP, trace=trace)
             conv = prompt + first.token_ids + [1, 2]
             before = snapshot(trace)
@@ -276,7 +281,9 @@ def test_timeout_is_honoured_and_not_retried(
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> float:
-        async with EngineClient(server.url, engine.spec, timeout=0.3, max_retries=3) as client:
+        async with EngineClient(
+            server.url, engine.spec, timeout=0.3, retry=RetryPolicy(max_retries=3)
+        ) as client:
             t0 = time.perf_counter()
             with pytest.raises(EngineHTTPError, match="timed out"):
                 await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
@@ -331,7 +338,9 @@ def test_sessions_stick_to_one_server_and_fail_over(engine: ReferenceEngine) -> 
         b.stop()  # home server of on_b sessions goes away: fail over to the other one
 
         async def failover() -> GenerateOutput:
-            async with EngineClient(urls, engine.spec, backoff_base=0.01) as client:
+            async with EngineClient(
+                urls, engine.spec, retry=RetryPolicy(backoff_base=0.01)
+            ) as client:
                 return await client.generate([1, 2, 3], sampling_params=SP, session_id=on_b[1])
 
         out = run(failover())
@@ -344,7 +353,9 @@ def test_unreachable_server_raises_after_retries(engine: ReferenceEngine) -> Non
     trace = r3arrow.RouteTrace(engine.spec)
 
     async def main() -> None:
-        async with EngineClient(url, engine.spec, backoff_base=0.001, max_retries=2) as client:
+        async with EngineClient(
+            url, engine.spec, retry=RetryPolicy(backoff_base=0.001, max_retries=2)
+        ) as client:
             await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
     with pytest.raises(EngineHTTPError, match=r"after 3 attempts.*ConnectError") as info:

@@ -24,20 +24,19 @@ import pytest
 
 import r3arrow
 from r3arrow.client import (
-    ENDPOINT_PATHS,
     EngineClient,
-    EngineHTTPError,
     GenerateOutput,
     RetryPolicy,
     decode_routes,
     parse_response,
 )
-from r3arrow.client._protocol import build_request
+from r3arrow.client._protocol import ENDPOINT_PATHS, build_request
 from r3arrow.client._retry import retry_after_seconds
 from r3arrow.codec import encode_packed, encode_vllm
 from r3arrow.errors import (
     DuplicateExpertError,
     EngineError,
+    EngineHTTPError,
     ExpertRangeError,
     PayloadError,
     PayloadTooLargeError,
@@ -183,7 +182,8 @@ def test_transient_failures_are_retried_and_recorded_once(failure: str) -> None:
     async def main() -> tuple[GenerateOutput, dict[str, int]]:
         retry_timeouts = failure == "read_timeout"
         async with client_for(
-            fake, backoff_base=0.001, max_retries=3, retry_timeouts=retry_timeouts
+            fake,
+            retry=RetryPolicy(backoff_base=0.001, max_retries=3, retry_timeouts=retry_timeouts),
         ) as client:
             out = await client.generate(prompt, sampling_params=SP, trace=trace)
             return out, client.stats
@@ -200,7 +200,7 @@ def test_retries_exhausted_raise_engine_http_error_and_leave_trace() -> None:
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> None:
-        async with client_for(fake, backoff_base=0.001, max_retries=2) as client:
+        async with client_for(fake, retry=RetryPolicy(backoff_base=0.001, max_retries=2)) as client:
             await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
     with pytest.raises(EngineHTTPError, match=r"after 3 attempts.*HTTP 502") as info:
@@ -216,7 +216,7 @@ def test_client_errors_fail_at_once(code: int) -> None:
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> None:
-        async with client_for(fake, backoff_base=0.001, max_retries=5) as client:
+        async with client_for(fake, retry=RetryPolicy(backoff_base=0.001, max_retries=5)) as client:
             await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
     with pytest.raises(EngineHTTPError, match=rf"HTTP {code}: injected fault") as info:
@@ -248,7 +248,9 @@ def test_oversized_response_body_is_refused_not_retried(declared: bool) -> None:
 
     async def main() -> None:
         transport = httpx.MockTransport(handle)
-        async with EngineClient(URL, SPEC, transport=transport, max_retries=3) as client:
+        async with EngineClient(
+            URL, SPEC, transport=transport, retry=RetryPolicy(max_retries=3)
+        ) as client:
             client.max_body_bytes = 200  # any generate response with routes is larger
             await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
@@ -269,21 +271,21 @@ def test_retry_after_header_values() -> None:
 
 
 def test_backoff_is_jittered_exponential_and_honours_retry_after() -> None:
-    policy = RetryPolicy(
-        backoff_base=0.1, backoff_max=1.0, retry_after_max=2.0, rng=random.Random(0)
-    )
+    policy = RetryPolicy(backoff_base=0.1, backoff_max=1.0, retry_after_max=2.0)
+    rng = random.Random(0)
     for attempt, cap in [(0, 0.1), (1, 0.2), (2, 0.4), (3, 0.8), (4, 1.0), (9, 1.0)]:
-        delays = [policy.delay(attempt) for _ in range(50)]
+        delays = [policy.delay(attempt, None, rng) for _ in range(50)]
         assert all(cap / 2 <= d <= cap for d in delays)
         assert len(set(delays)) > 1  # jittered
-    assert policy.delay(0, retry_after=1.5) == 1.5
-    assert policy.delay(0, retry_after=60) == 2.0  # capped at retry_after_max
+    assert policy.delay(0, 1.5, rng) == 1.5
+    assert policy.delay(0, 60, rng) == 2.0  # capped at retry_after_max
     assert [policy.retries_status(s) for s in (400, 404, 422, 429, 500, 503)] == [
         *[False] * 3,
         *[True] * 3,
     ]
-    same = [RetryPolicy(rng=random.Random(5)).delay(2) for _ in range(2)]
-    assert same[0] == same[1]  # the client's seed makes the jitter reproducible
+    seeded = RetryPolicy(seed=5)
+    same = [seeded.delay(2, None, random.Random(seeded.seed)) for _ in range(2)]
+    assert same[0] == same[1]  # the policy's seed makes the jitter reproducible
 
 
 def test_retry_after_is_honoured_and_bounded() -> None:
@@ -291,7 +293,9 @@ def test_retry_after_is_honoured_and_bounded() -> None:
     fake = FakeVLLM(plan.then(Fault.status(503, retry_after=60)))
 
     async def main() -> float:
-        async with client_for(fake, backoff_base=0.001, retry_after_max=0.06) as client:
+        async with client_for(
+            fake, retry=RetryPolicy(backoff_base=0.001, retry_after_max=0.06)
+        ) as client:
             t0 = time.perf_counter()
             await client.generate([1, 2], sampling_params=SP)
             return time.perf_counter() - t0
@@ -307,7 +311,7 @@ def test_timeouts_are_not_retried_unless_asked() -> None:
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> None:
-        async with client_for(fake, max_retries=3) as client:
+        async with client_for(fake, retry=RetryPolicy(max_retries=3)) as client:
             await client.generate([1, 2, 3], sampling_params=SP, trace=trace)
 
     with pytest.raises(EngineHTTPError, match="timed out") as info:
@@ -320,7 +324,7 @@ def test_connect_errors_exhausted_name_the_transport_error() -> None:
     fake.errors.extend([connect_error] * 3)
 
     async def main() -> None:
-        async with client_for(fake, backoff_base=0.001, max_retries=2) as client:
+        async with client_for(fake, retry=RetryPolicy(backoff_base=0.001, max_retries=2)) as client:
             await client.generate([1, 2, 3], sampling_params=SP)
 
     with pytest.raises(EngineHTTPError, match=r"after 3 attempts.*ConnectError") as info:
@@ -336,7 +340,7 @@ def test_malformed_payload_fails_that_request_and_leaves_trace(mode: str) -> Non
     prompt = list(range(2, 12))
 
     async def main() -> tuple[R3ArrowError, list[int]]:
-        async with client_for(fake, backoff_base=0.001) as client:
+        async with client_for(fake, retry=RetryPolicy(backoff_base=0.001)) as client:
             first = await client.generate(prompt, sampling_params=SP, trace=trace)
             conv = prompt + first.token_ids + [1, 2]
             before = snapshot(trace)
@@ -361,7 +365,7 @@ def test_wrong_row_count_is_a_data_error_never_retried(fault: Fault) -> None:
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> None:
-        async with client_for(fake, backoff_base=0.001) as client:
+        async with client_for(fake, retry=RetryPolicy(backoff_base=0.001)) as client:
             await client.generate(list(range(1, 11)), sampling_params=SP, trace=trace)
 
     want = 10 + 3 - 1
@@ -419,7 +423,9 @@ def test_duplicate_experts_are_a_data_error_never_retried(fault: Fault, with_tra
     conv = list(range(1, 11))
 
     async def main() -> dict[str, int]:
-        async with client_for(fake, backoff_base=0.001, route_quality=False) as client:
+        async with client_for(
+            fake, retry=RetryPolicy(backoff_base=0.001), route_quality=False
+        ) as client:
             with pytest.raises(DuplicateExpertError, match="distinct experts") as info:
                 await client.generate(conv, sampling_params=SP, trace=trace)
             assert info.value.layer == 1  # the first router layer (layer 0 is dense)
@@ -441,7 +447,7 @@ def test_zeroed_router_layer_is_a_route_quality_error(with_trace: bool) -> None:
     trace = r3arrow.RouteTrace(SPEC) if with_trace else None
 
     async def main() -> dict[str, int]:
-        async with client_for(fake, backoff_base=0.001) as client:
+        async with client_for(fake, retry=RetryPolicy(backoff_base=0.001)) as client:
             with pytest.raises(RouteQualityError, match="all zeros") as info:
                 await client.generate(list(range(1, 11)), sampling_params=SP, trace=trace)
             assert info.value.layer == 1 and info.value.bugs
@@ -610,7 +616,7 @@ def test_constructor_validates_options() -> None:
     with pytest.raises(TypeError, match="max_concurrency: expected an int"):
         EngineClient("http://a", max_concurrency=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"max_retries: expected an int in \[0, inf\], found -1"):
-        EngineClient("http://a", max_retries=-1)
+        EngineClient("http://a", retry=RetryPolicy(max_retries=-1))
     with pytest.raises(
         ValueError, match=r"max_payload_bytes: expected an int in \[0, inf\], found -1"
     ):
@@ -618,7 +624,13 @@ def test_constructor_validates_options() -> None:
     with pytest.raises(ValueError, match=r"vocab_size: expected an int in \[1, inf\], found 0"):
         EngineClient("http://a", vocab_size=0)
     with pytest.raises(ValueError, match="backoff_max: expected seconds >= 0, found -1"):
-        EngineClient("http://a", backoff_max=-1)
+        EngineClient("http://a", retry=RetryPolicy(backoff_max=-1))
+    with pytest.raises(ValueError, match="protocol: expected one of 'vllm', 'sglang'"):
+        EngineClient("http://a", protocol="grpc")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="retry: expected a RetryPolicy, found dict"):
+        EngineClient("http://a", retry={"max_retries": 1})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="retry_timeouts: expected a bool"):
+        RetryPolicy(retry_timeouts=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="spec: expected a RouteSpec"):
         EngineClient("http://a", spec=(4, 2))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"transport: expected an httpx\.AsyncBaseTransport"):

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from r3arrow import TurnStore
-from r3arrow.client import EngineClient, Protocol
+from r3arrow.client import EngineClient, Protocol, RetryPolicy
 from r3arrow.errors import (
     DuplicateExpertError,
     ExpertRangeError,
@@ -154,11 +154,11 @@ def test_fault_storm_loses_no_row_and_rejects_every_corrupt_payload(
             spec,
             protocol=protocol,
             max_concurrency=CONVERSATIONS,
-            max_retries=len(TRANSIENT),  # more than all transient faults together
-            backoff_base=0.001,
-            backoff_max=0.005,
+            # more retries than all transient faults together
+            retry=RetryPolicy(
+                max_retries=len(TRANSIENT), backoff_base=0.001, backoff_max=0.005, seed=5
+            ),
             timeout=30.0,
-            seed=5,
         ) as client:
             results = await asyncio.gather(
                 *(

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import r3arrow
-from r3arrow.client import EngineClient, GenerateOutput, Protocol
+from r3arrow.client import EngineClient, GenerateOutput, Protocol, RetryPolicy
 from r3arrow.client import _sglang as sglang_proto
 from r3arrow.codec import decode_sglang
 from r3arrow.errors import EngineHTTPError, R3ArrowError, RouteShapeError
@@ -262,7 +262,7 @@ def test_server_faults_are_retried_and_recorded_once(
 
     async def main() -> GenerateOutput:
         async with EngineClient(
-            server.url, engine.spec, protocol=protocol, backoff_base=0.001
+            server.url, engine.spec, protocol=protocol, retry=RetryPolicy(backoff_base=0.001)
         ) as client:
             out: GenerateOutput = await client.generate(
                 [4, 5, 6], sampling_params=sp(protocol), trace=trace

@@ -23,12 +23,13 @@ import orjson
 import pytest
 
 import r3arrow
-from r3arrow.client import EngineClient, EngineHTTPError, GenerateOutput, Protocol
+from r3arrow.client import EngineClient, GenerateOutput, Protocol, RetryPolicy
 from r3arrow.client import _client as client_module
 from r3arrow.codec import encode_sglang, encode_vllm
 from r3arrow.errors import (
     DuplicateExpertError,
     EngineError,
+    EngineHTTPError,
     ExpertRangeError,
     PayloadError,
     PayloadTooLargeError,
@@ -243,7 +244,7 @@ def test_transient_failures_are_retried_and_recorded_once(protocol: Protocol, fa
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> tuple[GenerateOutput, dict[str, int]]:
-        async with client_for(fake, protocol, backoff_base=0.001) as client:
+        async with client_for(fake, protocol, retry=RetryPolicy(backoff_base=0.001)) as client:
             out = await client.generate(
                 list(range(1, 9)), sampling_params=sp(protocol), trace=trace
             )
@@ -260,7 +261,7 @@ def test_retry_after_is_honoured(protocol: Protocol) -> None:
     fake = FakeEngine(FaultPlan().then(Fault.status(503, retry_after=0.2)))
 
     async def main() -> GenerateOutput:
-        async with client_for(fake, protocol, backoff_base=0.001) as client:
+        async with client_for(fake, protocol, retry=RetryPolicy(backoff_base=0.001)) as client:
             out: GenerateOutput = await client.generate([1, 2, 3], sampling_params=sp(protocol))
             return out
 
@@ -275,7 +276,7 @@ def test_client_errors_fail_at_once_with_the_engine_message(protocol: Protocol, 
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> None:
-        async with client_for(fake, protocol, max_retries=5) as client:
+        async with client_for(fake, protocol, retry=RetryPolicy(max_retries=5)) as client:
             await client.generate([1, 2, 3], sampling_params=sp(protocol), trace=trace)
 
     with pytest.raises(EngineHTTPError, match=rf"HTTP {code}: injected fault") as info:
@@ -289,7 +290,9 @@ def test_retries_exhausted_leave_the_trace(protocol: Protocol) -> None:
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> None:
-        async with client_for(fake, protocol, backoff_base=0.001, max_retries=2) as client:
+        async with client_for(
+            fake, protocol, retry=RetryPolicy(backoff_base=0.001, max_retries=2)
+        ) as client:
             await client.generate([1, 2, 3], sampling_params=sp(protocol), trace=trace)
 
     with pytest.raises(EngineHTTPError, match=r"after 3 attempts.*HTTP 502"):
@@ -307,7 +310,7 @@ def test_malformed_payload_is_a_data_error_and_leaves_the_trace(
     prompt = list(range(2, 12))
 
     async def main() -> tuple[R3ArrowError, list[int], dict[str, int]]:
-        async with client_for(fake, protocol, backoff_base=0.001) as client:
+        async with client_for(fake, protocol, retry=RetryPolicy(backoff_base=0.001)) as client:
             first = await client.generate(prompt, sampling_params=sp(protocol), trace=trace)
             conv = prompt + first.token_ids + [1, 2]
             before = snapshot(trace)
@@ -332,7 +335,7 @@ def test_wrong_row_count_is_a_data_error(protocol: Protocol, fault: Fault) -> No
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> None:
-        async with client_for(fake, protocol, backoff_base=0.001) as client:
+        async with client_for(fake, protocol, retry=RetryPolicy(backoff_base=0.001)) as client:
             await client.generate(list(range(1, 11)), sampling_params=sp(protocol), trace=trace)
 
     want = 10 + 3 - 1
@@ -408,7 +411,7 @@ def test_body_past_max_body_bytes_is_refused_not_retried(protocol: Protocol) -> 
     trace = r3arrow.RouteTrace(SPEC)
 
     async def main() -> None:
-        async with client_for(fake, protocol, max_retries=3) as client:
+        async with client_for(fake, protocol, retry=RetryPolicy(max_retries=3)) as client:
             client.max_body_bytes = 200
             await client.generate(list(range(1, 30)), sampling_params=sp(protocol), trace=trace)
 

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pytest
 
 import r3arrow
-from r3arrow.client import EngineClient
+from r3arrow.client import EngineClient, RetryPolicy
 from r3arrow.spec import RouteSpec, numpy_to_routes
 
 URL = os.environ.get("R3ARROW_VLLM_URL")
@@ -73,7 +73,9 @@ def _recompute(model_dir: Path, seqs: list[list[int]], topk: int, dtype: str) ->
 
 async def _vllm_routes(url: str, seqs: list[list[int]]) -> tuple[RouteSpec, list[np.ndarray]]:
     """vLLM's routes of every token of each sequence (prompt start 0, one sampled token)."""
-    async with EngineClient(url, timeout=300, max_retries=1, vocab_size=512) as client:
+    async with EngineClient(
+        url, timeout=300, retry=RetryPolicy(max_retries=1), vocab_size=512
+    ) as client:
         spec = await client.probe_spec()
         client.spec = spec
         rows = []

@@ -20,7 +20,7 @@ import pytest
 
 import r3arrow
 from r3arrow.capture import TurnStore
-from r3arrow.client import EngineClient
+from r3arrow.client import EngineClient, RetryPolicy
 from r3arrow.rollout import ArithmeticEnv, Trajectory, run_rollouts, run_trajectory
 from r3arrow.spec import routes_to_numpy
 from r3arrow.table import flat_routes, input_ids
@@ -59,7 +59,9 @@ def test_multiturn_routes_match_full_prefix_request() -> None:
 
     async def main() -> tuple[Trajectory, np.ndarray, np.ndarray]:
         store = TurnStore(spec)
-        async with EngineClient(URL, spec, timeout=300, max_retries=1, vocab_size=VOCAB) as client:
+        async with EngineClient(
+            URL, spec, timeout=300, retry=RetryPolicy(max_retries=1), vocab_size=VOCAB
+        ) as client:
             traj = await run_trajectory(
                 client,
                 env,
@@ -154,7 +156,9 @@ def test_sampled_rollouts_agree_with_full_prefix_requests() -> None:
     prompts = [[(11 * i + 2) % VOCAB for i in range(12)], [(3 * i + 50) % VOCAB for i in range(9)]]
 
     async def main() -> tuple[pa.Table, list[np.ndarray]]:
-        async with EngineClient(URL, spec, timeout=300, max_retries=1, vocab_size=VOCAB) as client:
+        async with EngineClient(
+            URL, spec, timeout=300, retry=RetryPolicy(max_retries=1), vocab_size=VOCAB
+        ) as client:
             table = await run_rollouts(
                 client,
                 env,

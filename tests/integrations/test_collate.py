@@ -19,14 +19,14 @@ from r3arrow import RouteSpec
 from r3arrow.collate import (
     MegatronCollator,
     Microbatch,
+    Parallelism,
     alignment_multiple,
     next_token_shift,
     packed_to_batch,
-    split_microbatches,
     unpacked_to_batch,
 )
 from r3arrow.errors import RouteShapeError, SchemaError
-from r3arrow.microbatch import is_padding_table
+from r3arrow.microbatch import is_padding_table, split_microbatches
 from r3arrow.table import rollout_table
 
 
@@ -153,8 +153,8 @@ def test_context_parallel_chunks_literal() -> None:
     short = {"prompt": [9, 10], "response": [11, 12], "mask": [1, 1], "routes": _rows(3, 50, SPEC)}
     table = _table(SPEC, [long, short])
     # packed: multiple tp*cp*2 = 4 -> segments of 8 and 4 tokens, chunks of 2 and 1
-    r0 = MegatronCollator(SPEC, packed=True, cp_size=2, cp_rank=0)(table)
-    r1 = MegatronCollator(SPEC, packed=True, cp_size=2, cp_rank=1)(table)
+    r0 = MegatronCollator(SPEC, packed=True, parallel=Parallelism(cp_size=2, cp_rank=0))(table)
+    r1 = MegatronCollator(SPEC, packed=True, parallel=Parallelism(cp_size=2, cp_rank=1))(table)
     assert r0.input_ids.tolist() == [[1, 2, 7, 8, 9, 12]]
     assert r1.input_ids.tolist() == [[3, 4, 5, 6, 10, 11]]
     assert r0.token_index is not None and r0.token_index.tolist() == [0, 1, 6, 7, 8, 11]
@@ -174,7 +174,7 @@ def test_context_parallel_chunks_literal() -> None:
         assert torch.equal(_routes(full)[0, r.token_index], _routes(r)[0])
         assert torch.equal(full.input_ids[0, r.token_index], r.input_ids[0])
     # unpacked: rows of 8 (multiple 4), chunks of 2 per row
-    u0 = MegatronCollator(SPEC, cp_size=2, cp_rank=0)(table)
+    u0 = MegatronCollator(SPEC, parallel=Parallelism(cp_size=2, cp_rank=0))(table)
     assert u0.input_ids.tolist() == [[1, 2, 7, 8], [9, 10, 0, 0]]
     assert u0.token_index is not None and u0.token_index.tolist() == [0, 1, 6, 7]
     assert u0.num_router_tokens == 8
@@ -182,10 +182,15 @@ def test_context_parallel_chunks_literal() -> None:
 
 def test_sequence_parallel_slices_router_tokens_by_tp_rank() -> None:
     table = _table(SPEC, [A, B])
-    whole = MegatronCollator(SPEC, tp_size=2, tp_rank=1)(table)  # no SP: router sees all tokens
+    whole = MegatronCollator(SPEC, parallel=Parallelism(tp_size=2, tp_rank=1))(
+        table
+    )  # no SP: router sees all tokens
     assert whole.input_ids.shape == (2, 6) and whole.num_router_tokens == 12
     parts = [
-        MegatronCollator(SPEC, tp_size=2, tp_rank=r, sequence_parallel=True)(table) for r in (0, 1)
+        MegatronCollator(SPEC, parallel=Parallelism(tp_size=2, tp_rank=r, sequence_parallel=True))(
+            table
+        )
+        for r in (0, 1)
     ]
     for p in parts:
         assert p.input_ids.shape == (2, 6)  # model inputs stay whole; Megatron scatters them
@@ -199,9 +204,9 @@ def test_sequence_parallel_slices_router_tokens_by_tp_rank() -> None:
         assert all(
             torch.equal(a, b) for a, b in zip(p.replay_tensor(), p.replay_targets(), strict=True)
         )
-    packed = MegatronCollator(SPEC, packed=True, tp_size=2, tp_rank=1, sequence_parallel=True)(
-        table
-    )
+    packed = MegatronCollator(
+        SPEC, packed=True, parallel=Parallelism(tp_size=2, tp_rank=1, sequence_parallel=True)
+    )(table)
     assert packed.cu_seqlens_padded is not None and packed.cu_seqlens_padded.tolist() == [0, 6, 8]
     assert packed.replay_targets()[0].tolist() == _routes(packed)[0, 4:, 0].tolist()
 
@@ -236,12 +241,12 @@ def test_alignment_multiple() -> None:
     assert alignment_multiple(tp_size=2, cp_size=2) == 8
     assert alignment_multiple(tp_size=2, cp_size=2, fp8=True) == 32
     assert alignment_multiple(align=6, tp_size=4, cp_size=3) == 24
-    mb = MegatronCollator(SPEC, align=3, tp_size=2)(_table(SPEC, [A, B]))
+    mb = MegatronCollator(SPEC, align=3, parallel=Parallelism(tp_size=2))(_table(SPEC, [A, B]))
     assert mb.input_ids.shape == (2, 6)
     mb = MegatronCollator(SPEC, packed=True, fp8=True)(_table(SPEC, [A, B]))
     assert mb.cu_seqlens_padded is not None and mb.cu_seqlens_padded.tolist() == [0, 16, 32]
     with pytest.raises(ValueError, match=r"tp_rank: expected an int in \[0, 1\], found 2"):
-        MegatronCollator(SPEC, tp_size=2, tp_rank=2)
+        MegatronCollator(SPEC, parallel=Parallelism(tp_size=2, tp_rank=2))
     with pytest.raises(ValueError, match=r"align: expected an int in \[1, inf\], found 0"):
         MegatronCollator(SPEC, align=0)
     with pytest.raises(TypeError, match="tp_size: expected an int"):
@@ -280,7 +285,7 @@ def test_multi_chunk_table_equals_single_chunk() -> None:
         {},
         {"layers": [2, 1]},
         {"packed": True, "align": 4},
-        {"packed": True, "cp_size": 2, "cp_rank": 1},
+        {"packed": True, "parallel": Parallelism(cp_size=2, cp_rank=1)},
     ):
         a, b = MegatronCollator(SPEC, **kw)(joined), MegatronCollator(SPEC, **kw)(single)
         assert torch.equal(_lm(a), _lm(b)) and torch.equal(a.input_ids, b.input_ids)
@@ -324,7 +329,11 @@ def test_output_buffers_reused_only_when_unreferenced() -> None:
 
 @pytest.mark.parametrize(
     "kw",
-    [{"packed": True}, {"packed": False}, {"packed": True, "cp_size": 2, "cp_rank": 1, "align": 3}],
+    [
+        {"packed": True},
+        {"packed": False},
+        {"packed": True, "parallel": Parallelism(cp_size=2, cp_rank=1), "align": 3},
+    ],
 )
 def test_threaded_route_copies_equal_single_thread(
     monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any]
@@ -371,10 +380,11 @@ def _reference(
 ) -> dict[str, Any]:
     """Per-token reference of the layout rules (docs/design.md, "Layouts for Megatron"),
     written for clarity, not speed."""
+    par: Parallelism = kw["parallel"]
     m = alignment_multiple(
-        align=kw["align"], tp_size=kw["tp_size"], cp_size=kw["cp_size"], fp8=kw["fp8"]
+        align=kw["align"], tp_size=par.tp_size, cp_size=par.cp_size, fp8=kw["fp8"]
     )
-    k, cp, r = spec.topk, kw["cp_size"], kw["cp_rank"]
+    k, cp, r = spec.topk, par.cp_size, par.cp_rank
     dummy = list(range(k))
 
     def token(tr: dict[str, Any], t: int) -> dict[str, Any]:
@@ -407,9 +417,9 @@ def _reference(
         rows = [[token(tr, t) for t in cp_order(width)] for tr in trajs]
     # Megatron token order: [s, b] flattened sequence-major (packed: one row)
     order = [rows[b][s] for s in range(len(rows[0])) for b in range(len(rows))]
-    if kw["sequence_parallel"] and kw["tp_size"] > 1:
-        per = len(rows[0]) // kw["tp_size"] * len(rows)
-        order = order[kw["tp_rank"] * per : (kw["tp_rank"] + 1) * per]
+    if par.sequence_parallel and par.tp_size > 1:
+        per = len(rows[0]) // par.tp_size * len(rows)
+        order = order[par.tp_rank * per : (par.tp_rank + 1) * per]
     field = {
         f: [[tok[f] for tok in row] for row in rows]
         for f in ("id", "pos", "loss", "label", "label_mask", "pad")
@@ -451,11 +461,13 @@ def _cases(draw: st.DrawFn) -> tuple[RouteSpec, list[dict[str, Any]], list[int],
     kw = {
         "packed": draw(st.booleans()),
         "align": draw(st.sampled_from([1, 2, 3])),
-        "tp_size": tp,
-        "tp_rank": draw(st.integers(0, tp - 1)),
-        "cp_size": cp,
-        "cp_rank": draw(st.integers(0, cp - 1)),
-        "sequence_parallel": draw(st.booleans()),
+        "parallel": Parallelism(
+            tp_size=tp,
+            tp_rank=draw(st.integers(0, tp - 1)),
+            cp_size=cp,
+            cp_rank=draw(st.integers(0, cp - 1)),
+            sequence_parallel=draw(st.booleans()),
+        ),
         "fp8": draw(st.booleans()) and draw(st.booleans()),
     }
     return spec, trajs, layers, kw
@@ -509,8 +521,12 @@ def test_split_microbatches_keeps_columns_and_routes_with_their_trajectory() -> 
     [
         {},
         {"packed": True, "align": 4},
-        {"tp_size": 2, "tp_rank": 1, "cp_size": 2, "cp_rank": 1, "sequence_parallel": True},
-        {"packed": True, "cp_size": 2, "cp_rank": 0},
+        {
+            "parallel": Parallelism(
+                tp_size=2, tp_rank=1, cp_size=2, cp_rank=1, sequence_parallel=True
+            )
+        },
+        {"packed": True, "parallel": Parallelism(cp_size=2, cp_rank=0)},
     ],
 )
 def test_dp_padding_microbatch_collates_to_dummy_rows_only(kw: dict[str, Any]) -> None:

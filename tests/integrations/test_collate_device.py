@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from r3arrow import RouteSpec
-from r3arrow.collate import MegatronCollator, Microbatch
+from r3arrow.collate import MegatronCollator, Microbatch, Parallelism
 from r3arrow.testing import random_rollouts
 
 SPECS = [
@@ -47,7 +47,12 @@ def _equal(host: Microbatch, dev: Microbatch) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", SPECS, ids=["uint8", "uint16", "int32"])
 @pytest.mark.parametrize(
-    "kw", [{"packed": True, "align": 4}, {"packed": False}, {"packed": True, "cp_size": 2}]
+    "kw",
+    [
+        {"packed": True, "align": 4},
+        {"packed": False},
+        {"packed": True, "parallel": Parallelism(cp_size=2)},
+    ],
 )
 def test_device_path_equals_host_path(device: str, spec: RouteSpec, kw: dict[str, Any]) -> None:
     table = _table(spec)

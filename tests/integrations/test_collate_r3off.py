@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3arrow import RouteSpec
-from r3arrow.collate import MegatronCollator, Microbatch
+from r3arrow.collate import MegatronCollator, Microbatch, Parallelism
 from r3arrow.errors import ReplayError, SchemaError
-from r3arrow.megatron import install_replay, model_inputs, stage_padding_mask
+from r3arrow.megatron import install_replay, model_inputs
+from r3arrow.megatron._inputs import _stage_padding_mask  # no megatron-core import (packed)
 from r3arrow.microbatch import is_padding_table, padding_table, split_microbatches
 from r3arrow.table import rollout_table
 from r3arrow.testing import random_rollouts
@@ -155,11 +156,13 @@ def _full_capture_cases(draw: st.DrawFn) -> tuple[RouteSpec, pa.Table, dict[str,
     kw = {
         "packed": draw(st.booleans()),
         "align": draw(st.sampled_from([1, 3, 4])),
-        "tp_size": tp,
-        "tp_rank": draw(st.integers(0, tp - 1)),
-        "cp_size": cp,
-        "cp_rank": draw(st.integers(0, cp - 1)),
-        "sequence_parallel": draw(st.booleans()),
+        "parallel": Parallelism(
+            tp_size=tp,
+            tp_rank=draw(st.integers(0, tp - 1)),
+            cp_size=cp,
+            cp_rank=draw(st.integers(0, cp - 1)),
+            sequence_parallel=draw(st.booleans()),
+        ),
     }
     return spec, table, kw
 
@@ -175,8 +178,8 @@ def test_r3_off_inputs_equal_fully_captured_r3_on(
     _assert_same_inputs(off, on)
     assert off.routes is None and on.routes is not None
     for pre_process in (True, False):
-        a = stage_padding_mask(off, pre_process=pre_process)
-        assert torch.equal(a, stage_padding_mask(on, pre_process=pre_process))
+        a = _stage_padding_mask(off, pre_process=pre_process)
+        assert torch.equal(a, _stage_padding_mask(on, pre_process=pre_process))
 
 
 def test_r3_off_rollout_table_without_routes_collates_like_a_plain_table() -> None:

@@ -25,7 +25,7 @@ import torch
 from r3arrow.adapters.skyrl import from_generator_output, to_training_inputs
 from r3arrow.capture import RouteTrace, TokenTrace
 from r3arrow.codec import decode_packed, encode_packed
-from r3arrow.collate import MegatronCollator
+from r3arrow.collate import MegatronCollator, Parallelism
 from r3arrow.errors import (
     ExpertRangeError,
     PayloadError,
@@ -40,7 +40,7 @@ from r3arrow.table import (
     captured_lengths,
     filter_groups,
     flat_routes,
-    replace_groups_info,
+    replace_groups,
     rollout_table,
     router_padding_mask,
     take_rows,
@@ -212,9 +212,6 @@ def test_decode_rejects_incorrect_byte_count() -> None:
 @pytest.mark.parametrize(
     "payload",
     [
-        # SkyRL refuses uint16 outright; r3arrow also accepts it (docs/design.md, "Wire
-        # formats") but here the byte count is wrong for uint16, so it is refused too.
-        {"data": "AQ==", "shape": [1, 1, 1], "dtype": "uint16"},
         {"data": "!", "shape": [1, 1, 1], "dtype": "uint8"},
         {"data": "AQ==", "shape": [True, 1, 1], "dtype": "uint8"},
         {"data": "AQ==", "shape": [np.bool_(True), 1, 1], "dtype": "uint8"},
@@ -225,6 +222,11 @@ def test_decode_rejects_incorrect_byte_count() -> None:
 def test_decode_rejects_malformed_payloads(payload: dict[str, Any]) -> None:
     with pytest.raises(PayloadError):
         decode_packed(payload)
+
+
+def test_decode_rejects_uint16_as_skyrl_does() -> None:
+    with pytest.raises(RouteDTypeError, match="found 'uint16'"):
+        decode_packed({"data": "AQA=", "shape": [1, 1, 1], "dtype": "uint16"})
 
 
 def test_decode_of_noncanonical_dtype_follows_r3arrow_rule() -> None:
@@ -449,7 +451,7 @@ def test_rollout_expert_indices_shape_padding_and_alignment() -> None:
 
 # ------------------------------------------------------------------------------------------
 # tests/backends/skyrl_train/utils/test_replay_utils.py: replay padding indices and the
-# sequence-parallel padding mask -> dummy_route_row and megatron.stage_padding_mask.
+# sequence-parallel padding mask -> dummy_route_row and megatron.model_inputs.
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int32])
 def test_replay_padding_indices_are_unique(dtype: type[np.integer[Any]]) -> None:
     # r3arrow's storage dtypes are uint8/uint16/int32 (SkyRL's int16 is its wire dtype).
@@ -475,7 +477,7 @@ def test_replay_padding_rejects_missing_topk(topk: int) -> None:
 def test_sequence_parallel_mask_layout(pre_process: bool, expected: list[list[bool]]) -> None:
     # SkyRL's third case ("hybrid" models, which never scatter) is pre_process=False here:
     # r3arrow asks the caller whether the stage scatters, not which model class it is.
-    from r3arrow.megatron import stage_padding_mask
+    from r3arrow.megatron import model_inputs
 
     spec = RouteSpec(1, 2, 8)
     table = rollout_table(
@@ -488,14 +490,16 @@ def test_sequence_parallel_mask_layout(pre_process: bool, expected: list[list[bo
         routes=[np.array([[[0, 1]], [[2, 3]]])],
         spec=spec,
     )
-    mb = MegatronCollator(spec, tp_size=2, tp_rank=1, sequence_parallel=True)(table)
-    assert stage_padding_mask(mb, pre_process=pre_process).tolist() == expected
+    mb = MegatronCollator(spec, parallel=Parallelism(tp_size=2, tp_rank=1, sequence_parallel=True))(
+        table
+    )
+    assert model_inputs(mb, pre_process=pre_process)["padding_mask"].tolist() == expected
 
 
 # ------------------------------------------------------------------------------------------
 # tests/train/test_trainer_utils.py: dynamic sampling (zero_variance_filter,
 # handle_replace_sampling, handle_filter_sampling, filter_generator_output) ->
-# varied_groups, replace_groups_info, filter_groups, take_rows (docs/design.md,
+# varied_groups, replace_groups, filter_groups, take_rows (docs/design.md,
 # "Dynamic sampling").
 def _table(
     rewards: list[Any], uids: list[str], *, masks: list[list[int]] | None = None
@@ -561,7 +565,7 @@ def test_zero_variance_filter_single_live_trajectory_kept() -> None:
 
 def test_handle_replace_sampling_sufficient_good_samples() -> None:
     t = _table([1.0, 2.0, 1.0, 1.0, 3.0, 4.0], ["uid1", "uid1", "uid2", "uid2", "uid3", "uid3"])
-    result = replace_groups_info(t, min_replace_ratio=0.3)
+    result = replace_groups(t, min_replace_ratio=0.3)
     assert result.enough is True
     out = result.table
     assert out.num_rows == 6
@@ -579,14 +583,14 @@ def test_handle_replace_sampling_sufficient_good_samples() -> None:
 
 def test_handle_replace_sampling_insufficient_good_samples() -> None:
     t = _table([1.0, 1.0, 2.0, 2.0], ["uid1", "uid1", "uid2", "uid2"])
-    result = replace_groups_info(t, min_replace_ratio=0.3)
+    result = replace_groups(t, min_replace_ratio=0.3)
     assert result.enough is False  # SkyRL's keep_sampling=True
     assert result.table.equals(t)
 
 
 def test_handle_replace_sampling_single_sample_per_prompt() -> None:
     t = _table([1.0, 1.0], ["uid1", "uid2"])
-    result = replace_groups_info(t, min_replace_ratio=0.3)
+    result = replace_groups(t, min_replace_ratio=0.3)
     assert result.enough is True and result.table.equals(t)
 
 
@@ -595,7 +599,7 @@ def test_handle_replace_sampling_token_level_rewards() -> None:
     # as uid2's last reward (sum 1.0, so varied). [2.0] encodes the stated intent.
     t = _table([[1.0, 2.0], [3.0, 4.0, 5.0], [1.0, 1.0], [2.0]], ["uid1", "uid1", "uid2", "uid2"])
     assert _kept(t, value="token_rewards", reduce="sum") == [0, 1]
-    result = replace_groups_info(t, value="token_rewards", reduce="sum", min_replace_ratio=0.3)
+    result = replace_groups(t, value="token_rewards", reduce="sum", min_replace_ratio=0.3)
     assert result.enough is True and result.table.num_rows == 4
 
 
@@ -663,7 +667,7 @@ def test_padding_microbatch_uses_unique_dummy_routes() -> None:
 # IPC / Parquet, which must keep the storage dtype.
 @pytest.mark.parametrize("num_experts", [8, 300, 70_000])
 def test_train_batch_serialisation_keeps_route_dtypes(num_experts: int, tmp_path: Path) -> None:
-    from r3arrow.io import read_ipc, read_rollouts, write_ipc, write_rollouts
+    from r3arrow.io import read_rollouts, write_ipc, write_rollouts
 
     spec = RouteSpec(1, 2, num_experts)
     table = rollout_table(
@@ -678,7 +682,7 @@ def test_train_batch_serialisation_keeps_route_dtypes(num_experts: int, tmp_path
     )
     for back in (
         read_rollouts(write_rollouts(table, tmp_path / "r.parquet")),
-        read_ipc(write_ipc(table, tmp_path / "r.arrow")),
+        read_rollouts(write_ipc(table, tmp_path / "r.arrow")),
     ):
         values = flat_routes(back)[0]
         assert values.dtype == spec.dtype and values.tolist() == [[[num_experts - 1, 0]]]

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from r3arrow import RouteSpec
-from r3arrow.collate import MegatronCollator, Microbatch, uncollate_routes
+from r3arrow.collate import MegatronCollator, Microbatch, Parallelism, uncollate_routes
 from r3arrow.errors import (
     DuplicateExpertError,
     ExpertRangeError,
@@ -43,7 +43,11 @@ def _ranks(
     """Microbatches of every (CP, TP) rank and their pieces, CP-major (TP only under SP)."""
     mbs = [
         MegatronCollator(
-            spec, cp_size=cp, cp_rank=c, tp_size=tp, tp_rank=t, sequence_parallel=sp, **kw
+            spec,
+            parallel=Parallelism(
+                cp_size=cp, cp_rank=c, tp_size=tp, tp_rank=t, sequence_parallel=sp
+            ),
+            **kw,
         )(table)
         for c in range(cp)
         for t in range(tp if sp else 1)
@@ -114,7 +118,7 @@ def test_packed_cp2_literal() -> None:
         routes=[r.astype(np.uint8) for r in routes],
         spec=spec,
     )
-    mb = MegatronCollator(spec, packed=True, cp_size=2, cp_rank=1)(table)
+    mb = MegatronCollator(spec, packed=True, parallel=Parallelism(cp_size=2, cp_rank=1))(table)
     assert mb.num_router_tokens == 6
     # rank 0 holds chunks 0, 3: a[0], a[3]=pad | b[0:2], b[6:8]=pad; rank 1 chunks 1, 2.
     r0 = torch.tensor([0, 99, 10, 11, 99, 99]).reshape(6, 1)
@@ -136,7 +140,9 @@ def test_unpacked_sp_literal() -> None:
         routes=[np.zeros((2, 2, 1), np.uint8), np.zeros((3, 2, 1), np.uint8)],
         spec=spec,
     )
-    mb = MegatronCollator(spec, tp_size=2, tp_rank=1, sequence_parallel=True)(table)
+    mb = MegatronCollator(spec, parallel=Parallelism(tp_size=2, tp_rank=1, sequence_parallel=True))(
+        table
+    )
     assert tuple(mb.padding_mask.shape) == (2, 4)
     ids = np.array([[10 * b + s for b in range(2)] for s in range(4)]).reshape(8, 1)  # s-major
     pieces = [{1: torch.from_numpy(ids[:4])}, {1: torch.from_numpy(ids[4:])}]

@@ -176,8 +176,9 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     Errors of any stage propagate; the checks (Parquet round trip, replay) are reported in the
     result, and `R3ArrowError` is raised at the end if one failed.
     """
-    from r3arrow.collate import MegatronCollator, split_microbatches
+    from r3arrow.collate import MegatronCollator
     from r3arrow.io import read_rollouts, write_rollouts
+    from r3arrow.microbatch import split_microbatches
     from r3arrow.table import (
         captured_lengths,
         filter_groups,
@@ -220,7 +221,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
         _say("  every group had uniform rewards; continuing with the unfiltered table")
         kept = table
     elif kept_groups < groups:
-        replaced = replace_groups(table, seed=cfg.seed)
+        replaced = replace_groups(table, seed=cfg.seed).table
         _say(
             f"  or, with replacement: {replaced.num_rows} rows, uniform groups redrawn from "
             f"kept ones (seed {cfg.seed})"
