@@ -6,7 +6,7 @@ Every benchmark measures its baseline and `memcpy_gbps` in the same run and repo
 in its own process so its peak is its own.
 A benchmark script imports it as ``from _common import ...`` with no ``sys.path`` edit:
 Python puts a script's own directory first on ``sys.path`` (``python benchmarks/bench_x.py``
-and ``r3arrow bench``, which runs the scripts from ``benchmarks/``, both work), and r3arrow
+and ``benchmarks/report.py``, which runs the scripts from ``benchmarks/``, both work), and r3arrow
 itself comes from the installed (editable) package. From the repository root, use
 ``from benchmarks._common import ...``. This module never edits ``sys.path``.
 """
