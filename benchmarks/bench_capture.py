@@ -58,7 +58,8 @@ from _common import (
     run_isolated,
 )
 
-from r3arrow import RouteSpec, RouteTrace, TurnStore, rollout_table, routes_to_numpy
+from r3arrow import RouteSpec, RouteTrace, TurnStore, rollout_table
+from r3arrow.spec import routes_to_numpy
 from r3arrow.testing import random_routes
 
 LAYERS, TOPK, EXPERTS = 48, 8, 128

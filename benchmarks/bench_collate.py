@@ -112,7 +112,7 @@ def run_case(args: Any) -> dict[str, Any]:
     )
     per_stage = args.layers // args.pp
     layers = list(range(args.stage * per_stage, (args.stage + 1) * per_stage))
-    spec = r3arrow.route_spec(table)
+    spec = r3arrow.table.route_spec(table)
     r3off = args.case == "r3off"
     if r3off:
         table = table.drop_columns(["routes"]).replace_schema_metadata(None)
@@ -167,15 +167,15 @@ def run_case(args: Any) -> dict[str, Any]:
     # Install-time check of the targets (ids in range, no duplicates); R3 off has none.
     if args.case in ("packed", "unpacked"):
         from r3arrow.errors import ReplayDuplicateError, ReplayRangeError
-        from r3arrow.ids import check_router_ids
+        from r3arrow.ids import check_routes
 
         mb = collate_for_check(table)
 
         def install_check() -> None:  # what r3arrow.megatron.install_replay runs on a microbatch
-            check_router_ids(
+            check_routes(
                 mb.replay_tensor(),
-                spec.num_experts,
-                mb.layers,
+                num_experts=spec.num_experts,
+                layer_ids=mb.layers,
                 layers_first=True,
                 what="replay target",
                 range_error=ReplayRangeError,

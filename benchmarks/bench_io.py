@@ -182,7 +182,7 @@ def child(case: str, work: Path, quick: bool) -> dict[str, Any]:
         if case.startswith("r3"):
             fn = lambda: r3arrow.write_rollouts(table, dest, compression=comp)  # noqa: E731
         elif case == "ipc_write":
-            fn = lambda: r3arrow.write_ipc(table, dest)  # noqa: E731
+            fn = lambda: r3arrow.io.write_ipc(table, dest)  # noqa: E731
         elif pq_comp is None:  # pyarrow's defaults, exactly as a user would call it
             fn = lambda: pq.write_table(table, dest)  # noqa: E731
         else:

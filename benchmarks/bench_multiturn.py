@@ -40,7 +40,8 @@ from _common import (
 )
 
 import r3arrow
-from r3arrow.client import EngineClient, decode_routes, parse_response
+from r3arrow.client import EngineClient
+from r3arrow.client._protocol import decode_routes, parse_response
 from r3arrow.codec import encode_vllm
 from r3arrow.testing import random_routes
 
@@ -117,7 +118,7 @@ async def conversation(
     routes = None
     if trace is not None:
         arr = trace.finalize(num_tokens=len(conv), loss_mask=np.zeros(len(conv), np.uint8))
-        routes = r3arrow.routes_to_numpy(arr, spec)
+        routes = r3arrow.spec.routes_to_numpy(arr, spec)
     else:
         routes = last_routes  # the last full-prefix answer covers the whole conversation
     return {

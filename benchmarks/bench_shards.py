@@ -90,7 +90,7 @@ def _stage_bytes(tokens: int) -> int:
 def _read(root: Path) -> int:
     """The stage's projected read of every step; returns the route tokens read."""
     tokens = 0
-    for _, table in iter_rollouts(root, layers=list(STAGE), max_memory=256 * MB):
+    for table in iter_rollouts(root, layers=list(STAGE), max_memory=256 * MB):
         tokens += int(r3arrow.table.captured_lengths(table).sum())
     return tokens
 
@@ -104,7 +104,7 @@ def case_collate(root: Path, name: str, step_tokens: int, repeat: int) -> dict[s
         kwargs["max_memory"] = int(1.5 * step_tokens * (len(STAGE) * SPEC.topk + 16))
     collator = MegatronCollator(SPEC, layers=STAGE, packed=True, align=8)
     first = sorted(root.rglob("*.parquet"))[0]
-    sample = r3arrow.io.read_row_group(first, 0).slice(0, 2)
+    sample = r3arrow.io.read_rollouts(first, row_groups=[0]).slice(0, 2)
     t0 = time.perf_counter()
     collator(sample)  # numba: cached machine code loaded (or compiled) outside the timing
     first_call = time.perf_counter() - t0

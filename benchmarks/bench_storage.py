@@ -1,9 +1,9 @@
 """Layer-group routes storage (docs/storage.md): full reads, stage reads, reader cost, memcpy.
 
 One file of ``rows`` trajectories × 4096 tokens, 48 layers × top-8 of 128 experts (uint8),
-written in four layouts: the default layer groups (8 groups of 6 layers), 4 groups of
-12 (one per stage of a 4-stage pipeline), one group (``layer_group=48``) and the older
-single ``fixed_size_binary`` value per token. Every case is measured in this process,
+written in three layouts: the default layer groups (8 groups of 6 layers), 4 groups of
+12 (one per stage of a 4-stage pipeline) and one group (``layer_group=48``, restored
+without a copy). Every case is measured in this process,
 best of ``--repeat``, with the numba kernels warmed up first:
 
 * ``memcpy``: numpy copy of the route bytes into a fresh array (page faults included,
@@ -12,7 +12,8 @@ best of ``--repeat``, with the numba kernels warmed up first:
   over every row group), without and with page-checksum verification (r3arrow always
   verifies them); the baselines of the ``× raw`` ratios;
 * ``read_rollouts(validate=False)`` full and for a stage (layers 12-23), per layout;
-* ``iter_rollout_tables(columns=["routes"], validate=False)``, the statistics reader:
+* ``iter_rollouts(rollout_files(path), columns=["routes"], validate=False)``, the statistics
+  reader:
   target >= 0.9 × the raw read of the same columns;
 * ``cold``: the same reads after ``posix_fadvise(DONTNEED)`` of the file, with
   ``/proc/self/io`` ``rchar`` / ``read_bytes`` over the route bytes (stage of 4:
@@ -46,10 +47,8 @@ import pyarrow.parquet as pq
 from _common import GB, machine_line, markdown_table, memcpy_gbps, parser
 
 import r3arrow
-from r3arrow.io import iter_rollout_tables, read_rollouts, write_rollouts
+from r3arrow.io import iter_rollouts, read_rollouts, rollout_files, write_rollouts
 from r3arrow.io._interleave import warm_up
-from r3arrow.io._storage import to_storage
-from r3arrow.io._verify import sealed
 from r3arrow.spec import RouteSpec
 from r3arrow.testing import random_rollouts
 
@@ -100,24 +99,8 @@ def _raw(path: Path, checksums: bool) -> None:
 
 
 def _iterate(path: Path) -> None:
-    for _ in iter_rollout_tables(path, columns=["routes"], validate=False):
+    for _ in iter_rollouts(rollout_files(path), columns=["routes"], validate=False):
         pass
-
-
-def _write_old(table: Any, path: Path) -> Path:
-    """The older single-value layout (what r3arrow wrote before layer groups)."""
-    storage = to_storage(table)
-    rows_per_group = max(1, (64 << 20) // (TOKENS * SPEC.row_nbytes))
-    pq.write_table(
-        storage.replace_schema_metadata(sealed(dict(storage.schema.metadata or {}))),
-        path,
-        use_compliant_nested_type=False,
-        write_page_checksum=True,
-        compression="none",
-        data_page_size=8 << 20,
-        row_group_size=rows_per_group,
-    )
-    return path
 
 
 _CHILD = """
@@ -163,7 +146,6 @@ def main() -> None:
             "groups of 6 (default)": write_rollouts(table, d / "g8.parquet"),
             "groups of 12 (4 stages)": write_rollouts(table, d / "g4.parquet", layer_group=12),
             "one group": write_rollouts(table, d / "g1.parquet", layer_group=L),
-            "old single value": _write_old(table, d / "old.parquet"),
         }
         del table
         print(machine_line())
@@ -223,10 +205,10 @@ def main() -> None:
         ]
         print(markdown_table(table_rows, headers))
         base = {r[0]: r[6] for r in table_rows}
-        old = base["old single value"]
+        one = base["one group"]
         print(
-            "full read vs the old layout (warm): "
-            + ", ".join(f"{k} {v / old:.2f}x" for k, v in base.items())
+            "full read vs one group (zero-copy restore, warm): "
+            + ", ".join(f"{k} {v / one:.2f}x" for k, v in base.items())
         )
         cold = _cold_start(files["groups of 6 (default)"])
         print(

@@ -65,7 +65,7 @@ def _collation(table: Any, layers: list[int], repeat: int) -> tuple[bool, Any]:
 
     import r3arrow
 
-    spec = r3arrow.route_spec(table)
+    spec = r3arrow.table.route_spec(table)
     ok = True
     sync = torch.cuda.synchronize
     mb_gpu = None
@@ -102,7 +102,7 @@ def _replay(table: Any, mb: Any, layers: list[int]) -> bool:
     from r3arrow.table import flat_routes
     from r3arrow.testing.megatron import build_routers, cpu_router_harness
 
-    spec = r3arrow.route_spec(table)
+    spec = r3arrow.table.route_spec(table)
     with cpu_router_harness(), torch.no_grad():  # gloo world of one; routers moved to CUDA
         routers = [r.cuda() for r in build_routers(spec, layers, hidden=64)]
         hidden = torch.randn(mb.num_tokens, 1, 64, device="cuda")

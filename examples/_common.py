@@ -42,7 +42,8 @@ def parse_args(doc: str, out: str, argv: list[str] | None) -> argparse.Namespace
 
 async def _rollouts(url: str, spec: RouteSpec, args: argparse.Namespace) -> pa.Table:
     from r3arrow.client import EngineClient
-    from r3arrow.rollout import ArithmeticEnv, run_rollouts
+    from r3arrow.rollout import run_rollouts
+    from r3arrow.testing.rollout import ArithmeticEnv
 
     rng = np.random.default_rng(args.seed)
     prompts = [

@@ -45,13 +45,13 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_choice, check_int, check_optional_int, check_positive_int
+from r3arrow._schema import ROLLOUT_COLUMNS, list_lengths
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import SchemaError
 from r3arrow.io import DEFAULT_MAX_MEMORY, read_rollouts, rollout_files
 from r3arrow.microbatch import padding_table, plan_dp_microbatches
 from r3arrow.spec import RouteSpec
-from r3arrow.table import ROLLOUT_COLUMNS, list_lengths
 
 #: Columns a collator reads: the core columns; ``routes`` is added with a spec.
 COLLATE_COLUMNS = tuple(c for c in ROLLOUT_COLUMNS if c != "routes")
@@ -293,7 +293,7 @@ def read_share(
 
     Tables hold the microbatch's trajectories in step order, ``columns`` only (default
     `COLLATE_COLUMNS` + ``routes``) and, with ``layers``, only those layers (a projected
-    table: `r3arrow.table.route_layers` names them); they keep the file's
+    table: `r3arrow.route_layers` names them); they keep the file's
     schema metadata and, when ``validate``, are marked validated. A padding microbatch
     is `r3arrow.microbatch.padding_table` of the step's schema. ``spec`` (the files'
     spec) sizes the memory estimate: a token costs its route bytes (``len(layers)`` or

@@ -18,8 +18,6 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from r3arrow.ids import storage_cap
-
 if TYPE_CHECKING:
     from r3arrow.spec import RouteSpec
 
@@ -66,6 +64,6 @@ def checked_for(routes: Any, spec: RouteSpec) -> bool:
     return (
         own.same_shape(spec)
         and own.dtype == spec.dtype
-        and hi <= storage_cap(spec)
+        and hi <= spec.storage_cap
         and (spec.num_experts is None or hi < spec.num_experts)
     )

@@ -276,8 +276,6 @@ def split_microbatches(
 
 
 __all__ = [
-    "PADDING_METADATA_KEY",
-    "PADDING_TRAJECTORY_ID",
     "is_padding_table",
     "padding_table",
     "plan_dp_microbatches",

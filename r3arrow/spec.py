@@ -1,11 +1,9 @@
 """`RouteSpec`: the shape, storage dtype and Arrow type of one token's routes.
 
 Also the zero-copy conversions between numpy ``[rows, L, K]`` arrays and the
-per-token Arrow type ``fixed_size_list<fixed_size_list<dtype, K>, L>`` and the
-shape/dtype coercion every entry point uses (`as_route_rows`). The expert-id rules
-(range, distinct experts) live in :mod:`r3arrow.ids`; ``check_route_ids`` and
-``check_no_duplicate_experts`` stay importable from here. See ``docs/design.md``,
-"The Arrow data model" and "Expert ids".
+per-token Arrow type ``fixed_size_list<fixed_size_list<dtype, K>, L>``. The expert-id rules
+(range, distinct experts) live in :mod:`r3arrow.ids` (`r3arrow.ids.check_routes`). See
+``docs/design.md``, "The Arrow data model" and "Expert ids".
 
 Errors: a `RouteSpec` built from bad arguments raises ``ValueError``/``TypeError``
 (argument misuse); routes of the wrong shape or dtype raise `RouteShapeError` /
@@ -15,7 +13,7 @@ Errors: a `RouteSpec` built from bad arguments raises ``ValueError``/``TypeError
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -131,6 +129,11 @@ class RouteSpec:
         if self.id_dtype is not None:
             return np.dtype(self.id_dtype)
         return storage_dtype_for(self.num_experts if self.num_experts is not None else 1)
+
+    @property
+    def storage_cap(self) -> int:
+        """Largest value the storage holds (int32's when ``num_experts`` is unknown)."""
+        return int(np.iinfo(self.dtype if self.num_experts is not None else np.int32).max)
 
     @property
     def arrow_value_type(self) -> pa.DataType:
@@ -299,56 +302,10 @@ def numpy_to_routes(
     return pa.FixedSizeListArray.from_arrays(inner, arr.shape[1])
 
 
-def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.ndarray:
-    """Coerce numpy (any integer dtype) or Arrow per-token routes to numpy ``[rows, L, K]``.
-
-    Checks shape and dtype only; use `check_route_ids` for the id range.
-    """
-    if isinstance(routes, pa.Array | pa.ChunkedArray):
-        return routes_to_numpy(routes, spec)
-    try:
-        arr = np.asarray(routes)
-    except (ValueError, TypeError) as exc:
-        raise RouteShapeError(
-            f"{what}: expected a rectangular [rows, L, K] integer array, found {exc}"
-        ) from exc
-    if arr.dtype.kind not in "iu":
-        if arr.size == 0 and arr.dtype.kind == "f":
-            arr = arr.astype(spec.dtype)
-        else:
-            raise RouteDTypeError(f"{what}: expected an integer array, found dtype {arr.dtype}")
-    if arr.ndim != 3 or arr.shape[1:] != spec.row_shape:
-        raise RouteShapeError(
-            f"{what}: expected shape [rows, {spec.num_layers}, {spec.topk}], "
-            f"found {list(arr.shape)}"
-        )
-    return arr
-
-
-def dummy_route_row(spec: RouteSpec) -> np.ndarray:
-    """The padding row ``[0, 1, ..., K-1]`` on every layer, shape ``[L, K]``, storage dtype."""
-    return np.broadcast_to(np.arange(spec.topk, dtype=spec.dtype), spec.row_shape)
-
-
-def validate_layers(layers: Iterable[int], spec: RouteSpec) -> list[int]:
-    """Check that ``layers`` are router layers of ``spec``; return them as a list."""
-    out = [int(i) for i in layers]
-    known = set(spec.router_layers)
-    bad = [i for i in out if i not in known]
-    if bad:
-        raise RouteShapeError(
-            f"expected router layers from {list(spec.router_layers)}, found {bad}"
-        )
-    return out
-
-
 __all__: Sequence[str] = [
     "SPEC_METADATA_KEY",
     "RouteSpec",
-    "as_route_rows",
-    "dummy_route_row",
     "numpy_to_routes",
     "routes_to_numpy",
     "storage_dtype_for",
-    "validate_layers",
 ]

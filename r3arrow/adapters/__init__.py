@@ -5,3 +5,5 @@ framework; each adapter imports its framework inside the functions that need it,
 framework stays an optional dependency. Adapters sit at the rollout layer of the import
 contracts (``docs/design.md``, "The Arrow data model").
 """
+
+__all__: list[str] = []

@@ -43,16 +43,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._checks import check_choice, check_int
+from r3arrow._routes import dummy_route_row
+from r3arrow._schema import list_lengths
 from r3arrow.errors import RouteShapeError, SchemaError
-from r3arrow.spec import RouteSpec, dummy_route_row
-from r3arrow.table import (
-    captured_lengths,
-    flat_routes,
-    input_ids,
-    list_lengths,
-    rollout_table,
-    route_spec,
-)
+from r3arrow.spec import RouteSpec
+from r3arrow.table import captured_lengths, flat_routes, input_ids, rollout_table, route_spec
 
 __all__ = ["from_generator_output", "to_generator_output", "to_training_inputs"]
 

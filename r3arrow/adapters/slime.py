@@ -37,9 +37,11 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_choice
+from r3arrow._routes import dummy_route_row
+from r3arrow._schema import list_lengths
 from r3arrow.errors import RouteShapeError, SchemaError
-from r3arrow.spec import RouteSpec, dummy_route_row
-from r3arrow.table import captured_lengths, flat_routes, list_lengths, rollout_table, route_spec
+from r3arrow.spec import RouteSpec
+from r3arrow.table import captured_lengths, flat_routes, rollout_table, route_spec
 
 __all__ = ["from_samples", "to_samples"]
 

@@ -42,14 +42,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from r3arrow._schema import ROLLOUT_COLUMNS, list_lengths
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import (
-    ROLLOUT_COLUMNS,
     captured_lengths,
     flat_routes,
-    list_lengths,
     rollout_table,
     route_spec,
     validate_rollouts,
@@ -592,10 +591,6 @@ def _non_tensor(column: pa.ChunkedArray[Any], dtype: str | None) -> np.ndarray:
 
 __all__ = [
     "CAPTURED_KEY",
-    "GROUP_KEY",
-    "LAYOUT_KEYS",
-    "SCHEMA_KEY",
-    "TRAJECTORY_KEY",
     "from_dataproto",
     "to_dataproto",
 ]

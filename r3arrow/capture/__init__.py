@@ -16,8 +16,11 @@ mark in ``r3arrow._validated``. See ``docs/capture.md``.
 
 from __future__ import annotations
 
+from r3arrow._public import set_homes
 from r3arrow.capture._quality import check_route_quality
 from r3arrow.capture._store import TurnStore
 from r3arrow.capture._trace import RouteTrace, TokenTrace
 
 __all__ = ["RouteTrace", "TokenTrace", "TurnStore", "check_route_quality"]
+
+set_homes(globals(), __all__)

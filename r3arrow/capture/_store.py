@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from r3arrow._chunks import chunked_routes
+from r3arrow._routes import chunked_routes
 from r3arrow._validated import mark_validated
 from r3arrow.capture._trace import RouteTrace, validate_route_rows
 from r3arrow.errors import ContiguityError, R3ArrowError, SchemaError

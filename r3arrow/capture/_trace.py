@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from r3arrow._checks import check_int, check_positive_int
 from r3arrow._coverage import check_terminal_gap, expected_rows
+from r3arrow._routes import as_route_rows
 from r3arrow._validated import mark_validated
 from r3arrow.capture._covered import CoveredTokens, as_token_ids, prefix_mismatch_error
 from r3arrow.errors import (
@@ -46,8 +47,8 @@ from r3arrow.errors import (
     RouteShapeError,
     TraceStateError,
 )
-from r3arrow.ids import check_turn_routes
-from r3arrow.spec import RouteSpec, as_route_rows, numpy_to_routes
+from r3arrow.ids import check_routes
+from r3arrow.spec import RouteSpec, numpy_to_routes
 
 #: Receives each validated turn of a bound `RouteTrace`: ``(token_start, rows, spec)``, rows
 #: ``[n, L, K]`` read-only in ``spec.dtype``. Raising leaves the trace unchanged.
@@ -370,9 +371,9 @@ def _validated_rows(
     routes: Any, spec: RouteSpec, *, what: str
 ) -> tuple[np.ndarray, RouteSpec, int]:
     """`validate_route_rows`, plus an upper bound of the largest id, exact when
-    ``spec.num_experts`` is None (-1 for no rows; `r3arrow.ids.check_turn_routes`)."""
+    ``spec.num_experts`` is None (-1 for no rows; `r3arrow.ids.check_routes`, ``exact=False``)."""
     arr = as_route_rows(routes, spec, what=what)
-    hi = check_turn_routes(arr, spec, what=what)
+    hi = check_routes(arr, spec, what=what, exact=False)[1]
     if spec.num_experts is None and hi >= 0:
         spec = spec.widened_for(hi)
     return arr, spec, hi

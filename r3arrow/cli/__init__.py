@@ -314,7 +314,7 @@ examples:
 'r3arrow COMMAND --help' describes each command."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="r3arrow",
@@ -506,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Usage errors raise ``SystemExit(2)`` from argparse, as ``--help`` raises
     ``SystemExit(0)``.
     """
-    parser = build_parser()
+    parser = _build_parser()
     args = parser.parse_args(argv)
     try:
         code: int = args.func(args)
@@ -531,6 +531,8 @@ def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text
 
+
+__all__ = ["main"]
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

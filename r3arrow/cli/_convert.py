@@ -17,9 +17,10 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
+from r3arrow._routes import as_route_rows
 from r3arrow.errors import PayloadError, R3ArrowError, SchemaError
 from r3arrow.ids import check_routes
-from r3arrow.spec import RouteSpec, as_route_rows
+from r3arrow.spec import RouteSpec
 
 
 def _npy_path(name: object, base: Path, allow_outside: bool) -> Path:

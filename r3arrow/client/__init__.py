@@ -22,18 +22,18 @@ loop), ``_protocol`` (request bodies, response parsing and route decoding; pure)
 retried and how long to wait), ``_models`` (result types).
 """
 
+from r3arrow._public import set_homes
 from r3arrow.client._client import EngineClient, Protocol
-from r3arrow.client._models import GenerateOutput, ParsedResponse
-from r3arrow.client._protocol import Endpoint, decode_routes, parse_response
+from r3arrow.client._models import GenerateOutput
+from r3arrow.client._protocol import Endpoint
 from r3arrow.client._retry import RetryPolicy
 
 __all__ = [
     "Endpoint",
     "EngineClient",
     "GenerateOutput",
-    "ParsedResponse",
     "Protocol",
     "RetryPolicy",
-    "decode_routes",
-    "parse_response",
 ]
+
+set_homes(globals(), __all__)

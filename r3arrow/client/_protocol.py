@@ -24,11 +24,12 @@ import numpy as np
 import orjson
 
 from r3arrow._coverage import expected_rows
+from r3arrow._routes import as_route_rows
 from r3arrow.client._models import ParsedResponse
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_packed, decode_vllm
 from r3arrow.errors import EngineError, PayloadError, RouteDTypeError, RouteShapeError
 from r3arrow.ids import check_routes
-from r3arrow.spec import RouteSpec, as_route_rows
+from r3arrow.spec import RouteSpec
 
 Endpoint = Literal["generate", "completions"]
 

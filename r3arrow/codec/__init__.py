@@ -39,6 +39,7 @@ see `_packed`); `decode_packed` accepts those three.
 
 from __future__ import annotations
 
+from r3arrow._public import set_homes
 from r3arrow.codec._common import DEFAULT_MAX_BYTES
 from r3arrow.codec._ipc import DEFAULT_MAX_RATIO, decode_ipc, decode_ipc_routes, encode_ipc
 from r3arrow.codec._npy import decode_vllm, encode_vllm
@@ -58,3 +59,5 @@ __all__ = [
     "encode_sglang",
     "encode_vllm",
 ]
+
+set_homes(globals(), __all__)

@@ -37,15 +37,13 @@ model outputs), `_layout` (alignment and positions), `_kernels` (route copy kern
 
 from __future__ import annotations
 
+from r3arrow._public import set_homes
 from r3arrow.collate._collator import MegatronCollator, Parallelism
 from r3arrow.collate._directory import collate_directory
 from r3arrow.collate._inverse import uncollate_routes
 from r3arrow.collate._layout import alignment_multiple
 from r3arrow.collate._microbatch import (
     Microbatch,
-    next_token_shift,
-    packed_to_batch,
-    unpacked_to_batch,
 )
 
 __all__ = [
@@ -54,8 +52,7 @@ __all__ = [
     "Parallelism",
     "alignment_multiple",
     "collate_directory",
-    "next_token_shift",
-    "packed_to_batch",
     "uncollate_routes",
-    "unpacked_to_batch",
 ]
+
+set_homes(globals(), __all__)

@@ -21,6 +21,8 @@ import torch
 
 from r3arrow import table as _table
 from r3arrow._checks import check_int, check_positive_int
+from r3arrow._routes import validate_layers
+from r3arrow._schema import list_lengths
 from r3arrow._typing import ArrowArray
 from r3arrow._validated import is_validated
 from r3arrow.collate._buffers import _Arena, _BufferPool, _PinnedStage
@@ -29,8 +31,8 @@ from r3arrow.collate._layout import _Layout, _layout, alignment_multiple, layer_
 from r3arrow.collate._microbatch import Microbatch
 from r3arrow.errors import SchemaError
 from r3arrow.microbatch import is_padding_table, split_microbatches
-from r3arrow.spec import RouteSpec, validate_layers
-from r3arrow.table import flat_routes, list_lengths, route_spec, validate_rollouts
+from r3arrow.spec import RouteSpec
+from r3arrow.table import flat_routes, route_spec, validate_rollouts
 
 #: Output bytes from which route copies are split over worker threads.
 _PARALLEL_BYTES = 8 << 20
@@ -58,11 +60,11 @@ _ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
 
 
 def _route_layers(table: pa.Table | pa.RecordBatch, spec: RouteSpec) -> tuple[int, ...]:
-    """`r3arrow.table.route_layers` (layer projection): the global layer of each route row."""
+    """`r3arrow.route_layers` (layer projection): the global layer of each route row."""
     fn = getattr(_table, "route_layers", None)
     if fn is not None:
         return tuple(int(g) for g in fn(table))
-    # Until r3arrow.table.route_layers lands: the key's JSON list of global ids.
+    # Until r3arrow.route_layers lands: the key's JSON list of global ids.
     raw = (table.schema.metadata or {})[_ROUTE_LAYERS_KEY]
     return tuple(int(g) for g in json.loads(raw))
 
@@ -114,7 +116,7 @@ class MegatronCollator:
     never joined): gather this stage's layers, check the ids while compact (with
     ``validate``; the microbatch is then marked so `install_replay` does not scan them
     again), widen to int32 (``docs/collation.md``). A layer-projected table (layer projection:
-    ``r3arrow.table.route_layers``) must hold every layer the collator replays
+    ``r3arrow.route_layers``) must hold every layer the collator replays
     (`RouteShapeError` names the missing ones). ``device`` (e.g. ``"cuda"``): the ids stay
     compact on the host (pinned memory for CUDA), travel ``non_blocking`` and are widened on
     the device, and every microbatch tensor is returned there; ``"cpu"`` runs the same path

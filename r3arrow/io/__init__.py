@@ -14,7 +14,7 @@ This package is the only owner of the on-disk layout (see ``docs/design.md``,
   ``row_groups=`` and a ``max_memory`` budget (`DEFAULT_MAX_MEMORY`); `read_rollouts`
   is the concatenation of its pieces. `project_layers` projects an in-memory table
   like ``layers=``; `route_rows` gives the ``[T, L, K]`` rows of a routes column.
-- **Diagnostics**: `write_diagnostics` / `read_diagnostics` (`DIAGNOSTICS_SCHEMA`,
+- **Diagnostics**: `write_diagnostics` / `read_diagnostics` (the diagnostics schema,
   `NATIVE_VS_REPLAY`), per-step route agreement beside the rollouts.
 - **Temp files**: `find_temps`, `remove_stale_temps` (`TempFile`), what ``r3arrow gc`` uses.
 
@@ -38,8 +38,8 @@ negative or non-int ``step``, a bad ``row_groups``) raises ``ValueError`` / ``Ty
 
 from __future__ import annotations
 
+from r3arrow._public import set_homes
 from r3arrow.io._diagnostics import (
-    DIAGNOSTICS_SCHEMA,
     NATIVE_VS_REPLAY,
     read_diagnostics,
     write_diagnostics,
@@ -60,7 +60,6 @@ from r3arrow.io._stream import DEFAULT_MAX_MEMORY, DEFAULT_ROW_GROUP_BYTES
 __all__ = [
     "DEFAULT_MAX_MEMORY",
     "DEFAULT_ROW_GROUP_BYTES",
-    "DIAGNOSTICS_SCHEMA",
     "NATIVE_VS_REPLAY",
     "RolloutFile",
     "TempFile",
@@ -76,3 +75,5 @@ __all__ = [
     "write_ipc",
     "write_rollouts",
 ]
+
+set_homes(globals(), __all__)

@@ -6,7 +6,7 @@ recorded under the schema metadata key ``r3arrow.routes_storage`` (`STORAGE_KEY`
 ``{"format", "columns"[, "groups"]}`` JSON, parsed by `storage_info`). Layer projection
 (``docs/storage.md``): a projected table holds only some layers (ascending global ids) as
 the normal nested routes type, a `RouteSpec` of that shape and the global ids under
-``r3arrow.route_layers`` (`r3arrow.table.route_layers`); `project_layers` projects an
+``r3arrow.route_layers`` (`r3arrow.route_layers`); `project_layers` projects an
 in-memory table. Routes are stored as little-endian bytes: big-endian hosts are refused.
 """
 
@@ -21,9 +21,10 @@ import orjson
 import pyarrow as pa
 
 from r3arrow._checks import check_int
+from r3arrow._schema import ROUTE_LAYERS_KEY
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
-from r3arrow.table import ROUTE_LAYERS_KEY, route_layers
+from r3arrow.table import route_layers
 
 #: Schema metadata key of the routes storage form (``{"format", "columns"[, "groups"]}``).
 STORAGE_KEY = b"r3arrow.routes_storage"

@@ -23,6 +23,7 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 
+from r3arrow._schema import list_lengths
 from r3arrow._typing import ArrowArray
 from r3arrow.errors import SchemaError
 from r3arrow.io._groups import (
@@ -42,7 +43,6 @@ from r3arrow.io._portable import (
 )
 from r3arrow.io._project import STORAGE_KEY, project_layers, storage_info
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
-from r3arrow.table import list_lengths
 
 
 def to_storage(

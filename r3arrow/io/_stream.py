@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3arrow._checks import check_int
+from r3arrow._schema import list_lengths
 from r3arrow._validated import mark_validated
 from r3arrow.errors import SchemaError
 from r3arrow.io._storage import read_leaves, restore
@@ -41,7 +42,6 @@ from r3arrow.io._verify import (
     unsealed,
 )
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
-from r3arrow.table import list_lengths
 
 #: Default budget of a streaming reader, in bytes: fits a laptop.
 DEFAULT_MAX_MEMORY = 1 << 30

@@ -45,18 +45,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from r3arrow._schema import ROLLOUT_COLUMNS, SCHEMA_VERSION, list_lengths
 from r3arrow._validated import mark_validated
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.ids import check_routes
 from r3arrow.io._groups import check_group_schema
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
-from r3arrow.table import (
-    ROLLOUT_COLUMNS,
-    SCHEMA_VERSION,
-    list_lengths,
-    rollout_schema,
-    validate_rollouts,
-)
+from r3arrow.table import rollout_schema, validate_rollouts
 
 #: Schema metadata key of the rollout schema version (``rollout.v1``).
 VERSION_KEY = b"r3arrow.schema"

@@ -48,6 +48,7 @@ scope), `_probe` (agreement during replay), `_install` (target checks and instal
 
 from __future__ import annotations
 
+from r3arrow._public import set_homes
 from r3arrow.megatron._inputs import model_inputs
 from r3arrow.megatron._install import MtpPolicy, install_replay
 from r3arrow.megatron._probe import ReplayProbe
@@ -70,3 +71,5 @@ __all__ = [
     "replay_schedule",
     "router_layers",
 ]
+
+set_homes(globals(), __all__)

@@ -28,7 +28,10 @@ executor), `_shards` (shard-aware delivery).
 
 from __future__ import annotations
 
+from r3arrow._public import set_homes
 from r3arrow.ray._core import RayExecutor, rollout_dataset, rollout_spec
 from r3arrow.ray._shards import Shard, shard_microbatches
 
 __all__ = ["RayExecutor", "Shard", "rollout_dataset", "rollout_spec", "shard_microbatches"]
+
+set_homes(globals(), __all__)

@@ -127,7 +127,7 @@ class Shard:
         """Yield ``(step, j, table)`` for every microbatch of the shard, in plan order.
 
         ``table`` holds the microbatch's trajectories with only the stage's layers (a
-        projected table: `r3arrow.table.route_layers`), its schema metadata restored (the spec; the
+        projected table: `r3arrow.route_layers`), its schema metadata restored (the spec; the
         padding marker on a DP padding microbatch), marked validated when the shard was
         read validating; collate it with the rank's collator. Raises `SchemaError` if
         the stream does not deliver the plan (a microbatch out of order or cut short).

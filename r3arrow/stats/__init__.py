@@ -14,7 +14,7 @@ expressions and accept a ``DataFrame`` or a ``LazyFrame``.
 The package, by concern:
 
 - token selection (`r3arrow.stats._selection`): `token_selection`,
-  `TOKEN_SUBSETS` — ``tokens="all" | "prompt" | "response" | "loss"``; ``"loss"``
+  `TokenSubset` — ``tokens="all" | "prompt" | "response" | "loss"``; ``"loss"``
   is the rows whose *next* token is loss-active (see ``docs/design.md``, "Ragged
   routes and the terminal gap");
 - counts (`._counts`): `ExpertCounts`, `count_routes`;
@@ -44,6 +44,7 @@ or else torch, when installed, speeds up counting.
 
 from __future__ import annotations
 
+from r3arrow._public import set_homes
 from r3arrow.stats._agreement import RouteAgreement, compare_routes
 from r3arrow.stats._api import (
     Executor,
@@ -55,7 +56,7 @@ from r3arrow.stats._api import (
 )
 from r3arrow.stats._counts import ExpertCounts, count_routes
 from r3arrow.stats._interop import routes_torch, to_polars
-from r3arrow.stats._selection import TOKEN_SUBSETS, TokenSubset, token_selection
+from r3arrow.stats._selection import TokenSubset, token_selection
 from r3arrow.stats._summaries import (
     agreement_over_steps,
     dead_experts,
@@ -66,7 +67,6 @@ from r3arrow.stats._summaries import (
 )
 
 __all__ = [
-    "TOKEN_SUBSETS",
     "Executor",
     "ExpertCounts",
     "RouteAgreement",
@@ -88,3 +88,5 @@ __all__ = [
     "to_polars",
     "token_selection",
 ]
+
+set_homes(globals(), __all__)

@@ -22,8 +22,9 @@ import numpy as np
 import polars as pl
 
 from r3arrow._kernels import compiled
+from r3arrow._routes import as_route_rows
 from r3arrow.errors import RouteShapeError, SchemaError
-from r3arrow.spec import RouteSpec, as_route_rows
+from r3arrow.spec import RouteSpec
 from r3arrow.stats._kernels import (
     CHUNK_IDS,
     NUMBA_CHUNK_IDS,

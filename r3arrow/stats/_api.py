@@ -203,7 +203,7 @@ def expert_counts(
     ``source``: a table or record batch, a file, a root (streamed by step), or with an
     ``executor`` a path or the executor's dataset (e.g. `r3arrow.ray.rollout_dataset`;
     then ``spec`` is required: Ray blocks carry no schema metadata).
-    ``tokens``: the subset (`r3arrow.stats.TOKEN_SUBSETS`); ``steps``: the steps
+    ``tokens``: the subset (`r3arrow.stats.TokenSubset`); ``steps``: the steps
     to include. ``executor``: None streams in this process; an `Executor` (e.g.
     `r3arrow.ray.RayExecutor()`) runs the same partials on its workers, same integers.
     Local streaming settings (``executor=None`` only; with an executor ``ValueError``):

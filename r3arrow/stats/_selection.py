@@ -23,9 +23,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._checks import check_choice
+from r3arrow._schema import list_lengths
 from r3arrow._typing import TableLike
 from r3arrow.errors import SchemaError
-from r3arrow.table import list_lengths
 
 TokenSubset = Literal["all", "prompt", "response", "loss"]
 TOKEN_SUBSETS: tuple[str, ...] = ("all", "prompt", "response", "loss")

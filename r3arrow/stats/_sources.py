@@ -23,15 +23,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._checks import check_int
+from r3arrow._routes import as_route_rows
+from r3arrow._schema import list_lengths
 from r3arrow._typing import ArrowArray, PathLike, TableLike
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.io import project_layers, route_rows
-from r3arrow.spec import RouteSpec, as_route_rows
+from r3arrow.spec import RouteSpec
 from r3arrow.stats._agreement import RouteAgreement, compare_routes
 from r3arrow.stats._counts import ExpertCounts, count_routes
 from r3arrow.stats._selection import check_subset, columns_for, token_selection, use_column
 from r3arrow.stats._stream import check_budget, iter_pieces
-from r3arrow.table import flat_routes, list_lengths, route_layers, route_spec
+from r3arrow.table import flat_routes, route_layers, route_spec
 
 Source: TypeAlias = "TableLike | PathLike"
 Kind = Literal["counts", "agreement"]
@@ -134,7 +136,7 @@ def batch_counts(batch: TableLike, tokens: str = "all", column: str = "routes") 
     """`ExpertCounts` of routes column ``column`` of one rollout table or record batch.
 
     Routes restored, spec in the metadata; the layers are global ids, also for a
-    layer-projected batch (layer projection, mapped through `r3arrow.table.route_layers`).
+    layer-projected batch (layer projection, mapped through `r3arrow.route_layers`).
     """
     batch = use_column(batch, column)
     spec = route_spec(batch)

@@ -24,6 +24,15 @@ Modules: ``_schema`` (schema, spec, lengths), ``_build`` (`rollout_table`), ``_v
 
 from __future__ import annotations
 
+from r3arrow._public import set_homes
+from r3arrow._schema import (
+    captured_lengths,
+    has_routes,
+    rollout_schema,
+    route_layers,
+    route_spec,
+    sequence_lengths,
+)
 from r3arrow.table._build import rollout_table
 from r3arrow.table._derived import (
     filter_rows,
@@ -35,32 +44,14 @@ from r3arrow.table._derived import (
     with_columns,
 )
 from r3arrow.table._sampling import (
-    REDUCTIONS,
     ReplaceResult,
     filter_groups,
     reduce_tokens,
     replace_groups,
-    varied_groups,
-)
-from r3arrow.table._schema import (
-    ROLLOUT_COLUMNS,
-    ROUTE_LAYERS_KEY,
-    SCHEMA_VERSION,
-    captured_lengths,
-    has_routes,
-    list_lengths,
-    rollout_schema,
-    route_layers,
-    route_spec,
-    sequence_lengths,
 )
 from r3arrow.table._validate import validate_rollouts
 
 __all__ = [
-    "REDUCTIONS",
-    "ROLLOUT_COLUMNS",
-    "ROUTE_LAYERS_KEY",
-    "SCHEMA_VERSION",
     "ReplaceResult",
     "captured_lengths",
     "filter_groups",
@@ -68,7 +59,6 @@ __all__ = [
     "flat_routes",
     "has_routes",
     "input_ids",
-    "list_lengths",
     "reduce_tokens",
     "replace_groups",
     "rollout_schema",
@@ -80,6 +70,7 @@ __all__ = [
     "sequence_loss_mask",
     "take_rows",
     "validate_rollouts",
-    "varied_groups",
     "with_columns",
 ]
+
+set_homes(globals(), __all__)

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from r3arrow._chunks import chunk, chunked, chunked_routes
+from r3arrow._routes import chunk, chunked, chunked_routes
+from r3arrow._schema import rollout_schema, trajectory_id_at
 from r3arrow._validated import checked_for, mark_validated
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, routes_to_numpy
-from r3arrow.table._schema import rollout_schema, trajectory_id_at
 from r3arrow.table._validate import validate_table
 
 

@@ -16,15 +16,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from r3arrow._validated import is_validated, mark_validated
-from r3arrow.spec import routes_to_numpy
-from r3arrow.table._schema import (
+from r3arrow._schema import (
     captured_lengths,
     list_lengths,
     require_routes,
     route_spec,
     sequence_lengths,
 )
+from r3arrow._validated import is_validated, mark_validated
+from r3arrow.spec import routes_to_numpy
 
 
 def _ragged_positions(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

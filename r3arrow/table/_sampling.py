@@ -38,9 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._checks import check_choice, check_int
+from r3arrow._schema import list_lengths, trajectory_id_at
 from r3arrow.errors import SchemaError
 from r3arrow.table._derived import filter_rows, take_rows
-from r3arrow.table._schema import list_lengths, trajectory_id_at
 
 Reduce = Literal["sum", "mean", "last", "max"]
 REDUCTIONS: tuple[str, ...] = ("sum", "mean", "last", "max")

@@ -30,17 +30,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._coverage import first_terminal_gap_rows, terminal_gap_error
-from r3arrow._typing import TableLike
-from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
-from r3arrow.ids import check_routes
-from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
-from r3arrow.table._schema import (
+from r3arrow._schema import (
     has_routes,
     list_lengths,
     rollout_schema,
     route_spec,
     trajectory_id_at,
 )
+from r3arrow._typing import TableLike
+from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
+from r3arrow.ids import check_routes
+from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
 
 _SCALARS = ("trajectory_id", "group_id", "reward")
 _LISTS = {"prompt_ids": "token ids", "response_ids": "token ids", "loss_mask": "mask values"}

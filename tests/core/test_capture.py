@@ -41,7 +41,7 @@ def rows_of(n: int, spec: RouteSpec = SPEC, *, seed: int = 0, dtype: Any = None)
 
 def store_rows(store: TurnStore, tid: str) -> np.ndarray:
     col = store.routes([tid])
-    return r3arrow.routes_to_numpy(col.flatten(), store.spec)
+    return r3arrow.spec.routes_to_numpy(col.flatten(), store.spec)
 
 
 # ------------------------------------------------------------------ capture path
@@ -58,7 +58,7 @@ def test_bound_trace_records_each_turn_into_its_store() -> None:
     np.testing.assert_array_equal(store_rows(store, "t"), np.concatenate([a, b]))
     # the trace itself still finalizes to the same rows
     out = trace.finalize(num_tokens=8, loss_mask=np.zeros(8))
-    np.testing.assert_array_equal(r3arrow.routes_to_numpy(out, SPEC), np.concatenate([a, b]))
+    np.testing.assert_array_equal(r3arrow.spec.routes_to_numpy(out, SPEC), np.concatenate([a, b]))
     assert RouteTrace(SPEC).trajectory_id is None
 
 
@@ -160,7 +160,7 @@ def test_bound_traces_widen_with_the_store_when_num_experts_is_unknown() -> None
     assert small.spec.dtype == np.uint8 and wide.spec.dtype == np.uint16
     assert store.spec.dtype == np.uint16
     col = store.routes(["a", "b"])
-    assert r3arrow.routes_to_numpy(col.flatten(), store.spec)[2:, 0, 1].tolist() == [300, 300]
+    assert r3arrow.spec.routes_to_numpy(col.flatten(), store.spec)[2:, 0, 1].tolist() == [300, 300]
 
 
 def test_store_trace_argument_checks() -> None:
@@ -226,7 +226,7 @@ def test_table_errors_carry_row_and_trajectory_id() -> None:
     # a large_list column: the offending trajectory and its own token are located
     col = pa.LargeListArray.from_arrays(
         pa.array([0, 1, 3], type=pa.int64()),
-        r3arrow.numpy_to_routes(np.concatenate([rows_of(1), bad]).astype(np.uint8), SPEC),
+        r3arrow.spec.numpy_to_routes(np.concatenate([rows_of(1), bad]).astype(np.uint8), SPEC),
     )
     with pytest.raises(ExpertRangeError, match=r"routes\[1\]") as located:
         rollout_table(**_base(routes=col), spec=SPEC)

@@ -30,20 +30,14 @@ from hypothesis import strategies as st
 import r3arrow
 from r3arrow.errors import SchemaError, TerminalGapError
 from r3arrow.io import (
-    from_storage,
-    iter_rollout_files,
-    iter_rollout_tables,
     iter_rollouts,
-    list_steps,
-    read_ipc,
     read_rollouts,
-    read_row_group,
-    scan_rollout_files,
-    to_storage,
+    rollout_files,
     write_ipc,
     write_rollouts,
 )
 from r3arrow.io import route_rows as io_route_rows
+from r3arrow.io._storage import restore, to_storage
 from r3arrow.spec import RouteSpec, routes_to_numpy
 from r3arrow.table import rollout_schema, route_spec
 
@@ -171,6 +165,25 @@ def _chunk(col: pa.ChunkedArray[Any]) -> Any:
     return col.chunk(0)
 
 
+def steps_of(root: Path) -> list[int]:
+    """The steps of a root's partitions, ascending (what ``rollout_files`` finds)."""
+    return sorted({f.step for f in rollout_files(root) if f.step is not None})
+
+
+def piece_step(piece: pa.Table) -> int | None:
+    """The step of a piece of ``iter_rollouts`` (its ``step`` column), ``None`` without one."""
+    if "step" not in piece.schema.names or piece.num_rows == 0:
+        return None
+    steps = {int(s) for s in piece.column("step").to_numpy()}
+    assert len(steps) == 1, f"a piece spans steps {sorted(steps)}"
+    return steps.pop()
+
+
+def pieces(source: Any, **kwargs: Any) -> list[tuple[int | None, pa.Table]]:
+    """``(step, piece)`` of every piece ``iter_rollouts`` yields."""
+    return [(piece_step(t), t) for t in iter_rollouts(source, **kwargs)]
+
+
 def temp_leftovers(directory: Path) -> list[Path]:
     return [p for p in directory.rglob("*") if ".tmp-" in p.name]
 
@@ -253,7 +266,7 @@ def test_ipc_round_trip_is_exact(table: pa.Table) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "r.arrow"
         assert write_ipc(table, path) == path
-        got = read_ipc(path)
+        got = read_rollouts(path)
         # IPC keeps the Arrow schema verbatim: field names of list children included
         assert got.schema.equals(table.schema, check_metadata=True)
         assert got.equals(table, check_metadata=True)
@@ -291,7 +304,7 @@ def test_zero_row_trajectories_and_empty_table_round_trip(tmp_path: Path) -> Non
     assert got.num_rows == 0
     assert_same_table(got, empty)
     write_ipc(empty, tmp_path / "e.arrow")
-    assert read_ipc(tmp_path / "e.arrow").equals(empty, check_metadata=True)
+    assert read_rollouts(tmp_path / "e.arrow").equals(empty, check_metadata=True)
 
 
 # ------------------------------------------------------------- storage layout
@@ -328,14 +341,14 @@ def test_routes_stored_as_fixed_size_binary_layer_groups(
     assert RouteSpec.from_json((pf.metadata.metadata or {})[b"r3arrow.spec"]) == route_spec(table)
 
 
-def test_from_storage_restores_routes_zero_copy(tmp_path: Path) -> None:
+def test_restore_from_storage_is_zero_copy(tmp_path: Path) -> None:
     spec = RouteSpec(num_layers=4, topk=2, num_experts=1000)
     table = make_table(np.random.default_rng(2), spec, [(30, 20, 49), (5, 5, 0), (10, 40, 50)])
     path = write_rollouts(table, tmp_path / "r.parquet", layer_group=4)  # one layer group
     raw = pq.read_table(path)  # the storage form: large_list<struct<l0_4: fixed_size_binary>>
     binary = _chunk(raw.column("routes")).values.field(0)
     assert binary.type == pa.binary(spec.row_nbytes)
-    restored = from_storage(raw)
+    restored = restore(raw)
     assert restored.column("routes").type == spec.routes_type
     view = routes_to_numpy(_chunk(restored.column("routes")).flatten())
     data = binary.buffers()[1]
@@ -344,15 +357,15 @@ def test_from_storage_restores_routes_zero_copy(tmp_path: Path) -> None:
     np.testing.assert_array_equal(view, route_rows(table))
 
 
-def test_to_storage_is_zero_copy_and_inverse_of_from_storage() -> None:
+def test_to_storage_is_zero_copy_and_inverse_of_restore() -> None:
     spec = RouteSpec(num_layers=3, topk=4, num_experts=64)
     table = make_table(np.random.default_rng(3), spec, [(4, 4, 7), (6, 2, 8), (3, 3, 1)]).slice(1)
-    storage = to_storage(table)
-    binary = _chunk(storage.column("routes")).values
+    storage = to_storage(table, layer_group=3)  # one layer group: the rows as they are
+    binary = _chunk(storage.column("routes")).values.field(0)
     assert binary.type == pa.binary(spec.row_nbytes)
     src = routes_to_numpy(_chunk(table.column("routes")).flatten())
     assert binary.buffers()[1].address + binary.offset * spec.row_nbytes == src.ctypes.data
-    assert_same_table(from_storage(storage), table)
+    assert_same_table(restore(storage), table)
 
 
 _READ_PEAK = """
@@ -414,13 +427,14 @@ def test_read_ipc_is_memory_mapped(tmp_path: Path) -> None:
     routes_bytes = 16099 * spec.row_nbytes  # ~1 MB
     path = write_ipc(table, tmp_path / "r.arrow")
     before = pa.total_allocated_bytes()
-    mapped = read_ipc(path)
+    mapped = read_rollouts(path)
     grown_mapped = pa.total_allocated_bytes() - before
     assert grown_mapped < routes_bytes / 10, grown_mapped
     assert mapped.equals(table, check_metadata=True)
     # the measurement can tell: a plain read does allocate the routes
     before = pa.total_allocated_bytes()
-    copied = read_ipc(path, memory_map=False)
+    with pa.OSFile(str(path), "rb") as source:
+        copied = pa.ipc.open_file(source).read_all()
     assert pa.total_allocated_bytes() - before >= routes_bytes
     assert copied.equals(table, check_metadata=True)
 
@@ -461,7 +475,7 @@ def test_step_directory_reads_as_one_table(steps_root: tuple[Path, dict[int, pa.
     assert got.schema.field("step").type == pa.int64()
     want = pa.concat_tables([with_step(per_step[s], s) for s in range(4)])
     assert_same_table(got, want)
-    assert list_steps(root) == [0, 1, 2, 3]
+    assert steps_of(root) == [0, 1, 2, 3]
 
 
 def test_step_directory_select_steps(steps_root: tuple[Path, dict[int, pa.Table]]) -> None:
@@ -500,17 +514,17 @@ def test_single_file_column_projection(tmp_path: Path) -> None:
 
 
 def test_step_directory_read_in_numeric_step_order(tmp_path: Path) -> None:
-    """Steps 2 and 10: the one-table read follows step order (like list_steps), not path order."""
+    """Steps 2 and 10: the one-table read follows step order (as rollout_files), not path order."""
     spec = RouteSpec(num_layers=2, topk=1, num_experts=4)
     rng = np.random.default_rng(9)
     tables = {s: make_table(rng, spec, [(2, 2, 3)], tag=f"s{s}") for s in (2, 10, 9)}
     for s, t in tables.items():
         write_rollouts(t, tmp_path, step=s)
-    assert list_steps(tmp_path) == [2, 9, 10]
+    assert steps_of(tmp_path) == [2, 9, 10]
     got = read_rollouts(tmp_path)
     assert got.column("step").to_pylist() == [2, 9, 10]
     assert got.column("trajectory_id").to_pylist() == ["s2-0", "s9-0", "s10-0"]
-    assert [s for s, _ in iter_rollouts(tmp_path)] == [2, 9, 10]
+    assert [s for s, _ in pieces(tmp_path)] == [2, 9, 10]
 
 
 def test_iter_rollouts_yields_one_step_at_a_time(
@@ -519,15 +533,15 @@ def test_iter_rollouts_yields_one_step_at_a_time(
     root, per_step = steps_root
     it = iter_rollouts(root)
     assert isinstance(it, Iterator)
-    first_step, first = next(it)  # lazy: the first step arrives before the rest are read
-    assert first_step == 0
+    first = next(it)  # lazy: the first step arrives before the rest are read
+    assert piece_step(first) == 0
     assert_same_table(first, with_step(per_step[0], 0))
-    rest = list(it)
+    rest = [(piece_step(t), t) for t in it]
     assert [s for s, _ in rest] == [1, 2, 3]
     for s, t in rest:
         assert s is not None
         assert_same_table(t, with_step(per_step[s], s))
-    picked = list(iter_rollouts(root, steps=[3, 1], columns=["trajectory_id", "step"]))
+    picked = pieces(root, steps=[3, 1], columns=["trajectory_id", "step"])
     assert [s for s, _ in picked] == [1, 3]
     assert all(t.schema.names == ["trajectory_id", "step"] for _, t in picked)
     assert picked[0][1].column("trajectory_id").equals(per_step[1].column("trajectory_id"))
@@ -539,21 +553,21 @@ def test_iter_rollouts_over_a_file_in_batches(tmp_path: Path) -> None:
         np.random.default_rng(10), spec, [(2, 3, 4), (1, 1, 0), (3, 3, 6), (2, 2, 1), (1, 4, 5)]
     )
     path = write_rollouts(table, tmp_path / "r.parquet")
-    batches = list(iter_rollouts(path, batch_rows=2))
+    batches = pieces(path, batch_rows=2)
     assert [s for s, _ in batches] == [None, None, None]
     assert [t.num_rows for _, t in batches] == [2, 2, 1]
     assert_same_table(pa.concat_tables([t for _, t in batches]), table)
-    ((step, whole),) = list(iter_rollouts(path))
-    assert step is None
+    (whole,) = list(iter_rollouts(path))
+    assert "step" not in whole.schema.names  # a file outside a root has no step column
     assert_same_table(whole, table)
 
 
-def test_list_steps_ignores_other_entries(steps_root: tuple[Path, dict[int, pa.Table]]) -> None:
+def test_rollout_files_ignores_other_entries(steps_root: tuple[Path, dict[int, pa.Table]]) -> None:
     root, _ = steps_root
     (root / "step=x").mkdir()
     (root / "notes").mkdir()
     (root / "step=7").write_bytes(b"a file, not a partition")
-    assert list_steps(root) == [0, 1, 2, 3]
+    assert steps_of(root) == [0, 1, 2, 3]
 
 
 def test_step_directory_with_mixed_specs_is_rejected(tmp_path: Path) -> None:
@@ -639,7 +653,6 @@ def _spec_of_other_width(p: Path) -> None:
         _random_bytes,
         _empty,
         _plain_parquet,
-        _ipc_rollout,
         _bad_spec_json,
         _spec_of_other_width,
     ],
@@ -675,15 +688,33 @@ def _truncated_ipc(p: Path) -> None:
 
 @pytest.mark.parametrize(
     "spoil",
-    [_plain_ipc, _random_bytes, _empty, _parquet_instead, _truncated_ipc],
+    [_plain_ipc, _random_bytes, _empty, _truncated_ipc],
     ids=lambda f: f.__name__.strip("_"),
 )
 def test_corrupt_or_foreign_ipc_raises_schema_error_naming_path(tmp_path: Path, spoil: Any) -> None:
     path = tmp_path / "bad.arrow"
     spoil(path)
     with pytest.raises(SchemaError) as info:
-        read_ipc(path)
+        read_rollouts(path)
     assert str(path) in str(info.value)
+    with pytest.raises(SchemaError) as info:
+        list(iter_rollouts(path))
+    assert str(path) in str(info.value)
+
+
+def test_the_format_is_told_by_content_not_by_name(tmp_path: Path) -> None:
+    """An IPC file named .parquet reads as IPC (ARROW1 magic), a Parquet file named .arrow as
+    Parquet."""
+    ipc = tmp_path / "ipc.parquet"
+    _ipc_rollout(ipc)
+    spec = RouteSpec(num_layers=2, topk=2, num_experts=8)
+    want = make_table(np.random.default_rng(0), spec, [(2, 2, 3)])
+    assert read_rollouts(ipc).equals(want, check_metadata=True)
+    assert pa.concat_tables(iter_rollouts(ipc)).equals(want, check_metadata=True)
+    parquet = tmp_path / "parquet.arrow"
+    _parquet_instead(parquet)
+    _, table = _valid_parquet(tmp_path / "same.parquet")
+    assert_same_table(read_rollouts(parquet), table)
 
 
 def test_corrupt_part_in_step_directory_raises_schema_error(
@@ -706,11 +737,11 @@ def test_missing_paths_raise_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope"):
         read_rollouts(missing)
     with pytest.raises(FileNotFoundError, match="nope"):
-        read_ipc(tmp_path / "nope.arrow")
+        read_rollouts(tmp_path / "nope.arrow")
     with pytest.raises(FileNotFoundError):
         list(iter_rollouts(missing))
     with pytest.raises(FileNotFoundError):
-        list_steps(tmp_path / "nope")
+        rollout_files(tmp_path / "nope")
 
 
 # ------------------------------------------------------------------ validation
@@ -758,7 +789,7 @@ def test_write_accepts_uncaptured_rows_without_loss(
 ) -> None:
     ok = _hand_table(captured, loss_mask)
     assert_same_table(read_rollouts(write_rollouts(ok, tmp_path / "ok.parquet")), ok)
-    assert read_ipc(write_ipc(ok, tmp_path / "ok.arrow")).equals(ok, check_metadata=True)
+    assert read_rollouts(write_ipc(ok, tmp_path / "ok.arrow")).equals(ok, check_metadata=True)
 
 
 def test_write_rejects_table_without_spec(tmp_path: Path) -> None:
@@ -867,7 +898,7 @@ def test_failed_ipc_write_leaves_nothing_or_the_previous_file(
     with pytest.raises(OSError, match="injected"):
         write_ipc(old, tmp_path / "fresh.arrow")
     monkeypatch.undo()
-    assert read_ipc(path).equals(old, check_metadata=True)
+    assert read_rollouts(path).equals(old, check_metadata=True)
     assert not (tmp_path / "fresh.arrow").exists()
     assert temp_leftovers(tmp_path) == []
 
@@ -957,9 +988,9 @@ def test_sigkill_mid_step_write_is_ignored_by_readers(tmp_path: Path) -> None:
     write_rollouts(old, root, step=0)
     left = _kill_mid_write(str(root), 0, root)
     assert left and all(p.parent == root / "step=0" for p in left)
-    assert list_steps(root) == [0]
+    assert steps_of(root) == [0]
     assert_same_table(read_rollouts(root), with_step(old, 0))
-    assert [s for s, _ in iter_rollouts(root)] == [0]
+    assert [s for s, _ in pieces(root)] == [0]
     # the next writer takes the next part; the leftover stays invisible
     new = make_table(np.random.default_rng(16), route_spec(old), [(3, 3, 5)], tag="new")
     assert write_rollouts(new, root, step=0) == root / "step=0" / "part-00001.parquet"
@@ -976,7 +1007,7 @@ def test_leftover_temp_files_are_ignored_by_step_readers(
     assert_same_table(
         read_rollouts(root), pa.concat_tables([with_step(per_step[s], s) for s in range(4)])
     )
-    assert [s for s, _ in iter_rollouts(root)] == [0, 1, 2, 3]
+    assert [s for s, _ in pieces(root)] == [0, 1, 2, 3]
 
 
 def test_concurrent_writers_to_one_step_keep_both_parts(
@@ -1035,53 +1066,60 @@ def test_every_routes_typed_column_is_stored_compactly(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------ discovery for integrations
-def test_iter_rollout_files_file_root_and_partition(
+def test_rollout_files_file_root_and_partition(
     steps_root: tuple[Path, dict[int, pa.Table]], tmp_path: Path
 ) -> None:
-    """One discovery for stats and ray: (step, file) of a file, a root or one partition."""
+    """One discovery for stats and ray: the files of a file, a root or one partition."""
     root, _ = steps_root
-    got = list(iter_rollout_files(root))
-    assert [(s, f.relative_to(root).as_posix()) for s, f in got] == [
+    got = rollout_files(root)
+    assert [(f.step, f.path.relative_to(root).as_posix()) for f in got] == [
         (0, "step=0/part-00000.parquet"),
         (1, "step=1/part-00000.parquet"),
         (1, "step=1/part-00001.parquet"),
         (2, "step=2/part-00000.parquet"),
         (3, "step=3/part-00000.parquet"),
     ]
-    assert [s for s, _ in iter_rollout_files(root, steps=[3, 1])] == [1, 1, 3]
-    assert list(iter_rollout_files(root / "step=1")) == got[1:3]
-    one = got[0][1]
-    assert list(iter_rollout_files(one)) == [(None, one)]
+    assert [f.step for f in rollout_files(root, steps=[3, 1])] == [1, 1, 3]
+    assert rollout_files(root / "step=1") == got[1:3]
+    one = got[0].path
+    ((only,),) = [rollout_files(one)]
+    assert (only.step, only.path) == (None, one)
     with pytest.raises(SchemaError, match=r"steps \[7\] to exist") as info:
-        list(iter_rollout_files(root, steps=[1, 7]))
+        rollout_files(root, steps=[1, 7])
     assert info.value.path == str(root)
     with pytest.raises(SchemaError, match="single file"):
-        list(iter_rollout_files(one, steps=[0]))
+        rollout_files(one, steps=[0])
     (tmp_path / "empty").mkdir()
     with pytest.raises(SchemaError, match="partitions"):
-        list(iter_rollout_files(tmp_path / "empty"))
+        rollout_files(tmp_path / "empty")
     with pytest.raises(TypeError, match="steps"):
-        list(iter_rollout_files(root, steps=["1"]))  # type: ignore[list-item]
+        rollout_files(root, steps=["1"])  # type: ignore[list-item]
     with pytest.raises(FileNotFoundError):
-        list(iter_rollout_files(tmp_path / "nope"))
+        rollout_files(tmp_path / "nope")
 
 
-def test_iter_rollout_tables_and_row_groups(steps_root: tuple[Path, dict[int, pa.Table]]) -> None:
+def test_iter_rollouts_over_files_and_row_groups(
+    steps_root: tuple[Path, dict[int, pa.Table]],
+) -> None:
     root, per_step = steps_root
-    got = list(iter_rollout_tables(root, columns=["trajectory_id", "routes", "step"], steps=[1, 2]))
-    assert [s for s, _ in got] == [1, 2]
+    cols = ["trajectory_id", "routes", "step"]
+    got = pieces(rollout_files(root, steps=[1, 2]), columns=cols)
+    assert [s for s, _ in got] == [1, 2]  # one piece per step at the default budget
     for s, t in got:
         assert s is not None
-        want = with_step(per_step[s], s).select(["trajectory_id", "routes", "step"])
+        want = with_step(per_step[s], s).select(cols)
         assert t.column("routes").type == route_spec(want).routes_type
         assert t.equals(want)
-    spec, files = scan_rollout_files(root, steps=[1])
+    files = rollout_files(root, steps=[1])
+    spec = files[0].spec
     assert spec == route_spec(per_step[1])
     assert [(f.step, f.path.name, f.num_row_groups) for f in files] == [
         (1, "part-00000.parquet", 1),
         (1, "part-00001.parquet", 1),
     ]
-    part = read_row_group(files[1].path, 0, columns=["routes"], step=1)
+    assert files[0].schema.equals(per_step[1].schema, check_metadata=True)
+    assert files[1].num_rows == 3
+    part = read_rollouts([files[1]], row_groups=[0], columns=["routes", "step"])
     assert part.schema.names == ["routes", "step"]
     assert part.column("routes").type == spec.routes_type
     assert part.column("step").to_pylist() == [1] * part.num_rows

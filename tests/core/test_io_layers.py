@@ -21,21 +21,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import r3arrow
+from r3arrow._schema import ROUTE_LAYERS_KEY
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.io import (
     iter_rollouts,
     project_layers,
     read_rollouts,
-    read_row_group,
     route_rows,
     write_rollouts,
 )
 from r3arrow.io._groups import GROUP_FORMAT, plan_groups
-from r3arrow.io._storage import STORAGE_KEY, to_storage
+from r3arrow.io._project import STORAGE_KEY
 from r3arrow.io._verify import sealed
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
 from r3arrow.table import route_layers, route_spec, validate_rollouts
-from r3arrow.table._schema import ROUTE_LAYERS_KEY
 from r3arrow.testing import assert_rollouts_equal, random_rollouts
 from r3arrow.testing.strategies import rollout_tables
 
@@ -108,9 +107,9 @@ def test_projected_read_equals_projection_of_the_full_read(
     assert spec.router_layers == tuple(local_router)
     validate_rollouts(got)  # a projected table is a valid rollout table of its own spec
     assert_rollouts_equal(got, project_layers(full, layers))  # in-memory == on-disk projection
-    streamed = pa.concat_tables(t for _, t in iter_rollouts(path, layers=layers, batch_rows=2))
+    streamed = pa.concat_tables(iter_rollouts(path, layers=layers, batch_rows=2))
     assert_rollouts_equal(streamed, got)
-    one = read_row_group(path, 0, layers=layers)
+    one = read_rollouts(path, row_groups=[0], layers=layers)
     assert_rollouts_equal(one, got)
     # the other columns are untouched
     assert got.drop_columns(["routes"]).equals(full.drop_columns(["routes"]))
@@ -183,35 +182,16 @@ def test_layers_argument_misuse() -> None:
         project_layers(table, [0, 4])  # dense layers only
 
 
-# ---------------------------------------------------------------- old files
-def _write_old(table: pa.Table, path: Path) -> Path:
-    """The storage form of files written before layer groups, pinned: one fixed_size_binary
-    of L*K*itemsize bytes per token, ``{"format": "fixed_size_binary/little-endian"}``."""
-    storage = to_storage(table)
-    assert storage.schema.field("routes").type == pa.large_list(pa.binary(SPEC.row_nbytes))
-    assert orjson.loads((storage.schema.metadata or {})[STORAGE_KEY])["format"] == (
-        "fixed_size_binary/little-endian"
-    )
-    storage = storage.replace_schema_metadata(sealed(dict(storage.schema.metadata or {})))
-    pq.write_table(
-        storage, path, use_compliant_nested_type=False, write_page_checksum=True, row_group_size=2
-    )
-    return path
-
-
-def test_old_single_value_files_still_read_whole_and_projected(tmp_path: Path) -> None:
+# ------------------------------------------------------------- raw storage
+def test_a_tiny_budget_streams_a_row_at_a_time(tmp_path: Path) -> None:
     table = _table()
-    path = _write_old(table, tmp_path / "old.parquet")
-    assert_rollouts_equal(read_rollouts(path), table)
-    got = read_rollouts(path, layers=[1, 6])
-    np.testing.assert_array_equal(_rows(got), _rows(table)[:, [1, 6]])
-    assert route_layers(got) == (1, 6)
-    streamed = [t for _, t in iter_rollouts(path, max_memory=1)]  # a row at a time
+    path = write_rollouts(table, tmp_path / "r.parquet", layer_group=3, row_group_rows=2)
+    streamed = list(iter_rollouts(path, max_memory=1))  # a row at a time
     assert [t.num_rows for t in streamed] == [1] * 5
     assert_rollouts_equal(pa.concat_tables(streamed), table)
-    rows, lengths = route_rows(pq.read_table(path).column("routes"), SPEC, "routes")
-    np.testing.assert_array_equal(rows, _rows(table))
-    assert lengths.sum() == rows.shape[0]
+    projected = list(iter_rollouts(path, layers=[1, 6], max_memory=1))
+    assert [t.num_rows for t in projected] == [1] * 5
+    np.testing.assert_array_equal(_rows(pa.concat_tables(projected)), _rows(table)[:, [1, 6]])
 
 
 def test_route_rows_reads_raw_layer_group_storage(tmp_path: Path) -> None:
@@ -283,7 +263,7 @@ def test_storage_groups_that_disagree_with_the_columns_raise_with_path(
         lambda: read_rollouts(path),
         lambda: read_rollouts(path, layers=[1]),
         lambda: list(iter_rollouts(path)),
-        lambda: read_row_group(path, 0),
+        lambda: read_rollouts(path, row_groups=[0]),
     ):
         with pytest.raises(R3ArrowError) as info_:
             read()
@@ -329,16 +309,14 @@ def test_scanned_files_expose_their_stored_layer_groups(tmp_path: Path) -> None:
     """`RolloutFile.layer_groups`: global ids per stored group; None for other layouts."""
     write_rollouts(_table(0), tmp_path, step=0, layer_group=[3, 5])
     write_rollouts(_table(1), tmp_path, step=1)  # default: max(1, 8 // 8) = 1 layer each
-    _, files = r3arrow.io.scan_rollout_files(tmp_path)
+    files = r3arrow.io.rollout_files(tmp_path)
     assert files[0].layer_groups == ((0, 1, 2), (3, 4, 5, 6, 7))
     assert files[1].layer_groups == tuple((i,) for i in range(8))
-    old = _write_old(_table(), tmp_path / "old.parquet")
-    assert r3arrow.io.scan_rollout_files(old)[1][0].layer_groups is None
     portable = write_rollouts(_table(), tmp_path / "p.parquet", portable=True)
-    assert r3arrow.io.scan_rollout_files(portable)[1][0].layer_groups is None
+    assert r3arrow.io.rollout_files(portable)[0].layer_groups is None
     stage = read_rollouts(files[0].path, layers=[2, 4, 6])  # projected: global ids
     again = write_rollouts(stage, tmp_path / "stage.parquet", layer_group=[1, 2])
-    assert r3arrow.io.scan_rollout_files(again)[1][0].layer_groups == ((2,), (4, 6))
+    assert r3arrow.io.rollout_files(again)[0].layer_groups == ((2,), (4, 6))
 
 
 def test_an_empty_routes_chunk_encodes_and_reads_back(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from r3arrow.errors import SchemaError
-from r3arrow.io import iter_rollout_files, list_steps, read_rollouts, write_rollouts
+from r3arrow.io import read_rollouts, rollout_files, write_rollouts
 from r3arrow.io._layout import (
     atomic_path,
     check_step,
@@ -50,12 +50,12 @@ def test_non_canonical_step_alone_is_an_error(tmp_path: Path, small_rollouts: pa
     write_rollouts(small_rollouts, tmp_path, step=1)
     (tmp_path / "step=1").rename(tmp_path / "step=01")
     with pytest.raises(SchemaError, match=r"step=01") as exc:
-        list_steps(tmp_path)
+        rollout_files(tmp_path)
     assert exc.value.path == str(tmp_path)
     with pytest.raises(SchemaError, match=r"step=01"):
         read_rollouts(tmp_path)
     with pytest.raises(SchemaError, match=r"step=01"):
-        list(iter_rollout_files(tmp_path / "step=01"))
+        rollout_files(tmp_path / "step=01")
 
 
 def test_non_canonical_step_next_to_canonical_names_both(
@@ -65,15 +65,15 @@ def test_non_canonical_step_next_to_canonical_names_both(
     write_rollouts(small_rollouts, tmp_path, step=2)
     (tmp_path / "step=2").rename(tmp_path / "step=001")
     with pytest.raises(SchemaError) as exc:
-        list_steps(tmp_path)
+        rollout_files(tmp_path)
     assert "step=001" in str(exc.value) and "step=1" in str(exc.value)
 
 
-def test_other_step_like_names_are_not_partitions(tmp_path: Path) -> None:
+def test_other_step_like_names_are_not_partitions(tmp_path: Path, small_rollouts: pa.Table) -> None:
     for name in ("step=x", "step=", "step=-1", "step=1.0", "step=\u0661"):  # Arabic-Indic one
         (tmp_path / name).mkdir()
-    (tmp_path / "step=0").mkdir()
-    assert list_steps(tmp_path) == [0]
+    write_rollouts(small_rollouts, tmp_path, step=0)
+    assert [f.step for f in rollout_files(tmp_path)] == [0]
 
 
 @pytest.mark.parametrize(
@@ -138,16 +138,13 @@ def test_next_write_removes_only_dead_writers_temps(
     live = _temp(d)  # this very process
     other = d / f".part-00000.parquet.tmp-some-other-host-{_dead_pid()}-{'a' * 32}"
     other.write_bytes(b"x")
-    legacy = d / ".part-00000.parquet.tmp-0123abcd"
-    legacy.write_bytes(b"y")
     by_path = {t.path: t for t in find_temps(tmp_path)}
     assert by_path[dead].alive is False and by_path[dead].size == 123
     assert by_path[live].alive is True
     assert by_path[other].alive is None and by_path[other].host == "some-other-host"
-    assert by_path[legacy].pid is None
     write_rollouts(small_rollouts, tmp_path, step=0)
     assert not dead.exists()
-    assert live.exists() and other.exists() and legacy.exists()
+    assert live.exists() and other.exists()
 
 
 def test_remove_stale_temps_dry_run_and_sizes(tmp_path: Path) -> None:
@@ -185,5 +182,8 @@ def test_fifo_is_refused(tmp_path: Path) -> None:
     fifo = tmp_path / "f.parquet"
     os.mkfifo(fifo)
     with pytest.raises(SchemaError, match="FIFO") as exc:
-        list(iter_rollout_files(fifo))
+        rollout_files(fifo)
+    assert exc.value.path == str(fifo)
+    with pytest.raises(SchemaError, match="FIFO") as exc:
+        read_rollouts(fifo)
     assert exc.value.path == str(fifo)

@@ -18,9 +18,9 @@ import pytest
 
 from r3arrow.io import (
     DEFAULT_MAX_MEMORY,
-    iter_rollout_tables,
     iter_rollouts,
     read_rollouts,
+    rollout_files,
     write_rollouts,
 )
 from r3arrow.io._stream import row_group_bounds
@@ -70,14 +70,22 @@ def test_row_groups_are_cut_by_bytes_and_rows_still_win(tmp_path: Path) -> None:
     assert bounds == [(i, i + 1) for i in range(40)]
 
 
-def _pieces(
-    it: Iterator[tuple[int | None, pa.Table]],
-) -> tuple[list[tuple[int | None, pa.Table]], int]:
-    """The pieces, and the most Arrow memory allocated at any yield."""
-    out, peak = [], 0
-    for step, table in it:
+def _step(piece: pa.Table) -> int | None:
+    """The one step of a piece (its ``step`` column); ``None`` for a file outside a root."""
+    if "step" not in piece.schema.names:
+        return None
+    steps = {int(s) for s in piece.column("step").to_numpy()}
+    assert len(steps) == 1, f"a piece spans steps {sorted(steps)}"
+    return steps.pop()
+
+
+def _pieces(it: Iterator[pa.Table]) -> tuple[list[tuple[int | None, pa.Table]], int]:
+    """``(step, piece)`` of the pieces, and the most Arrow memory allocated at any yield."""
+    out: list[tuple[int | None, pa.Table]] = []
+    peak = 0
+    for table in it:
         peak = max(peak, pa.total_allocated_bytes())
-        out.append((step, table))
+        out.append((_step(table), table))
         del table
     return out, peak
 
@@ -92,7 +100,8 @@ def test_streamed_pieces_stay_within_a_tiny_budget(root: tuple[Path, dict[int, p
         n = 0
         sizes = []
         steps = []
-        for step, table in iter_rollouts(path, max_memory=budget):
+        for table in iter_rollouts(path, max_memory=budget):
+            step = _step(table)
             peak_arrow = max(peak_arrow, pa.total_allocated_bytes() - base)
             sizes.append(table.nbytes)
             steps.append(step)
@@ -111,7 +120,7 @@ def test_streamed_pieces_stay_within_a_tiny_budget(root: tuple[Path, dict[int, p
 
 def test_streamed_pieces_equal_the_full_read(root: tuple[Path, dict[int, pa.Table]]) -> None:
     path, per_step = root
-    pieces = list(iter_rollouts(path, max_memory=2 * MB))
+    pieces = [(_step(t), t) for t in iter_rollouts(path, max_memory=2 * MB)]
     whole = read_rollouts(path)
     assert_rollouts_equal(pa.concat_tables(t for _, t in pieces), whole)
     for s, want in per_step.items():
@@ -128,7 +137,10 @@ def test_default_budget_reads_a_small_step_as_one_piece(
     root: tuple[Path, dict[int, pa.Table]],
 ) -> None:
     path, _per_step = root
-    got = list(iter_rollouts(path, steps=[1], columns=["trajectory_id", "routes", "step"]))
+    got = [
+        (_step(t), t)
+        for t in iter_rollouts(path, steps=[1], columns=["trajectory_id", "routes", "step"])
+    ]
     assert [s for s, _ in got] == [1]
     assert got[0][1].schema.names == ["trajectory_id", "routes", "step"]
     assert got[0][1].column("routes").num_chunks > 1  # row groups kept as chunks
@@ -136,7 +148,7 @@ def test_default_budget_reads_a_small_step_as_one_piece(
 
 def test_batch_rows_and_layers_bound_the_pieces(root: tuple[Path, dict[int, pa.Table]]) -> None:
     path, _per_step = root
-    got = list(iter_rollouts(path, steps=[2], batch_rows=7, layers=[0, 1, 2, 3]))
+    got = [(_step(t), t) for t in iter_rollouts(path, steps=[2], batch_rows=7, layers=[0, 1, 2, 3])]
     assert all(t.num_rows <= 7 for _, t in got)
     assert sum(t.num_rows for _, t in got) == 80
     whole = read_rollouts(path, steps=[2], layers=[0, 1, 2, 3])
@@ -146,17 +158,18 @@ def test_batch_rows_and_layers_bound_the_pieces(root: tuple[Path, dict[int, pa.T
 def test_a_row_group_over_the_budget_is_split(tmp_path: Path) -> None:
     table = _big(5)
     path = write_rollouts(table, tmp_path / "one.parquet", row_group_rows=40)  # one 2.6 MB group
-    got = list(iter_rollouts(path, max_memory=1 * MB))
+    got = [(_step(t), t) for t in iter_rollouts(path, max_memory=1 * MB)]
     assert len(got) >= 10 and all(s is None for s, _ in got)
     assert max(t.nbytes for _, t in got) <= MB // 4 + 80_000
     assert_rollouts_equal(pa.concat_tables(t for _, t in got), table)
 
 
-def test_iter_rollout_tables_streams_under_the_budget(
+def test_iter_rollouts_over_files_streams_under_the_budget(
     root: tuple[Path, dict[int, pa.Table]],
 ) -> None:
     path, per_step = root
-    got = list(iter_rollout_tables(path, steps=[0, 2], max_memory=2 * MB, columns=["routes"]))
+    files = rollout_files(path, steps=[0, 2])
+    got, _ = _pieces(iter_rollouts(files, max_memory=2 * MB, columns=["routes", "step"]))
     assert {s for s, _ in got} == {0, 2} and len(got) > 2
     routes = pa.concat_tables(t for s, t in got if s == 0).column("routes")
     assert routes.to_pylist() == per_step[0].column("routes").to_pylist()
@@ -191,7 +204,7 @@ def test_reading_only_the_step_column_keeps_every_row(tmp_path: Path) -> None:
     got = read_rollouts(tmp_path, columns=["step"])
     assert got.schema.names == ["step"]
     assert got.column("step").to_pylist() == [0, 0, 2, 2, 2, 2]
-    pieces = list(iter_rollouts(tmp_path, columns=["step"], batch_rows=2))
+    pieces = [(_step(t), t) for t in iter_rollouts(tmp_path, columns=["step"], batch_rows=2)]
     assert [(s, t.column("step").to_pylist()) for s, t in pieces] == [
         (0, [0, 0]),
         (2, [2, 2]),

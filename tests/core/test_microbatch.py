@@ -111,7 +111,7 @@ def test_split_microbatches_on_a_table_keeps_rows_and_spec() -> None:
     assert all(int(sequence_lengths(part).sum()) <= 6 for part in parts)
     ids = sorted(str(t) for part in parts for t in part.column("trajectory_id").to_pylist())
     assert ids == ["t0", "t1", "t2", "t3"]
-    assert all(r3arrow.route_spec(part) == spec for part in parts)
+    assert all(r3arrow.table.route_spec(part) == spec for part in parts)
 
 
 def _as_lists(groups: list[np.ndarray]) -> list[list[int]]:
@@ -258,7 +258,7 @@ def test_split_microbatches_with_dp_pads_with_dummy_tables() -> None:
             "advantage": None,
         }
     ]
-    assert r3arrow.route_spec(pad) == spec and r3arrow.validate_rollouts(pad) == spec
+    assert r3arrow.table.route_spec(pad) == spec and r3arrow.validate_rollouts(pad) == spec
     ids = [str(t) for parts in ranks for p in parts for t in p.column("trajectory_id").to_pylist()]
     assert sorted(t for t in ids if t != PADDING_TRAJECTORY_ID) == ["t0", "t1", "t2"]
 

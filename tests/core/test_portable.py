@@ -18,7 +18,8 @@ from hypothesis import given
 from r3arrow.errors import SchemaError
 from r3arrow.io import read_rollouts, route_rows
 from r3arrow.io._portable import PORTABLE_FORMAT, portable_type, to_portable
-from r3arrow.io._storage import STORAGE_KEY, from_storage
+from r3arrow.io._project import STORAGE_KEY
+from r3arrow.io._storage import restore
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
 from r3arrow.testing import assert_rollouts_equal, random_rollouts
 from r3arrow.testing.strategies import rollout_tables
@@ -62,7 +63,7 @@ def test_to_portable_type_and_metadata(table: pa.Table) -> None:
     assert out.schema.field("routes").type == portable_type(SPEC)
     assert out.schema.field("routes").type == pa.large_list(pa.list_(pa.list_(pa.uint16())))
     assert PORTABLE_FORMAT.encode() in (out.schema.metadata or {})[STORAGE_KEY]
-    assert_rollouts_equal(from_storage(out), table)
+    assert_rollouts_equal(restore(out), table)
 
 
 def test_r3arrow_round_trip_is_exact(portable_file: Path, table: pa.Table) -> None:
@@ -76,7 +77,7 @@ def test_r3arrow_round_trip_is_exact(portable_file: Path, table: pa.Table) -> No
 
 @given(rollout_tables())
 def test_round_trip_any_spec_and_layout(t: pa.Table) -> None:
-    assert_rollouts_equal(from_storage(to_portable(t)), t)
+    assert_rollouts_equal(restore(to_portable(t)), t)
 
 
 def test_pandas_reads_integers(portable_file: Path, table: pa.Table) -> None:
@@ -90,7 +91,7 @@ def test_pandas_reads_integers(portable_file: Path, table: pa.Table) -> None:
 
 
 def test_polars_reads_integers(portable_file: Path, table: pa.Table) -> None:
-    import polars as pl
+    pl = pytest.importorskip("polars")
 
     df = pl.read_parquet(portable_file)
     assert df.schema["routes"] == pl.List(pl.List(pl.List(pl.UInt16)))
@@ -124,9 +125,9 @@ def test_wrong_shape_portable_column_is_refused(table: pa.Table) -> None:
     meta = {**(out.schema.metadata or {})}
     meta[SPEC_METADATA_KEY] = bad_spec.to_json()
     with pytest.raises(SchemaError, match=r"routes.*ids per layer"):
-        from_storage(out.replace_schema_metadata(meta))
+        restore(out.replace_schema_metadata(meta))
 
 
 def test_portable_slices_and_chunks(table: pa.Table) -> None:
     t = pa.concat_tables([table.slice(1, 2), table.slice(0, 1)])
-    assert_rollouts_equal(from_storage(to_portable(t)), t)
+    assert_rollouts_equal(restore(to_portable(t)), t)

@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import r3arrow
+from r3arrow._schema import ROLLOUT_COLUMNS
 from r3arrow._validated import is_validated
 from r3arrow.errors import SchemaError
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
 from r3arrow.table import (
-    ROLLOUT_COLUMNS,
     captured_lengths,
     filter_groups,
     filter_rows,
@@ -36,6 +36,7 @@ from r3arrow.table import (
     validate_rollouts,
     with_columns,
 )
+from r3arrow.table._sampling import varied_groups
 from r3arrow.testing.strategies import rollout_tables
 
 SPEC = RouteSpec(num_layers=2, topk=2, num_experts=8)
@@ -175,4 +176,4 @@ def test_r3_off_operations_match_r3_on(table: pa.Table, data: st.DataObject) -> 
 
 
 def varied_any(table: pa.Table) -> bool:
-    return bool(r3arrow.table.varied_groups(table).any())
+    return bool(varied_groups(table).any())

@@ -28,9 +28,9 @@ from r3arrow.table import (
     reduce_tokens,
     replace_groups,
     rollout_table,
-    varied_groups,
     with_columns,
 )
+from r3arrow.table._sampling import varied_groups
 from r3arrow.testing import random_routes
 from r3arrow.testing.strategies import rollout_tables
 
@@ -110,7 +110,7 @@ def test_filter_groups_literal_singleton_kept_order_kept() -> None:
     assert_rows_intact(out, table)
     assert varied_groups(table).tolist() == [True, False, True, False, False, False, True]
     assert is_validated(out)  # a validated source gives a validated result
-    assert r3arrow.filter_groups is filter_groups
+    assert r3arrow.table.filter_groups is filter_groups
 
 
 @pytest.mark.parametrize(

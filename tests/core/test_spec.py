@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from r3arrow import RouteSpec, numpy_to_routes, routes_to_numpy
+from r3arrow._routes import as_route_rows, dummy_route_row, validate_layers
 from r3arrow.errors import (
     DuplicateExpertError,
     ExpertRangeError,
@@ -19,13 +19,13 @@ from r3arrow.errors import (
     RouteShapeError,
     SchemaError,
 )
-from r3arrow.ids import check_distinct_experts, check_route_ids
+from r3arrow.ids import check_routes
 from r3arrow.spec import (
     SPEC_METADATA_KEY,
-    as_route_rows,
-    dummy_route_row,
+    RouteSpec,
+    numpy_to_routes,
+    routes_to_numpy,
     storage_dtype_for,
-    validate_layers,
 )
 from r3arrow.testing import random_routes
 
@@ -63,10 +63,10 @@ def test_int32_bound_both_sides() -> None:
     spec = RouteSpec(num_layers=1, topk=2, num_experts=2**31)
     assert spec.dtype == np.dtype(np.int32)
     top = np.array([[[2**31 - 2, 2**31 - 1]]], dtype=np.int64)
-    assert check_route_ids(top, spec) == (2**31 - 2, 2**31 - 1)
+    assert check_routes(top, spec, rules="range") == (2**31 - 2, 2**31 - 1)
     np.testing.assert_array_equal(routes_to_numpy(numpy_to_routes(top.astype(np.int32))), top)
     with pytest.raises(ExpertRangeError, match="2147483648"):
-        check_route_ids(np.array([[[0, 2**31]]], dtype=np.int64), spec)
+        check_routes(np.array([[[0, 2**31]]], dtype=np.int64), spec, rules="range")
     with pytest.raises(ValueError, match=r"RouteSpec\.num_experts"):
         RouteSpec(num_layers=1, topk=2, num_experts=2**31 + 1)
     # Unknown num_experts widens up to the largest int32 id, and no further.
@@ -367,37 +367,39 @@ def test_check_route_ids_ranges_on_moe_layers_only() -> None:
     spec = RouteSpec(num_layers=3, topk=2, num_experts=4, moe_layers=(1,))
     ok = np.zeros((2, 3, 2), dtype=np.int64)
     ok[:, 1] = [0, 3]
-    assert check_route_ids(ok, spec) == (0, 3)
+    assert check_routes(ok, spec, rules="range") == (0, 3)
     ok[:, 0] = 0  # dense-layer zeros are fine (vLLM emits them)
-    check_route_ids(ok, spec)
+    check_routes(ok, spec, rules="range")
     too_big = ok.copy()
     too_big[1, 1, 1] = 4
     with pytest.raises(ExpertRangeError, match=r"< num_experts=4, found 4 \(token 1, layer 1\)"):
-        check_route_ids(too_big, spec)
+        check_routes(too_big, spec, rules="range")
     negative = ok.copy()
     negative[0, 1, 0] = -2
     with pytest.raises(ExpertRangeError, match=r">= 0, found -2"):
-        check_route_ids(negative, spec)
-    assert check_route_ids(np.zeros((0, 3, 2), dtype=np.uint8), spec) == (0, -1)
+        check_routes(negative, spec, rules="range")
+    assert check_routes(np.zeros((0, 3, 2), dtype=np.uint8), spec, rules="range") == (0, -1)
 
 
 def test_check_route_ids_unknown_num_experts_has_no_upper_bound() -> None:
     spec = RouteSpec(num_layers=1, topk=2, num_experts=None)
-    assert check_route_ids(np.array([[[5, 70000]]]), spec) == (5, 70000)
+    assert check_routes(np.array([[[5, 70000]]]), spec, rules="range") == (5, 70000)
     with pytest.raises(ExpertRangeError):
-        check_route_ids(np.array([[[-1, 3]]]), spec)
+        check_routes(np.array([[[-1, 3]]]), spec, rules="range")
 
 
 def test_check_distinct_experts() -> None:
     spec = RouteSpec(num_layers=3, topk=3, num_experts=8, moe_layers=(0, 2))
     arr = np.zeros((2, 3, 3), dtype=np.uint8)
     arr[:, [0, 2]] = [5, 1, 7]
-    check_distinct_experts(arr, spec)  # dense layer 1 is all zeros: not a duplicate
+    check_routes(arr, spec, rules="distinct")  # dense layer 1 is all zeros: not a duplicate
     arr[1, 2] = [4, 6, 4]
     with pytest.raises(DuplicateExpertError, match=r"\[4, 6, 4\] \(token 1, layer 2\)"):
-        check_distinct_experts(arr, spec)
-    check_distinct_experts(
-        np.zeros((4, 3, 1), dtype=np.uint8), RouteSpec(num_layers=3, topk=1, num_experts=8)
+        check_routes(arr, spec, rules="distinct")
+    check_routes(
+        np.zeros((4, 3, 1), dtype=np.uint8),
+        RouteSpec(num_layers=3, topk=1, num_experts=8),
+        rules="distinct",
     )
 
 
@@ -405,8 +407,8 @@ def test_check_distinct_experts() -> None:
 def test_random_routes_pass_all_checks(seed: int, rows: int) -> None:
     spec = RouteSpec(num_layers=4, topk=3, num_experts=16, moe_layers=(0, 3))
     arr = random_routes(np.random.default_rng(seed), rows, spec)
-    check_route_ids(arr, spec)
-    check_distinct_experts(arr, spec)
+    check_routes(arr, spec, rules="range")
+    check_routes(arr, spec, rules="distinct")
     assert not arr[:, [1, 2]].any()
 
 
@@ -415,7 +417,7 @@ def test_dummy_route_row() -> None:
     row = dummy_route_row(spec)
     assert row.shape == (3, 4) and row.dtype == spec.dtype
     np.testing.assert_array_equal(row, np.tile(np.arange(4), (3, 1)))
-    check_distinct_experts(row[None], spec)
+    check_routes(row[None], spec, rules="distinct")
 
 
 def test_validate_layers() -> None:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from r3arrow import RouteSpec, RouteTrace, TurnStore, routes_to_numpy
+from r3arrow import RouteSpec, RouteTrace, TurnStore
 from r3arrow.capture._store import turn_batch, turn_schema
 from r3arrow.errors import (
     ContiguityError,
@@ -23,6 +23,7 @@ from r3arrow.errors import (
     RouteShapeError,
     SchemaError,
 )
+from r3arrow.spec import routes_to_numpy
 from r3arrow.testing import random_routes
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import r3arrow
 from r3arrow import RouteSpec, RouteTrace, TurnStore
+from r3arrow._schema import ROLLOUT_COLUMNS
 from r3arrow.errors import (
     ExpertRangeError,
     R3ArrowError,
@@ -26,7 +27,6 @@ from r3arrow.errors import (
     TerminalGapError,
 )
 from r3arrow.table import (
-    ROLLOUT_COLUMNS,
     filter_rows,
     flat_routes,
     input_ids,
@@ -281,7 +281,7 @@ def test_rollout_table_builds_with_spec_metadata_and_extra_columns() -> None:
 def test_rollout_table_accepts_arrow_routes_and_a_routes_column() -> None:
     rng = np.random.default_rng(1)
     cols = make_rows(rng, 3)
-    as_arrow = dict(cols, routes=[r3arrow.numpy_to_routes(r, SPEC) for r in cols["routes"]])
+    as_arrow = dict(cols, routes=[r3arrow.spec.numpy_to_routes(r, SPEC) for r in cols["routes"]])
     t1 = rollout_table(**as_arrow, spec=SPEC)
     t2 = rollout_table(**dict(cols, routes=t1.column("routes")), spec=SPEC)
     t3 = rollout_table(**cols, spec=SPEC)
@@ -406,7 +406,7 @@ def test_widening_in_table_with_unknown_num_experts() -> None:
         response_ids=[[2], [3]],
         loss_mask=[[0], [0]],
         reward=[0, 1],
-        routes=[r3arrow.numpy_to_routes(small), wide],
+        routes=[r3arrow.spec.numpy_to_routes(small), wide],
         spec=spec,
     )
     assert route_spec(table).dtype == np.uint16
@@ -602,7 +602,8 @@ def test_rollout_table_routes_round_trip_for_random_shapes_and_dtypes(
     arg: list[Any] = routes
     if arrow_input:
         arg = [
-            r3arrow.numpy_to_routes(r.astype(spec.widened_for(max_id - 1).dtype)) for r in routes
+            r3arrow.spec.numpy_to_routes(r.astype(spec.widened_for(max_id - 1).dtype))
+            for r in routes
         ]
     table = rollout_table(
         trajectory_id=[f"t{i}" for i in range(n)],

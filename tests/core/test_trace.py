@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from r3arrow import RouteSpec, RouteTrace, TokenTrace, numpy_to_routes, routes_to_numpy
+from r3arrow import RouteSpec, RouteTrace
 from r3arrow._coverage import (
     check_terminal_gap,
     expected_rows,
     first_terminal_gap,
     first_terminal_gap_rows,
 )
+from r3arrow.capture import TokenTrace
 from r3arrow.errors import (
     ExpertRangeError,
     PrefixMismatchError,
@@ -28,6 +29,7 @@ from r3arrow.errors import (
     TerminalGapError,
     TraceStateError,
 )
+from r3arrow.spec import numpy_to_routes, routes_to_numpy
 from r3arrow.testing import random_routes
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=8)

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 
 import r3arrow
+from r3arrow._schema import ROLLOUT_COLUMNS
 from r3arrow.errors import (
     DuplicateExpertError,
     ExpertRangeError,
@@ -22,7 +23,7 @@ from r3arrow.errors import (
     SchemaError,
 )
 from r3arrow.spec import RouteSpec
-from r3arrow.table import ROLLOUT_COLUMNS, rollout_table, route_spec, validate_rollouts
+from r3arrow.table import rollout_table, route_spec, validate_rollouts
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))
 
@@ -185,7 +186,7 @@ def test_validate_checks_expert_ids_per_trajectory(
     # Built as an Arrow column without rollout_table: what a reader hands to validate_rollouts.
     col = pa.LargeListArray.from_arrays(
         pa.array(np.cumsum([0, *(len(r) for r in routes)]), type=pa.int64()),
-        r3arrow.numpy_to_routes(np.concatenate(routes), SPEC),
+        r3arrow.spec.numpy_to_routes(np.concatenate(routes), SPEC),
     )
     table = with_column(base_table(), "routes", col)
     with pytest.raises(error, match=match) as info:
@@ -205,7 +206,8 @@ def test_validate_ids_in_a_later_chunk_name_the_overall_row() -> None:
     table = base_table()
     dup = np.array([[[0, 1]] * 3, [[0, 1], [0, 1], [2, 2]]], np.uint8)
     col = pa.LargeListArray.from_arrays(
-        pa.array([0, 2, 4], type=pa.int64()), r3arrow.numpy_to_routes(np.concatenate([dup, dup]))
+        pa.array([0, 2, 4], type=pa.int64()),
+        r3arrow.spec.numpy_to_routes(np.concatenate([dup, dup])),
     )
     both = pa.concat_tables([table, with_column(table, "routes", col)])
     with pytest.raises(DuplicateExpertError) as info:

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import r3arrow._chunks
+import r3arrow._routes
 from r3arrow import RouteSpec, RouteTrace, TurnStore, read_rollouts, write_rollouts
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError
 from r3arrow.spec import routes_to_numpy
@@ -208,12 +208,12 @@ def test_chunked_table_equals_single_buffer_table(data: st.DataObject, spec: Rou
         final, n = capture(rows, cuts, spec, copy=copy)
         finals.append(final)
         lengths.append(n)
-    old = r3arrow._chunks.MIN_CHUNK_BYTES
-    r3arrow._chunks.MIN_CHUNK_BYTES = 0  # every trajectory its own chunk
+    old = r3arrow._routes.MIN_CHUNK_BYTES
+    r3arrow._routes.MIN_CHUNK_BYTES = 0  # every trajectory its own chunk
     try:
         chunked = table_of(finals, lengths, spec)
     finally:
-        r3arrow._chunks.MIN_CHUNK_BYTES = old
+        r3arrow._routes.MIN_CHUNK_BYTES = old
     flat = np.concatenate(trajectories, axis=0)
     offsets = np.cumsum([0, *(t.shape[0] for t in trajectories)])
     one = pa.LargeListArray.from_arrays(

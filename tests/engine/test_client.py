@@ -268,7 +268,7 @@ def test_malformed_payload_fails_that_request_and_leaves_trace(
             return info.value, before, conv + again.token_ids
 
     err, _, conv = run(main())
-    assert isinstance(err, PayloadError | RouteShapeError | r3arrow.RouteDTypeError)
+    assert isinstance(err, PayloadError | RouteShapeError | r3arrow.errors.RouteDTypeError)
     assert "routed_experts" in str(err)
     assert server.log.count(GEN) == 3  # never retried
     np.testing.assert_array_equal(trace_rows(trace, len(conv)), engine.routes_for(conv)[:-1])

@@ -27,10 +27,8 @@ from r3arrow.client import (
     EngineClient,
     GenerateOutput,
     RetryPolicy,
-    decode_routes,
-    parse_response,
 )
-from r3arrow.client._protocol import ENDPOINT_PATHS, build_request
+from r3arrow.client._protocol import ENDPOINT_PATHS, build_request, decode_routes, parse_response
 from r3arrow.client._retry import retry_after_seconds
 from r3arrow.codec import encode_packed, encode_vllm
 from r3arrow.errors import (

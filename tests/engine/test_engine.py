@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from r3arrow.errors import EngineRequestError
 from r3arrow.testing.engine import (
-    EngineRequestError,
     EngineServer,
     Fault,
     FaultPlan,

@@ -13,7 +13,6 @@ import r3arrow
 from r3arrow.capture import TurnStore
 from r3arrow.client import EngineClient
 from r3arrow.rollout import (
-    ArithmeticEnv,
     Conversation,
     Step,
     Trajectory,
@@ -24,6 +23,7 @@ from r3arrow.rollout import (
 from r3arrow.spec import routes_to_numpy
 from r3arrow.table import flat_routes, input_ids, sequence_loss_mask
 from r3arrow.testing.engine import EngineServer, Fault, FaultPlan, ReferenceEngine, TinyMoEConfig
+from r3arrow.testing.rollout import ArithmeticEnv
 
 GEN = "/inference/v1/generate"
 SP = {"max_tokens": 4, "temperature": 0.0}
@@ -191,9 +191,11 @@ def test_rollouts_64_concurrent_trajectories_build_a_valid_table(
         )
         assert sum(mask[row]) == 9  # 3 turns x 3 generated tokens; observations and prompt masked
     # sampled members of a group differ, so dynamic sampling keeps some groups and drops others
-    kept = r3arrow.filter_groups(table)
+    kept = r3arrow.table.filter_groups(table)
     assert 0 < kept.num_rows < 64 and kept.num_rows % 4 == 0
-    assert pylist(r3arrow.router_padding_mask(table))[0][-1] is True  # last sampled token: no row
+    assert (
+        pylist(r3arrow.table.router_padding_mask(table))[0][-1] is True
+    )  # last sampled token: no row
 
 
 def test_failed_turn_propagates_and_completed_turns_stay_in_the_store(
@@ -211,7 +213,7 @@ def test_failed_turn_propagates_and_completed_turns_stay_in_the_store(
                 client, env, [1, 2, 3], trajectory_id="t", store=store, sampling_params=SP
             )
 
-    with pytest.raises(r3arrow.RouteShapeError, match="rows"):
+    with pytest.raises(r3arrow.errors.RouteShapeError, match="rows"):
         run(main())
     assert store.num_turns == 1 and store.to_table().column("token_start").to_pylist() == [0]
 
@@ -225,7 +227,7 @@ def test_trajectories_table_checks_store_against_traces(
     assert table.column("stop").to_pylist() == ["done"]
     other = TurnStore(engine.spec)
     with pytest.raises(
-        r3arrow.RouteShapeError, match=r"expected \d+ route rows in the store, found 0"
+        r3arrow.errors.RouteShapeError, match=r"expected \d+ route rows in the store, found 0"
     ):
         trajectories_table([traj], other)
 
@@ -248,7 +250,7 @@ def test_rollouts_reject_a_spec_that_contradicts_the_store(
             )
 
     before = server.log.count(GEN)
-    with pytest.raises(r3arrow.RouteShapeError, match="expected the store's"):
+    with pytest.raises(r3arrow.errors.RouteShapeError, match="expected the store's"):
         run(main())
     assert server.log.count(GEN) == before  # rejected before any request
 
@@ -263,7 +265,7 @@ def test_one_failed_trajectory_fails_the_batch_and_stops_the_rest(
         async with EngineClient(server.url, engine.spec, max_concurrency=2) as client:
             await run_rollouts(client, env, [[1, 2, 3]] * 8, max_turns=3, sampling_params=SP)
 
-    with pytest.raises(r3arrow.EngineError, match="HTTP 400"):
+    with pytest.raises(r3arrow.errors.EngineError, match="HTTP 400"):
         run(main())
     assert server.log.count(GEN) < 8 * 3  # the other trajectories did not run to the end
 

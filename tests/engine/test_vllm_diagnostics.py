@@ -26,6 +26,7 @@ import pyarrow as pa
 import pytest
 
 import r3arrow
+import r3arrow.stats
 from r3arrow.client import EngineClient, RetryPolicy
 from r3arrow.spec import RouteSpec, numpy_to_routes
 

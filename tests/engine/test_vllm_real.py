@@ -21,9 +21,10 @@ import pytest
 import r3arrow
 from r3arrow.capture import TurnStore
 from r3arrow.client import EngineClient, RetryPolicy
-from r3arrow.rollout import ArithmeticEnv, Trajectory, run_rollouts, run_trajectory
+from r3arrow.rollout import Trajectory, run_rollouts, run_trajectory
 from r3arrow.spec import routes_to_numpy
 from r3arrow.table import flat_routes, input_ids
+from r3arrow.testing.rollout import ArithmeticEnv
 
 URL = os.environ.get("R3ARROW_VLLM_URL")
 VOCAB = int(os.environ.get("R3ARROW_VLLM_VOCAB", "512"))

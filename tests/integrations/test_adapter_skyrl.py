@@ -24,6 +24,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from r3arrow._routes import dummy_route_row
 from r3arrow.adapters.skyrl import from_generator_output, to_generator_output, to_training_inputs
 from r3arrow.errors import (
     DuplicateExpertError,
@@ -32,7 +33,7 @@ from r3arrow.errors import (
     SchemaError,
     TerminalGapError,
 )
-from r3arrow.spec import RouteSpec, dummy_route_row
+from r3arrow.spec import RouteSpec
 from r3arrow.table import captured_lengths, flat_routes, router_padding_mask
 from r3arrow.testing import random_rollouts, random_routes
 from r3arrow.testing.strategies import rollout_tables, specs

@@ -18,9 +18,10 @@ import pytest
 import torch
 from hypothesis import given
 
+from r3arrow._routes import dummy_route_row
 from r3arrow.adapters.slime import from_samples, to_samples
 from r3arrow.errors import ExpertRangeError, RouteShapeError, SchemaError, TerminalGapError
-from r3arrow.spec import RouteSpec, dummy_route_row
+from r3arrow.spec import RouteSpec
 from r3arrow.table import captured_lengths, flat_routes, sequence_lengths
 from r3arrow.testing import random_rollouts, random_routes
 from r3arrow.testing.strategies import rollout_tables

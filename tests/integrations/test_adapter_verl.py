@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from r3arrow import RouteSpec
+from r3arrow._schema import list_lengths
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteShapeError, SchemaError
-from r3arrow.table import captured_lengths, flat_routes, list_lengths, take_rows
+from r3arrow.table import captured_lengths, flat_routes, take_rows
 from r3arrow.testing import assert_rollouts_equal, random_routes
 from r3arrow.testing.strategies import rollout_tables, specs
 

@@ -112,7 +112,7 @@ def test_inspect_step_directory_and_ipc(
     assert main(["inspect", str(tmp_path / "run"), "--json"]) == EXIT_OK
     info = orjson.loads(capsys.readouterr().out)
     assert info["rows"] == 10 and info["steps"] == [0, 3]
-    ipc = r3arrow.write_ipc(_table(rng), tmp_path / "r.arrow")
+    ipc = r3arrow.io.write_ipc(_table(rng), tmp_path / "r.arrow")
     assert main(["inspect", str(ipc), "--json"]) == EXIT_OK
     assert orjson.loads(capsys.readouterr().out)["rows"] == 5
 
@@ -140,7 +140,7 @@ def test_stats_json_and_plot(
     assert main(["stats", str(rollout_file), "--json", "--plot", str(png)]) == EXIT_OK
     out = orjson.loads(capsys.readouterr().out)
     table = r3arrow.read_rollouts(rollout_file)
-    want = r3arrow.expert_load(table).to_dicts()
+    want = r3arrow.stats.expert_load(table).to_dicts()
     assert out["load"] == want
     assert {row["layer"] for row in out["layers"]} == {1, 2, 3}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -346,11 +346,11 @@ def test_stats_exit_codes_and_ipc_input(
     assert not (tmp_path / "load.jpg").exists()
     capsys.readouterr()
     # an Arrow IPC file is recognised by its magic bytes, whatever its suffix
-    ipc = r3arrow.write_ipc(r3arrow.read_rollouts(rollout_file), tmp_path / "rollouts.bin")
+    ipc = r3arrow.io.write_ipc(r3arrow.read_rollouts(rollout_file), tmp_path / "rollouts.bin")
     assert main(["stats", str(ipc), "--json"]) == EXIT_OK
     assert (
         orjson.loads(capsys.readouterr().out)["load"]
-        == r3arrow.expert_load(r3arrow.read_rollouts(rollout_file)).to_dicts()
+        == r3arrow.stats.expert_load(r3arrow.read_rollouts(rollout_file)).to_dicts()
     )
     assert main(["inspect", str(ipc), "--json"]) == EXIT_OK
     assert orjson.loads(capsys.readouterr().out)["rows"] == 5

@@ -21,10 +21,8 @@ from r3arrow.collate import (
     Microbatch,
     Parallelism,
     alignment_multiple,
-    next_token_shift,
-    packed_to_batch,
-    unpacked_to_batch,
 )
+from r3arrow.collate._microbatch import next_token_shift, packed_to_batch, unpacked_to_batch
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.microbatch import is_padding_table, split_microbatches
 from r3arrow.table import rollout_table
@@ -370,7 +368,7 @@ def test_microbatch_to_device_and_repr() -> None:
     assert "packed 1x12" in repr(mb) and "layers=[1, 2]" in repr(mb)
     assert (
         r3arrow.MegatronCollator is MegatronCollator
-        and r3arrow.split_microbatches is split_microbatches
+        and r3arrow.microbatch.split_microbatches is split_microbatches
     )
 
 
@@ -502,7 +500,7 @@ def test_split_microbatches_keeps_columns_and_routes_with_their_trajectory() -> 
     table = _table(SPEC, trajs)
     parts = split_microbatches(table, max_tokens=12)
     assert sum(p.num_rows for p in parts) == 4
-    assert all(r3arrow.route_spec(p) == r3arrow.route_spec(table) for p in parts)
+    assert all(r3arrow.table.route_spec(p) == r3arrow.table.route_spec(table) for p in parts)
     for p in parts:
         for i, tid in enumerate(p.column("trajectory_id").to_pylist()):
             row = int(str(tid)[1:])

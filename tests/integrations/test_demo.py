@@ -158,7 +158,7 @@ def test_demo_shape_flags_shape_the_embedded_engine(tmp_path: Path) -> None:
         ]
     )
     assert code == EXIT_OK
-    spec = r3arrow.route_spec(r3arrow.read_rollouts(tmp_path / "rollouts.parquet"))
+    spec = r3arrow.table.route_spec(r3arrow.read_rollouts(tmp_path / "rollouts.parquet"))
     assert (spec.num_layers, spec.topk, spec.num_experts) == (3, 3, 300)
     assert spec.router_layers == (0, 2) and spec.dtype == "uint16"
 
@@ -177,7 +177,7 @@ def test_demo_against_an_engine_url_probes_the_route_shape(
     with EngineServer(engine) as server:
         result = run_demo(dataclasses.replace(cfg, engine_url=server.url))
     assert result.ok and "external engine" in capsys.readouterr().out
-    spec = r3arrow.route_spec(result.table)
+    spec = r3arrow.table.route_spec(result.table)
     assert (spec.num_layers, spec.topk, spec.num_experts) == (3, 3, 8)
     assert spec.router_layers == (1, 2)  # layer 0 is dense: probed from its all-zero rows
 
@@ -200,7 +200,7 @@ def test_demo_cli_against_an_engine_url_without_shape_flags_replays(
         )  # fmt: skip
     out = capsys.readouterr().out
     assert code == EXIT_OK, out
-    spec = r3arrow.route_spec(r3arrow.read_rollouts(tmp_path / "rollouts.parquet"))
+    spec = r3arrow.table.route_spec(r3arrow.read_rollouts(tmp_path / "rollouts.parquet"))
     assert spec.num_experts is None  # nothing told the demo the expert count
     table = r3arrow.read_rollouts(tmp_path / "rollouts.parquet")
     flat, _ = r3arrow.table.flat_routes(table)

@@ -25,7 +25,7 @@ def _r3off_table() -> pa.Table:
 
 def test_ipc_round_trip_without_routes(tmp_path: Path) -> None:
     table = _r3off_table()
-    path = r3arrow.write_ipc(table, tmp_path / "r.arrow")
+    path = r3arrow.io.write_ipc(table, tmp_path / "r.arrow")
     back = r3arrow.read_rollouts(path)
     assert back.equals(table)
     assert "routes" not in back.schema.names
@@ -41,7 +41,7 @@ def test_ipc_reader_validates_rows(tmp_path: Path) -> None:
     path = tmp_path / "bad.arrow"
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, bad.schema) as writer:
         writer.write_table(bad)
-    with pytest.raises(r3arrow.SchemaError) as info:
+    with pytest.raises(r3arrow.errors.SchemaError) as info:
         r3arrow.read_rollouts(path)
     assert info.value.path == str(path)
     assert r3arrow.read_rollouts(path, validate=False).num_rows == 2
@@ -54,7 +54,7 @@ def test_inspect_summarises_an_r3off_file(
     table = _r3off_table()
     path = tmp_path / name
     if name.endswith(".arrow"):
-        r3arrow.write_ipc(table, path)
+        r3arrow.io.write_ipc(table, path)
     else:
         r3arrow.write_rollouts(table, path)
     assert main(["inspect", str(path), "--json"]) == 0

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from r3arrow._routes import dummy_route_row
 from r3arrow.adapters.skyrl import from_generator_output, to_training_inputs
 from r3arrow.capture import RouteTrace, TokenTrace
 from r3arrow.codec import decode_packed, encode_packed
@@ -35,7 +36,7 @@ from r3arrow.errors import (
     TerminalGapError,
     TraceStateError,
 )
-from r3arrow.spec import RouteSpec, dummy_route_row
+from r3arrow.spec import RouteSpec
 from r3arrow.table import (
     captured_lengths,
     filter_groups,
@@ -44,8 +45,8 @@ from r3arrow.table import (
     rollout_table,
     router_padding_mask,
     take_rows,
-    varied_groups,
 )
+from r3arrow.table._sampling import varied_groups
 
 
 def pylist(x: Any) -> list[Any]:

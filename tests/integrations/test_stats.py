@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import typing
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,7 @@ def _trainer_column(
     flat = np.concatenate(out) if out else np.zeros((0, *spec.row_shape), spec.dtype)
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in routes])]).astype(np.int64)
     return pa.LargeListArray.from_arrays(
-        pa.array(offsets, type=pa.int64()), r3arrow.numpy_to_routes(flat, spec)
+        pa.array(offsets, type=pa.int64()), r3arrow.spec.numpy_to_routes(flat, spec)
     )
 
 
@@ -546,11 +547,11 @@ def step_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[pa.Ta
 def test_directory_equals_concatenated_table(step_dir: tuple[Path, list[pa.Table]]) -> None:
     root, tables = step_dir
     whole = read_rollouts(root)
-    for tokens in stats.TOKEN_SUBSETS:
-        on_disk = stats.expert_load(root, tokens=tokens)  # type: ignore[arg-type]
-        assert on_disk.equals(stats.expert_load(whole, tokens=tokens))  # type: ignore[arg-type]
+    for tokens in typing.get_args(stats.TokenSubset):
+        on_disk = stats.expert_load(root, tokens=tokens)
+        assert on_disk.equals(stats.expert_load(whole, tokens=tokens))
         concat = pa.concat_tables([t for t in tables])
-        assert on_disk.equals(stats.expert_load(concat, tokens=tokens))  # type: ignore[arg-type]
+        assert on_disk.equals(stats.expert_load(concat, tokens=tokens))
     by_step = stats.expert_load(root, by_step=True)
     assert by_step.columns == ["step", "layer", "expert", "tokens"]
     assert by_step["step"].unique().sort().to_list() == [0, 1, 3, 10]

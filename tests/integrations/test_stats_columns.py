@@ -21,11 +21,12 @@ import r3arrow.io
 from r3arrow import stats
 from r3arrow.errors import SchemaError
 from r3arrow.io import project_layers, write_rollouts
+from r3arrow.ray import RayExecutor  # an executor object: constructing one needs no ray
 from r3arrow.spec import RouteSpec, numpy_to_routes
 from r3arrow.stats import _layered as stats_layered
 from r3arrow.stats import _stream as stats_stream
 from r3arrow.table import flat_routes, rollout_table
-from r3arrow.testing import random_routes
+from r3arrow.testing import random_routes, use_backend
 
 SPEC = RouteSpec(num_layers=6, topk=2, num_experts=10, moe_layers=(0, 1, 3, 4, 5))
 BACKENDS = ["numba", "numpy"] if importlib.util.find_spec("numba") else ["numpy"]
@@ -33,9 +34,9 @@ SUBSETS: tuple[stats.TokenSubset, ...] = ("all", "prompt", "loss")
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("R3ARROW_NO_NUMBA", "1" if request.param == "numpy" else "0")
-    return str(request.param)
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    with use_backend(request.param):
+        yield str(request.param)
 
 
 def _table(seed: int, n: int = 5, tag: str = "t") -> pa.Table:
@@ -139,13 +140,13 @@ def test_column_errors(tmp_path: Path) -> None:
 def read_layers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The ``layers`` argument of every streamed read of the statistics."""
     seen: list[Any] = []
-    real = r3arrow.io.iter_rollout_tables
+    real = r3arrow.io.iter_rollouts
 
     def spy(*args: Any, **kwargs: Any) -> Iterator[Any]:
         seen.append(kwargs.get("layers"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(stats_stream, "iter_rollout_tables", spy)
+    monkeypatch.setattr(stats_stream, "iter_rollouts", spy)
     return seen
 
 
@@ -208,12 +209,12 @@ def test_layers_errors(tmp_path: Path) -> None:
             stats.expert_counts(source, layers="1")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="layers"):
             stats.expert_counts(source, layers=[1.0])  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="engine='local' only"):
-        stats.expert_counts(tmp_path / "groups", layers=[1], engine="ray")
+    with pytest.raises(ValueError, match="executor=None only"):
+        stats.expert_counts(tmp_path / "groups", layers=[1], executor=RayExecutor())
 
 
-def test_ray_block_partials_count_the_column() -> None:
-    """The Ray engine's per-block map (no cluster needed) reads and counts ``column``."""
+def test_block_partials_count_the_column() -> None:
+    """An executor's per-block map (no cluster needed) reads and counts ``column``."""
     from r3arrow.stats._sources import BlockPartials, decode
 
     table = _table(6).append_column("step", pa.array([0, 0, 1, 1, 1], pa.int64()))
@@ -250,5 +251,5 @@ def test_agreement_over_some_layers(tmp_path: Path, layout: str, read_layers: li
         assert per[0] + per[1] == got
     with pytest.raises(TypeError, match="layers"):
         stats.route_agreement(whole, whole, layers=[1])
-    with pytest.raises(ValueError, match="engine='local' only"):
-        stats.route_agreement(tmp_path, "train_routes", engine="ray", layers=[1])
+    with pytest.raises(ValueError, match="executor=None only"):
+        stats.route_agreement(tmp_path, "train_routes", executor=RayExecutor(), layers=[1])

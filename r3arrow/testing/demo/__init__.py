@@ -127,7 +127,8 @@ def _engine(cfg: DemoConfig) -> Iterator[tuple[str, RouteSpec | None, Any]]:
 
 async def _rollouts(cfg: DemoConfig, url: str, spec: RouteSpec | None) -> pa.Table:
     from r3arrow.client import EngineClient
-    from r3arrow.rollout import ArithmeticEnv, run_rollouts
+    from r3arrow.rollout import run_rollouts
+    from r3arrow.testing.rollout import ArithmeticEnv
 
     rng = np.random.default_rng(cfg.seed)
     prompts = [

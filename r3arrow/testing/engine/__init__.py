@@ -13,17 +13,15 @@ Modules: ``model`` (`TinyMoE`, `TinyMoEConfig`, `ReferenceEngine`: torch, no HTT
 ``_sglang`` (the same for SGLang's ``/generate``),
 ``faults`` (`Fault`, `FaultPlan`, `corrupt_routes`, `drift_prompt`: what each fault does),
 ``server`` (`EngineServer`, `RequestLog`: the HTTP server). Invalid requests raise
-`r3arrow.errors.EngineRequestError` (also importable from here).
+`r3arrow.errors.EngineRequestError`.
 """
 
-from r3arrow.errors import EngineRequestError
 from r3arrow.testing.engine._protocol import encode_npy_b64
 from r3arrow.testing.engine.faults import Fault, FaultPlan, corrupt_routes, drift_prompt
 from r3arrow.testing.engine.model import GenerateResult, ReferenceEngine, TinyMoE, TinyMoEConfig
 from r3arrow.testing.engine.server import EngineServer, RequestLog
 
 __all__ = [
-    "EngineRequestError",
     "EngineServer",
     "Fault",
     "FaultPlan",

@@ -1,4 +1,8 @@
-"""Routes columns from per-trajectory rows, referencing buffers instead of copying them.
+"""Routes arrays: coercion of any input to ``[rows, L, K]`` (`as_route_rows`), the padding row
+(`dummy_route_row`), router-layer checks (`validate_layers`), and routes columns from
+per-trajectory rows that reference buffers instead of copying them (`chunked_routes`).
+
+Private to the package: shared by capture, table, codec, client, stats, collate and adapters.
 
 Shared by table building (`r3arrow.rollout_table`) and the capture store (`r3arrow.TurnStore`):
 a trajectory whose rows are back-to-back read-only slices of one buffer of at least
@@ -8,12 +12,13 @@ others are joined into one chunk each (``docs/capture.md``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from r3arrow.errors import RouteDTypeError, RouteShapeError
 from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
 
 MIN_CHUNK_BYTES = 128 << 10
@@ -120,3 +125,46 @@ def chunked_routes(
     if run_lens or not chunks:
         chunks.append(chunk(run, run_lens, spec))
     return chunked(chunks, type=spec.routes_type)
+
+
+def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.ndarray:
+    """Coerce numpy (any integer dtype) or Arrow per-token routes to numpy ``[rows, L, K]``.
+
+    Checks shape and dtype only; use `r3arrow.ids.check_routes` for the ids.
+    """
+    if isinstance(routes, pa.Array | pa.ChunkedArray):
+        return routes_to_numpy(routes, spec)
+    try:
+        arr = np.asarray(routes)
+    except (ValueError, TypeError) as exc:
+        raise RouteShapeError(
+            f"{what}: expected a rectangular [rows, L, K] integer array, found {exc}"
+        ) from exc
+    if arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f":
+            arr = arr.astype(spec.dtype)
+        else:
+            raise RouteDTypeError(f"{what}: expected an integer array, found dtype {arr.dtype}")
+    if arr.ndim != 3 or arr.shape[1:] != spec.row_shape:
+        raise RouteShapeError(
+            f"{what}: expected shape [rows, {spec.num_layers}, {spec.topk}], "
+            f"found {list(arr.shape)}"
+        )
+    return arr
+
+
+def dummy_route_row(spec: RouteSpec) -> np.ndarray:
+    """The padding row ``[0, 1, ..., K-1]`` on every layer, shape ``[L, K]``, storage dtype."""
+    return np.broadcast_to(np.arange(spec.topk, dtype=spec.dtype), spec.row_shape)
+
+
+def validate_layers(layers: Iterable[int], spec: RouteSpec) -> list[int]:
+    """Check that ``layers`` are router layers of ``spec``; return them as a list."""
+    out = [int(i) for i in layers]
+    known = set(spec.router_layers)
+    bad = [i for i in out if i not in known]
+    if bad:
+        raise RouteShapeError(
+            f"expected router layers from {list(spec.router_layers)}, found {bad}"
+        )
+    return out
