@@ -293,7 +293,7 @@ def read_share(
 
     Tables hold the microbatch's trajectories in step order, ``columns`` only (default
     `COLLATE_COLUMNS` + ``routes``) and, with ``layers``, only those layers (a projected
-    table: `r3arrow.route_layers` names them); they keep the file's
+    table: `r3arrow.table.route_layers` names them); they keep the file's
     schema metadata and, when ``validate``, are marked validated. A padding microbatch
     is `r3arrow.microbatch.padding_table` of the step's schema. ``spec`` (the files'
     spec) sizes the memory estimate: a token costs its route bytes (``len(layers)`` or
@@ -311,7 +311,8 @@ def read_share(
     cols = [*COLLATE_COLUMNS, "routes"] if columns is None else list(columns)
     layer_list = None if layers is None else [check_int(i, "layers") for i in layers]
     per_token = _per_token(spec, layer_list)
-    return _share(plan, rank, layer_list, cols, budget, per_token, validate)
+    waves = _load_waves(plan, rank, layer_list, cols, budget, per_token, validate)
+    return itertools.chain.from_iterable(wave.tables() for wave in waves)
 
 
 def _per_token(spec: RouteSpec | None, layers: Sequence[int] | None) -> int:
@@ -479,19 +480,6 @@ def read_ahead(loaders: Iterator[tuple[int, Callable[[], T]]], budget: int) -> I
             if future is None:
                 future = pool.submit(current[1])
             upcoming = next(loaders, None)  # plan the one after while this one is read
-
-
-def _share(
-    plan: StepPlan,
-    rank: int,
-    layers: list[int] | None,
-    columns: list[str],
-    budget: int,
-    per_token: int,
-    validate: bool,
-) -> Iterator[tuple[int, pa.Table]]:
-    for wave in _load_waves(plan, rank, layers, columns, budget, per_token, validate):
-        yield from wave.tables()
 
 
 __all__ = [

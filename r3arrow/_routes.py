@@ -127,6 +127,14 @@ def chunked_routes(
     return chunked(chunks, type=spec.routes_type)
 
 
+def rectangular(rows: Any, expected: str) -> np.ndarray:
+    """``np.asarray(rows)``; `RouteShapeError` (``"{expected}, found {why}"``) if numpy refuses."""
+    try:
+        return np.asarray(rows)
+    except (ValueError, TypeError) as exc:
+        raise RouteShapeError(f"{expected}, found {exc}") from exc
+
+
 def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.ndarray:
     """Coerce numpy (any integer dtype) or Arrow per-token routes to numpy ``[rows, L, K]``.
 
@@ -134,12 +142,7 @@ def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.n
     """
     if isinstance(routes, pa.Array | pa.ChunkedArray):
         return routes_to_numpy(routes, spec)
-    try:
-        arr = np.asarray(routes)
-    except (ValueError, TypeError) as exc:
-        raise RouteShapeError(
-            f"{what}: expected a rectangular [rows, L, K] integer array, found {exc}"
-        ) from exc
+    arr = rectangular(routes, f"{what}: expected a rectangular [rows, L, K] integer array")
     if arr.dtype.kind not in "iu":
         if arr.size == 0 and arr.dtype.kind == "f":
             arr = arr.astype(spec.dtype)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -113,27 +113,31 @@ def _first(mask: np.ndarray) -> tuple[int, int]:
     return int(r), int(c)
 
 
-def _binary(arr: np.ndarray, name: str) -> np.ndarray:
-    bad = (arr != 0) & (arr != 1)
+def _none_bad(bad: np.ndarray, message: Callable[[int, int], str]) -> None:
+    """`SchemaError` ``message(r, c)`` (``row=r``) at the first True ``[r, c]`` of ``bad``."""
     if bad.any():
         r, c = _first(bad)
-        raise SchemaError(
-            f"batch[{name!r}]: expected 0/1, found {arr[r, c]} at row {r}, token {c}", row=r
-        )
+        raise SchemaError(message(r, c), row=r)
+
+
+def _binary(arr: np.ndarray, name: str) -> np.ndarray:
+    _none_bad(
+        (arr != 0) & (arr != 1),
+        lambda r, c: f"batch[{name!r}]: expected 0/1, found {arr[r, c]} at row {r}, token {c}",
+    )
     return arr.astype(bool)
 
 
 def _padding(mask: np.ndarray, side: str, name: str) -> None:
     """``mask`` rows are 0..0 1..1 (left padding) or 1..1 0..0 (right padding)."""
     step = np.diff(mask.astype(np.int8), axis=1)
-    bad = step < 0 if side == "left" else step > 0
-    if bad.any():
-        r, c = _first(bad)
-        raise SchemaError(
+    _none_bad(
+        step < 0 if side == "left" else step > 0,
+        lambda r, c: (
             f"attention_mask over {name}: expected {side}-padding (a {side} run of zeros), "
-            f"found a gap at row {r}, token {c + 1}",
-            row=r,
-        )
+            f"found a gap at row {r}, token {c + 1}"
+        ),
+    )
 
 
 def _ragged(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.LargeListArray[Any]:
@@ -303,13 +307,13 @@ def from_dataproto(
     _padding(prompt_att, "left", "prompts")
     _padding(resp_att, "right", "responses")
     loss = _binary(rmask, "response_mask")
-    if (loss & ~resp_att).any():
-        r, c = _first(loss & ~resp_att)
-        raise SchemaError(
+    _none_bad(
+        loss & ~resp_att,
+        lambda r, c: (
             f"batch['response_mask']: expected 0 on response padding, found 1 at row {r}, "
-            f"response token {c}",
-            row=r,
-        )
+            f"response token {c}"
+        ),
+    )
     tokens = np.concatenate([prompts, responses], axis=1)
     if "input_ids" in keys:
         ids = _np(batch["input_ids"], "input_ids")
@@ -326,26 +330,25 @@ def from_dataproto(
         if not np.array_equal(pos, want):
             raise SchemaError("batch['position_ids']: expected clip(cumsum(attention_mask) - 1, 0)")
     if pad_token_id is not None:
-        bad = ~attended & (tokens != pad_token_id)
-        if bad.any():
-            r, c = _first(bad)
-            raise SchemaError(
+        _none_bad(
+            ~attended & (tokens != pad_token_id),
+            lambda r, c: (
                 f"padding: expected pad id {pad_token_id}, found {tokens[r, c]} at row {r}, "
-                f"token {c}",
-                row=r,
-            )
+                f"token {c}"
+            ),
+        )
     plen, rlen = prompt_att.sum(axis=1), resp_att.sum(axis=1)
     # The score sits at the last response token (index rlen - 1, wrapping like verl's).
     last = np.zeros_like(resp_att)
     if rlen_max:
         last[np.arange(rows), (rlen - 1) % rlen_max] = True
-    if (scores[~last] != 0).any():
-        r, c = _first((scores != 0) & ~last)
-        raise SchemaError(
+    _none_bad(
+        (scores != 0) & ~last,
+        lambda r, c: (
             f"batch['rm_scores']: expected the score at the last response token only, found "
-            f"{scores[r, c]} at row {r}, response token {c}",
-            row=r,
-        )
+            f"{scores[r, c]} at row {r}, response token {c}"
+        ),
+    )
     counts = _captured(captured, non_tensor, routes, attended)
     pos_in_seq = np.arange(seq) - (plen_max - plen)[:, None]
     window = attended & (pos_in_seq < counts[:, None])

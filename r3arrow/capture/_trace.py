@@ -38,7 +38,7 @@ import pyarrow as pa
 
 from r3arrow._checks import check_int, check_positive_int
 from r3arrow._coverage import check_terminal_gap, expected_rows
-from r3arrow._routes import as_route_rows
+from r3arrow._routes import as_route_rows, rectangular
 from r3arrow._validated import mark_validated
 from r3arrow.capture._covered import CoveredTokens, as_token_ids, prefix_mismatch_error
 from r3arrow.errors import (
@@ -178,12 +178,7 @@ class TokenTrace:
         Returns (array, state for `_accept`); changes nothing.
         """
         want = f"[{', '.join(['rows', *map(str, self.row_shape)])}]"
-        try:
-            arr = np.asarray(rows)
-        except (ValueError, TypeError) as exc:
-            raise RouteShapeError(
-                f"{self.name}: expected a rectangular {want} array, found {exc}"
-            ) from exc
+        arr = rectangular(rows, f"{self.name}: expected a rectangular {want} array")
         if arr.ndim != 1 + len(self.row_shape) or arr.shape[1:] != self.row_shape:
             raise RouteShapeError(f"{self.name}: expected shape {want}, found {list(arr.shape)}")
         if arr.size and not np.can_cast(arr.dtype, self.dtype, "same_kind"):
@@ -243,44 +238,49 @@ class TokenTrace:
         TraceStateError
             the trace was finalized.
         """
-        if self._finalized:
-            raise TraceStateError(
-                f"{self.name}: trace already finalized; expected no further record()"
-            )
-        p = check_positive_int(prompt_tokens, "prompt_tokens")
-        g = check_positive_int(generated_tokens, "generated_tokens")
-        if p <= self._captured:
-            raise RouteShapeError(
-                f"{self.name}: expected prompt_tokens > captured={self._captured} (prompt start "
-                f"must lie inside the prompt), found prompt_tokens={p}"
-            )
-        ids = self._ids_for(p, g, prompt_ids, generated_ids)
-        arr, state = self._coerce(rows)
-        want = expected_rows(prompt_tokens=p, generated_tokens=g, prompt_start=self._captured)
-        if arr.shape[0] != want:
-            raise RouteShapeError(
-                f"{self.name}: expected {want} rows (P={p} - captured={self._captured} + G={g} "
-                f"- 1), found {arr.shape[0]}"
-            )
-        dtype = self._storage_dtype(state)
-        if arr.dtype != dtype or not arr.flags.c_contiguous:
-            arr = arr.astype(dtype, order="C")  # narrow / make contiguous: the one copy
-            arr.flags.writeable = False
-        elif arr.flags.writeable:
-            # Copy unless handed over (copy=False) or made here from a list: the caller may
-            # reuse its buffer, and the trace keeps what was checked.
-            arr = arr.copy() if copy and not isinstance(rows, list | tuple) else arr.view()
-            arr.flags.writeable = False
-        start = self._captured
-        cover = None if ids is None else self._covered.extended(*ids)
-        self._accept(start, arr, state)
-        self._chunks.append(arr)
-        self._captured += want
-        self._seen_tokens = p + g
-        if cover is not None and ids is not None:
-            self._covered.commit(*cover, p + (0 if ids[1] is None else g))
-        self._checked = None
-        return start
+        try:
+            if self._finalized:
+                raise TraceStateError(
+                    f"{self.name}: trace already finalized; expected no further record()"
+                )
+            p = check_positive_int(prompt_tokens, "prompt_tokens")
+            g = check_positive_int(generated_tokens, "generated_tokens")
+            if p <= self._captured:
+                raise RouteShapeError(
+                    f"{self.name}: expected prompt_tokens > captured={self._captured} (prompt "
+                    f"start must lie inside the prompt), found prompt_tokens={p}"
+                )
+            ids = self._ids_for(p, g, prompt_ids, generated_ids)
+            arr, state = self._coerce(rows)
+            want = expected_rows(prompt_tokens=p, generated_tokens=g, prompt_start=self._captured)
+            if arr.shape[0] != want:
+                raise RouteShapeError(
+                    f"{self.name}: expected {want} rows (P={p} - captured={self._captured} + G={g} "
+                    f"- 1), found {arr.shape[0]}"
+                )
+            dtype = self._storage_dtype(state)
+            if arr.dtype != dtype or not arr.flags.c_contiguous:
+                arr = arr.astype(dtype, order="C")  # narrow / make contiguous: the one copy
+                arr.flags.writeable = False
+            elif arr.flags.writeable:
+                # Copy unless handed over (copy=False) or made here from a list: the caller may
+                # reuse its buffer, and the trace keeps what was checked.
+                arr = arr.copy() if copy and not isinstance(rows, list | tuple) else arr.view()
+                arr.flags.writeable = False
+            start = self._captured
+            cover = None if ids is None else self._covered.extended(*ids)
+            self._accept(start, arr, state)
+            self._chunks.append(arr)
+            self._captured += want
+            self._seen_tokens = p + g
+            if cover is not None and ids is not None:
+                self._covered.commit(*cover, p + (0 if ids[1] is None else g))
+            self._checked = None
+            return start
+        except R3ArrowError as exc:
+            if exc.trajectory_id is None:
+                exc.trajectory_id = self._trajectory_id()
+            raise
 
     def _storage_dtype(self, state: Any) -> np.dtype[Any]:
         return self.dtype
@@ -443,32 +443,6 @@ class RouteTrace(TokenTrace):
         mark_validated(result, spec=self.spec, max_id=self._hi)
         if self._final_sink is not None:
             self._final_sink(self._starts(), rows, self.spec)
-
-    def record(
-        self,
-        rows: Any,
-        *,
-        prompt_tokens: TokenCount,
-        generated_tokens: TokenCount,
-        prompt_ids: Any = None,
-        generated_ids: Any = None,
-        copy: bool = True,
-    ) -> int:
-        kwargs: dict[str, Any] = {
-            "prompt_tokens": prompt_tokens,
-            "generated_tokens": generated_tokens,
-            "prompt_ids": prompt_ids,
-            "generated_ids": generated_ids,
-            "copy": copy,
-        }
-        if self._tid is None:
-            return super().record(rows, **kwargs)
-        try:
-            return super().record(rows, **kwargs)
-        except R3ArrowError as exc:
-            if exc.trajectory_id is None:
-                exc.trajectory_id = self._tid
-            raise
 
     def _to_arrow(self, arr: np.ndarray) -> pa.Array[Any]:
         return numpy_to_routes(arr, self.spec)  # _join wrote spec.dtype (kept in step with dtype)

@@ -127,6 +127,33 @@ def lift_routes(body: bytes) -> tuple[bytes, memoryview | None]:
     return body[:j] + _LIFTED_JSON + body[end + 1 :], memoryview(body)[j + 1 : end]
 
 
+def load_body(body: bytes) -> tuple[Any, bytes, memoryview | None]:
+    """(parsed JSON, body as parsed, lifted payload or None) of a response body (`lift_routes`).
+
+    Raises `EngineError` when the body is not JSON.
+    """
+    body, lifted = lift_routes(body)
+    try:
+        return orjson.loads(body), body, lifted
+    except orjson.JSONDecodeError as exc:
+        raise EngineError(f"engine response: expected JSON, found {body[:200]!r} ({exc})") from None
+
+
+def routes_value(raw: object, lifted: memoryview | None, where: str) -> object:
+    """The ``routed_experts`` value found at ``where``: the `lift_routes` payload if one was cut.
+
+    Raises `EngineError` when a payload was cut out of the body but ``raw`` (the value at
+    ``where``) is not its placeholder.
+    """
+    if lifted is None:
+        return raw
+    if raw != LIFTED:
+        raise EngineError(
+            f"engine response: expected routed_experts inside {where}, found it elsewhere"
+        )
+    return lifted
+
+
 def _decode_nested(value: list[Any], spec: RouteSpec | None) -> np.ndarray:
     """Nested JSON lists ``[rows][L][K]`` (the slow legacy form) as an integer array."""
     try:
@@ -200,11 +227,7 @@ def parse_response(
     ``choices[0].token_ids``, no tokens generated, more than one choice) and the codec's
     errors for a bad ``routed_experts`` payload (see `decode_routes`).
     """
-    body, lifted = lift_routes(body)
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise EngineError(f"engine response: expected JSON, found {body[:200]!r} ({exc})") from None
+    obj, body, lifted = load_body(body)
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise EngineError(
@@ -232,13 +255,7 @@ def parse_response(
         raise EngineError("engine response: expected at least one generated token, found none")
     routes: np.ndarray | None = None
     payload = 0
-    raw = ch.get("routed_experts")
-    if lifted is not None:
-        if raw != LIFTED:
-            raise EngineError(
-                "engine response: expected routed_experts inside choices[0], found it elsewhere"
-            )
-        raw = lifted
+    raw = routes_value(ch.get("routed_experts"), lifted, "choices[0]")
     if want_routes and raw is not None:
         routes, payload = decode_routes(raw, spec, max_bytes=max_payload_bytes, check_ids=check_ids)
         routes.flags.writeable = False  # a fresh buffer no one else holds: the trace keeps it
@@ -298,5 +315,7 @@ __all__ = [
     "decode_routes",
     "error_message",
     "lift_routes",
+    "load_body",
     "parse_response",
+    "routes_value",
 ]

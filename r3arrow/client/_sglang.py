@@ -37,11 +37,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import orjson
 
 from r3arrow._checks import check_optional_int
 from r3arrow.client._models import ParsedResponse
-from r3arrow.client._protocol import LIFTED, lift_routes
+from r3arrow.client._protocol import load_body, routes_value
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_sglang
 from r3arrow.errors import EngineError, PayloadError
 from r3arrow.ids import check_routes
@@ -154,11 +153,7 @@ def parse_response(
     errors for a bad payload (see `decode_routes`). The base64 payload is cut out of the body
     before JSON parsing (`lift_routes`: parsing it into a str would cost ~10x its decode).
     """
-    body, lifted = lift_routes(body)
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise EngineError(f"engine response: expected JSON, found {body[:200]!r} ({exc})") from None
+    obj, body, lifted = load_body(body)
     if not isinstance(obj, dict):
         raise EngineError(
             "engine response: expected one JSON object (n=1, one prompt), found "
@@ -179,13 +174,7 @@ def parse_response(
     finish, matched = _finish(meta)
     routes: np.ndarray | None = None
     payload = 0
-    raw = meta.get("routed_experts")
-    if lifted is not None:
-        if raw != LIFTED:
-            raise EngineError(
-                "engine response: expected routed_experts inside meta_info, found it elsewhere"
-            )
-        raw = lifted
+    raw = routes_value(meta.get("routed_experts"), lifted, "meta_info")
     if want_routes and raw is not None:
         if spec is None:
             raise EngineError(

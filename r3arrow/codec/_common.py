@@ -5,13 +5,14 @@ See ``docs/design.md``, "Wire formats". Range checks go through :mod:`r3arrow.id
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
 import numpy as np
 
 from r3arrow._checks import check_nonnegative_int
+from r3arrow.codec._base64 import b64decode
 from r3arrow.errors import (
     PayloadError,
     PayloadTooLargeError,
@@ -62,6 +63,24 @@ def payload_boundary(what: str) -> Iterator[None]:
             f"{what}: expected a well-formed payload, found one that fails to decode "
             f"({type(exc).__name__}: {exc})"
         ) from exc
+
+
+def guarded_decode(
+    decode: Callable[[Any, RouteSpec | None, int, str], np.ndarray],
+    payload: Any,
+    spec: RouteSpec | None,
+    max_bytes: Any,
+    what: str,
+) -> np.ndarray:
+    """``decode(payload, spec, max_bytes, what)`` inside `payload_boundary`.
+
+    ``max_bytes`` and ``spec`` are checked first (`check_max_bytes`, `check_spec_arg`), so
+    argument misuse keeps raising builtins.
+    """
+    max_bytes = check_max_bytes(max_bytes)
+    check_spec_arg(spec, what)
+    with payload_boundary(what):
+        return decode(payload, spec, max_bytes, what)
 
 
 def check_max_bytes(max_bytes: Any) -> int:
@@ -131,6 +150,18 @@ def wire_name(dt: np.dtype[Any], what: str) -> str:
     if dt.fields is not None or dt.subdtype is not None or name not in WIRE_DTYPES:
         raise RouteDTypeError(f"{what}: expected dtype one of {list(WIRE_DTYPES)}, found {dt}")
     return name
+
+
+def decode_rows(
+    s: str | memoryview,
+    offset: int,
+    dt: np.dtype[Any],
+    shape: tuple[int, int, int],
+    spec: RouteSpec | None,
+    what: str,
+) -> np.ndarray:
+    """Base64 ``s`` as ``[rows, L, K]`` rows from ``offset``, checked against ``spec``."""
+    return check_against_spec(view_rows(b64decode(s, what), offset, dt, shape), spec, what)
 
 
 def view_rows(

@@ -18,20 +18,16 @@ from r3arrow.codec._base64 import (
     as_b64_input,
     b64_decoded_len,
     b64_prefix,
-    b64decode,
     b64encode,
 )
 from r3arrow.codec._common import (
     DEFAULT_MAX_BYTES,
     WIRE_DTYPES,
-    check_against_spec,
-    check_max_bytes,
     check_rows_for_encode,
     check_shape,
-    check_spec_arg,
-    payload_boundary,
+    decode_rows,
+    guarded_decode,
     too_large,
-    view_rows,
     wire_name,
 )
 from r3arrow.errors import PayloadError, PayloadTooLargeError, RouteDTypeError
@@ -130,11 +126,7 @@ def decode_vllm(
     Raises only `R3ArrowError` subclasses for any payload (see the package docstring);
     ``TypeError``/``ValueError`` only for a bad ``spec`` or ``max_bytes`` argument.
     """
-    what = "vLLM routed_experts"
-    max_bytes = check_max_bytes(max_bytes)
-    check_spec_arg(spec, what)
-    with payload_boundary(what):
-        return _decode_vllm(b64_npy, spec, max_bytes, what)
+    return guarded_decode(_decode_vllm, b64_npy, spec, max_bytes, "vLLM routed_experts")
 
 
 def _decode_vllm(
@@ -156,8 +148,7 @@ def _decode_vllm(
             "bytes "
             f"({offset} header + {declared:,} data), found {found:,}"
         )
-    buf = b64decode(s, what)
-    return check_against_spec(view_rows(buf, offset, dt, shape), spec, what)
+    return decode_rows(s, offset, dt, shape, spec, what)
 
 
 def encode_vllm(arr: Any) -> str:

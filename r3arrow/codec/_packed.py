@@ -28,18 +28,16 @@ from typing import Any, Final
 
 import numpy as np
 
-from r3arrow.codec._base64 import as_b64_input, b64_decoded_len, b64decode, b64encode
+from r3arrow.codec._base64 import as_b64_input, b64_decoded_len, b64encode
 from r3arrow.codec._common import (
     DEFAULT_MAX_BYTES,
     WIRE_LE,
-    check_against_spec,
-    check_max_bytes,
     check_rows_for_encode,
     check_shape,
     check_spec_arg,
-    payload_boundary,
+    decode_rows,
+    guarded_decode,
     too_large,
-    view_rows,
 )
 from r3arrow.errors import PayloadError, RouteDTypeError, RouteShapeError
 from r3arrow.ids import check_routes
@@ -72,11 +70,7 @@ def decode_packed(
     ``max_bytes`` arguments. The data bytes carry no checksum: a corrupted id that stays
     in range decodes as that id.
     """
-    what = "packed routes"
-    max_bytes = check_max_bytes(max_bytes)
-    check_spec_arg(spec, what)
-    with payload_boundary(what):
-        return _decode_packed(obj, spec, max_bytes, what)
+    return guarded_decode(_decode_packed, obj, spec, max_bytes, "packed routes")
 
 
 def _decode_packed(
@@ -104,8 +98,7 @@ def _decode_packed(
         raise PayloadError(
             f"{what}: shape {list(shape)} of {name} expects {declared:,} bytes, found {found:,}"
         )
-    buf = b64decode(s, what)
-    return check_against_spec(view_rows(buf, 0, dt, shape), spec, what)
+    return decode_rows(s, 0, dt, shape, spec, what)
 
 
 def _host_array(arr: Any) -> Any:

@@ -9,14 +9,13 @@ from typing import Any, Final
 
 import numpy as np
 
-from r3arrow.codec._base64 import B64Payload, as_b64_input, b64_decoded_len, b64decode, b64encode
+from r3arrow.codec._base64 import B64Payload, as_b64_input, b64_decoded_len, b64encode
 from r3arrow.codec._common import (
     DEFAULT_MAX_BYTES,
-    check_against_spec,
     check_max_bytes,
     check_rows_for_encode,
+    decode_rows,
     payload_boundary,
-    view_rows,
 )
 from r3arrow.errors import PayloadError, PayloadTooLargeError, RouteDTypeError
 from r3arrow.spec import RouteSpec
@@ -59,9 +58,7 @@ def _decode_sglang(b64: B64Payload, spec: RouteSpec, max_bytes: int, what: str) 
             f"{spec.topk}]), "
             f"found {found:,} bytes ({found / row:.3f} rows)"
         )
-    buf = b64decode(s, what)
-    arr = view_rows(buf, 0, _SGLANG_DTYPE, (found // row, spec.num_layers, spec.topk))
-    return check_against_spec(arr, spec, what)
+    return decode_rows(s, 0, _SGLANG_DTYPE, (found // row, spec.num_layers, spec.topk), spec, what)
 
 
 def encode_sglang(arr: Any) -> str:

@@ -10,7 +10,6 @@ large. See ``docs/collation.md``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -19,10 +18,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from r3arrow import table as _table
 from r3arrow._checks import check_int, check_positive_int
 from r3arrow._routes import validate_layers
-from r3arrow._schema import list_lengths
+from r3arrow._schema import ROUTE_LAYERS_KEY, list_lengths
 from r3arrow._typing import ArrowArray
 from r3arrow._validated import is_validated
 from r3arrow.collate._buffers import _Arena, _BufferPool, _PinnedStage
@@ -32,7 +30,7 @@ from r3arrow.collate._microbatch import Microbatch
 from r3arrow.errors import SchemaError
 from r3arrow.microbatch import is_padding_table, split_microbatches
 from r3arrow.spec import RouteSpec
-from r3arrow.table import flat_routes, route_spec, validate_rollouts
+from r3arrow.table import flat_routes, route_layers, route_spec, validate_rollouts
 
 #: Output bytes from which route copies are split over worker threads.
 _PARALLEL_BYTES = 8 << 20
@@ -53,20 +51,6 @@ def _flat_list(arr: ArrowArray) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.asarray(lists.offsets, dtype=np.int64)
     values = lists.flatten().to_numpy(zero_copy_only=False)
     return np.asarray(values), offsets - offsets[0]
-
-
-#: Schema metadata key of a layer-projected table's global layer ids (layer projection).
-_ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
-
-
-def _route_layers(table: pa.Table | pa.RecordBatch, spec: RouteSpec) -> tuple[int, ...]:
-    """`r3arrow.route_layers` (layer projection): the global layer of each route row."""
-    fn = getattr(_table, "route_layers", None)
-    if fn is not None:
-        return tuple(int(g) for g in fn(table))
-    # Until r3arrow.route_layers lands: the key's JSON list of global ids.
-    raw = (table.schema.metadata or {})[_ROUTE_LAYERS_KEY]
-    return tuple(int(g) for g in json.loads(raw))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,9 +273,9 @@ class MegatronCollator:
         spec = validate_rollouts(table, require_routes=True) if full else route_spec(table)
         # The global layer of each route row present: a projected table (layer projection) holds
         # a subset, which must include this collator's layers, as router layers.
-        projected = _ROUTE_LAYERS_KEY in (table.schema.metadata or {})
+        projected = ROUTE_LAYERS_KEY in (table.schema.metadata or {})
         if projected:
-            present = _route_layers(table, spec)
+            present = route_layers(table)
             layer_index = layer_positions(present, self.layers)
             local = set(spec.router_layers)
             dense = [

@@ -116,7 +116,7 @@ def _source(pieces: list[Mapping[int, Any]], need: list[int], tokens: int, k: in
                 )
                 + (f"; unexpected {extra}" if extra else "")
                 + (
-                    " (a layer-projected table: pass layers=r3arrow.route_layers(table))"
+                    " (a layer-projected table: pass layers=r3arrow.table.route_layers(table))"
                     if missing and extra
                     else ""
                 ),
@@ -232,7 +232,7 @@ def uncollate_routes(
         the column has its storage dtype and ``[L, K]`` rows.
     layers:
         The global layer id of each route row (default ``range(spec.num_layers)``; a
-        layer-projected table: ``r3arrow.route_layers(table)``).
+        layer-projected table: ``r3arrow.table.route_layers(table)``).
 
     Every router row of the spec needs its global layer in every piece, and no other layer
     may be there: routes of other pipeline stages are gathered first (or the table is

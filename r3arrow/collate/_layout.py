@@ -124,7 +124,7 @@ def _layer_selector(layers: Sequence[int]) -> slice | np.ndarray:
 def layer_positions(present: Sequence[int], layers: Sequence[int]) -> np.ndarray:
     """int64 index into a routes column's layer axis of each global layer in ``layers``.
 
-    ``present``: the global layer id of each route row present (`r3arrow.route_layers`;
+    ``present``: the global layer id of each route row present (`r3arrow.table.route_layers`;
     a projected table holds a subset, layer projection). Raises `RouteShapeError` naming the
     layers that are missing.
     """

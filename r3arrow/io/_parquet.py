@@ -249,6 +249,14 @@ def _selected(
     return files, keep, groups
 
 
+def _ipc_path(path: Source) -> Path | None:
+    """``path`` as a `Path` when it names one Arrow IPC file (by its magic bytes), else None."""
+    if isinstance(path, Sequence) and not isinstance(path, str | bytes):
+        return None
+    p = Path(path)
+    return p if is_ipc(p) else None
+
+
 def _ipc(
     p: Path,
     steps: list[int] | None,
@@ -310,8 +318,8 @@ def iter_rollouts(
     ``layers`` the file does not hold.
     """
     wanted = check_steps(steps)
-    if (not isinstance(path, Sequence) or isinstance(path, str | bytes)) and is_ipc(Path(path)):
-        yield _ipc(Path(path), wanted, columns, layers, row_groups, validate)
+    if (ipc := _ipc_path(path)) is not None:
+        yield _ipc(ipc, wanted, columns, layers, row_groups, validate)
         return
     _, files, groups = _selected(path, wanted, row_groups)
     yield from iter_pieces(
@@ -344,8 +352,8 @@ def read_rollouts(
     checks. For bounded memory use `iter_rollouts`. Raises what `iter_rollouts` raises.
     """
     wanted = check_steps(steps)
-    if (not isinstance(path, Sequence) or isinstance(path, str | bytes)) and is_ipc(Path(path)):
-        return _ipc(Path(path), wanted, columns, layers, row_groups, validate)
+    if (ipc := _ipc_path(path)) is not None:
+        return _ipc(ipc, wanted, columns, layers, row_groups, validate)
     every, files, groups = _selected(path, wanted, row_groups)
     first = every[0]
     where = first.path if isinstance(path, Sequence) and not isinstance(path, str) else Path(path)

@@ -6,7 +6,7 @@ recorded under the schema metadata key ``r3arrow.routes_storage`` (`STORAGE_KEY`
 ``{"format", "columns"[, "groups"]}`` JSON, parsed by `storage_info`). Layer projection
 (``docs/storage.md``): a projected table holds only some layers (ascending global ids) as
 the normal nested routes type, a `RouteSpec` of that shape and the global ids under
-``r3arrow.route_layers`` (`r3arrow.route_layers`); `project_layers` projects an
+``r3arrow.route_layers`` (`r3arrow.table.route_layers`); `project_layers` projects an
 in-memory table. Routes are stored as little-endian bytes: big-endian hosts are refused.
 """
 

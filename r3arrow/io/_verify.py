@@ -80,7 +80,6 @@ _CORE_TYPES: dict[str, pa.DataType] = {
     for f in rollout_schema(RouteSpec(num_layers=1, topk=1, num_experts=1))
     if f.name != "routes"
 }
-_LIST_CORE = ("prompt_ids", "response_ids", "loss_mask")
 
 
 # ------------------------------------------------------------------ errors

@@ -321,10 +321,7 @@ def _native_overlap(
     overlap = torch.full((int(target.shape[0]),), k, dtype=torch.int64)
     rest = torch.nonzero(unsure).reshape(-1)
     if rest.numel():
-        native = default_compute_topk(
-            scores.index_select(0, rest), topk, num_groups=num_groups, group_topk=group_topk
-        )
-        overlap[rest] = _set_overlap(native[1], target.index_select(0, rest))
+        overlap[rest] = _rows_overlap(scores, target, rest, topk, groups, default_compute_topk)
     return overlap
 
 
@@ -370,12 +367,25 @@ def _compiled_row(
         fn, vals = kern.overlap_rows, s.numpy()
     if fn(vals, ids.numpy(), mask, out.numpy()):
         rest = torch.nonzero(out == kern.UNSURE).reshape(-1)
-        native = default_compute_topk(
-            scores.index_select(0, rest), topk, num_groups=groups[0], group_topk=groups[1]
-        )
-        overlap = _set_overlap(native[1], target.index_select(0, rest).to(torch.int64))
+        overlap = _rows_overlap(scores, target, rest, topk, groups, default_compute_topk)
         out[rest] = overlap.to(torch.int8)
     return out
+
+
+def _rows_overlap(
+    scores: torch.Tensor,
+    target: torch.Tensor,
+    rest: torch.Tensor,
+    topk: int,
+    groups: tuple[int | None, int | None],
+    default_compute_topk: Any,
+) -> torch.Tensor:
+    """int64 ``[len(rest)]``: ``|N ∩ R|`` of rows ``rest`` only, N by the router's own
+    ``default_compute_topk`` (``groups`` = (num_groups, group_topk)), R = ``target``."""
+    native = default_compute_topk(
+        scores.index_select(0, rest), topk, num_groups=groups[0], group_topk=groups[1]
+    )
+    return _set_overlap(native[1], target.index_select(0, rest).to(torch.int64))
 
 
 _NO_PAD = np.zeros(0, np.uint8)

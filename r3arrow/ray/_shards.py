@@ -67,24 +67,16 @@ def _tagged(table: pa.Table, step: int | None, j: int) -> pa.Table:
     return out
 
 
+@dataclasses.dataclass(eq=False, repr=False)  # identity eq/hash/repr, as a plain class
 class _ReadShard:
     """Read task: step units → the microbatch tables of one (DP rank, PP stage), in order."""
 
-    def __init__(
-        self,
-        plans: list[StepPlan],
-        dp_rank: int,
-        layers: tuple[int, ...],
-        spec_json: bytes,
-        max_memory: int,
-        validate: bool,
-    ) -> None:
-        self.plans = plans
-        self.dp_rank = dp_rank
-        self.layers = layers
-        self.spec_json = spec_json
-        self.max_memory = max_memory
-        self.validate = validate
+    plans: list[StepPlan]
+    dp_rank: int
+    layers: tuple[int, ...]
+    spec_json: bytes
+    max_memory: int
+    validate: bool
 
     def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
         from r3arrow._plan import read_share  # torch-free: a read task never imports torch
@@ -127,7 +119,7 @@ class Shard:
         """Yield ``(step, j, table)`` for every microbatch of the shard, in plan order.
 
         ``table`` holds the microbatch's trajectories with only the stage's layers (a
-        projected table: `r3arrow.route_layers`), its schema metadata restored (the spec; the
+        projected table: `r3arrow.table.route_layers`), its schema metadata restored (the spec; the
         padding marker on a DP padding microbatch), marked validated when the shard was
         read validating; collate it with the rank's collator. Raises `SchemaError` if
         the stream does not deliver the plan (a microbatch out of order or cut short).

@@ -5,7 +5,7 @@ Counts are per layer, so they need no whole token: for files in layer-group stor
 its own streamed pass (`r3arrow.io.iter_rollouts` with ``layers=``, a layer
 projection: one group wanted whole restores without the interleave copy of a full read)
 and stacks the per-group counts, mapping each projected table's layers to global
-ids through `r3arrow.route_layers`. Every route byte is still read once; the
+ids through `r3arrow.table.route_layers`. Every route byte is still read once; the
 small selection columns are read once per group. The integers equal a one-pass
 count's.
 

@@ -136,7 +136,7 @@ def batch_counts(batch: TableLike, tokens: str = "all", column: str = "routes") 
     """`ExpertCounts` of routes column ``column`` of one rollout table or record batch.
 
     Routes restored, spec in the metadata; the layers are global ids, also for a
-    layer-projected batch (layer projection, mapped through `r3arrow.route_layers`).
+    layer-projected batch (layer projection, mapped through `r3arrow.table.route_layers`).
     """
     batch = use_column(batch, column)
     spec = route_spec(batch)

@@ -20,12 +20,12 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._routes import chunk, chunked, chunked_routes
-from r3arrow._schema import rollout_schema, trajectory_id_at
+from r3arrow._schema import rollout_schema
 from r3arrow._validated import checked_for, mark_validated
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, routes_to_numpy
-from r3arrow.table._validate import validate_table
+from r3arrow.table._validate import recheck_row, validate_table
 
 
 def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> pa.Array[Any]:
@@ -204,19 +204,7 @@ def _check_distinct(
             ends = np.cumsum(lens)
             row = int(np.searchsorted(ends, exc.token or 0, side="right"))
             start, end = int(ends[row] - lens[row]), int(ends[row])
-            tid = trajectory_id_at(table, base + row)
-            try:
-                check_routes(
-                    flat[start:end],
-                    spec,
-                    what=f"routes[{base + row}] (trajectory {tid!r})",
-                    rules="distinct",
-                )
-            except R3ArrowError as own:
-                own.row, own.trajectory_id = base + row, tid
-                raise own from None
-            exc.row, exc.trajectory_id = base + row, tid  # pragma: no cover - re-check raises
-            raise
+            recheck_row(exc, table, flat[start:end], spec, base + row, rules="distinct")
 
 
 def rollout_table(

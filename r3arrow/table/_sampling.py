@@ -41,6 +41,7 @@ from r3arrow._checks import check_choice, check_int
 from r3arrow._schema import list_lengths, trajectory_id_at
 from r3arrow.errors import SchemaError
 from r3arrow.table._derived import filter_rows, take_rows
+from r3arrow.table._validate import raise_at_first
 
 Reduce = Literal["sum", "mean", "last", "max"]
 REDUCTIONS: tuple[str, ...] = ("sum", "mean", "last", "max")
@@ -176,14 +177,12 @@ def _kept_groups(
     if tol and not numeric:
         raise ValueError(f"tolerance={tolerance!r} needs numeric values, found {value!r} values")
     live = _live(table) if ignore_masked else np.ones(codes.size, dtype=bool)
-    bad = np.flatnonzero(live & np.isnan(vals))
-    if bad.size:
-        row = int(bad[0])
-        raise SchemaError(
-            f"{value}: expected a number for every live trajectory, found NaN (row {row})",
-            row=row,
-            trajectory_id=trajectory_id_at(table, row),
-        )
+    raise_at_first(
+        table,
+        live & np.isnan(vals),
+        SchemaError,
+        lambda row: f"{value}: expected a number for every live trajectory, found NaN (row {row})",
+    )
     lo, hi = np.full(n, np.inf), np.full(n, -np.inf)
     np.minimum.at(lo, codes[live], vals[live])
     np.maximum.at(hi, codes[live], vals[live])

@@ -23,6 +23,7 @@ trajectory is at fault, and ``token`` / ``layer`` where they apply.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, NoReturn, overload
 
 import numpy as np
@@ -142,20 +143,45 @@ def _check_ids(table: TableLike, spec: RouteSpec, *, ids: Literal["all", "distin
             row, _ = _row_of(ch, exc.token or 0)
             offsets = np.asarray(ch.offsets, dtype=np.int64)  # type: ignore[attr-defined]
             start, end = int(offsets[row] - offsets[0]), int(offsets[row + 1] - offsets[0])
-            tid = trajectory_id_at(table, base + row)
-            try:
-                check_routes(
-                    flat[start:end],
-                    spec,
-                    what=f"routes[{base + row}] (trajectory {tid!r})",
-                    rules=ids,
-                )
-            except R3ArrowError as own:
-                own.row, own.trajectory_id = base + row, tid
-                raise own from None
-            exc.row, exc.trajectory_id = base + row, tid  # pragma: no cover - re-check raises
-            raise
+            recheck_row(exc, table, flat[start:end], spec, base + row, rules=ids)
         base += len(ch)
+
+
+def recheck_row(
+    exc: R3ArrowError,
+    table: TableLike,
+    routes: np.ndarray,
+    spec: RouteSpec,
+    row: int,
+    *,
+    rules: Literal["all", "distinct"],
+) -> NoReturn:
+    """Re-check row ``row``'s ``routes`` after ``exc`` failed its chunk; raise for that row.
+
+    The error raised names the trajectory's own token and carries ``row`` and its
+    ``trajectory_id``.
+    """
+    tid = trajectory_id_at(table, row)
+    try:
+        check_routes(routes, spec, what=f"routes[{row}] (trajectory {tid!r})", rules=rules)
+    except R3ArrowError as own:
+        own.row, own.trajectory_id = row, tid
+        raise own from None
+    exc.row, exc.trajectory_id = row, tid  # pragma: no cover - re-check raises
+    raise exc  # pragma: no cover
+
+
+def raise_at_first(
+    table: TableLike, bad: np.ndarray, error: type[R3ArrowError], message: Callable[[int], str]
+) -> None:
+    """Raise ``error(message(row), row=row, trajectory_id=...)`` at the first True of ``bad``.
+
+    ``bad`` is a bool per row; nothing is raised when it holds no True.
+    """
+    rows = np.flatnonzero(bad)
+    if rows.size:
+        i = int(rows[0])
+        raise error(message(i), row=i, trajectory_id=trajectory_id_at(table, i))
 
 
 @overload
@@ -213,25 +239,25 @@ def validate_table(
     plen = list_lengths(table.column("prompt_ids"))
     rlen = list_lengths(table.column("response_ids"))
     mlen = list_lengths(table.column("loss_mask"))
-    bad = np.flatnonzero(mlen != rlen)
-    if bad.size:
-        i = int(bad[0])
-        raise SchemaError(
-            f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}",
-            row=i,
-            trajectory_id=trajectory_id_at(table, i),
-        )
+    raise_at_first(
+        table,
+        mlen != rlen,
+        SchemaError,
+        lambda i: (
+            f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}"
+        ),
+    )
     if spec is None:
         return None  # R3 off: nothing is replayed, so no route rule applies
     cap = list_lengths(table.column("routes"))
-    bad = np.flatnonzero(cap > plen + rlen)
-    if bad.size:
-        i = int(bad[0])
-        raise RouteShapeError(
-            f"row {i}: expected at most {plen[i] + rlen[i]} route rows (tokens), found {cap[i]}",
-            row=i,
-            trajectory_id=trajectory_id_at(table, i),
-        )
+    raise_at_first(
+        table,
+        cap > plen + rlen,
+        RouteShapeError,
+        lambda i: (
+            f"row {i}: expected at most {plen[i] + rlen[i]} route rows (tokens), found {cap[i]}"
+        ),
+    )
     if ids != "none":
         _check_ids(table, spec, ids=ids)
     _check_terminal_gap(table, plen, rlen, mlen, cap)

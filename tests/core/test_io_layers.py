@@ -161,7 +161,7 @@ def test_a_written_projection_reads_back_and_maps_global_layers(tmp_path: Path) 
 def test_full_tables_report_every_layer_and_bad_metadata_is_refused() -> None:
     table = _table()
     assert route_layers(table) == tuple(range(8))
-    assert r3arrow.route_layers(table) == tuple(range(8))
+    assert r3arrow.table.route_layers(table) == tuple(range(8))
     meta = {**(table.schema.metadata or {}), ROUTE_LAYERS_KEY: b"[3, 1]"}
     with pytest.raises(SchemaError, match=r"r3arrow\.route_layers"):
         route_layers(table.replace_schema_metadata(meta))
