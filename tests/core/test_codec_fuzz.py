@@ -604,10 +604,10 @@ def test_library_failures_are_wrapped_with_their_cause(monkeypatch: pytest.Monke
     def broken(*_: Any, **__: Any) -> Any:
         raise IndexError("simulated library bug")
 
-    monkeypatch.setattr(codec._packed, "view_rows", broken)
+    monkeypatch.setattr(codec._common, "view_rows", broken)
     with pytest.raises(PayloadError, match="IndexError: simulated library bug") as info:
         codec.decode_packed(codec.encode_packed(np.zeros((1, 3, 2), np.uint8)))
     assert isinstance(info.value.__cause__, IndexError)
-    monkeypatch.setattr(codec._packed, "view_rows", lambda *_: (_ for _ in ()).throw(MemoryError()))
+    monkeypatch.setattr(codec._common, "view_rows", lambda *_: (_ for _ in ()).throw(MemoryError()))
     with pytest.raises(PayloadTooLargeError, match="out of memory"):
         codec.decode_packed(codec.encode_packed(np.zeros((1, 3, 2), np.uint8)))
