@@ -420,6 +420,12 @@ class ReferenceEngine:
         Row i routes token i: what a request with prompt ``token_ids`` and prompt start 0
         returns for those tokens. Raises `EngineRequestError` for ids outside the vocab.
         """
+        ids = self._full_sequence(token_ids)
+        _, routes = self.model.run(torch.from_numpy(ids), logits_from=None)
+        return routes.numpy().astype(self.spec.dtype)
+
+    def _full_sequence(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """`check_token_ids`, and at most ``max_model_len`` tokens (`EngineRequestError`)."""
         ids = self.check_token_ids(token_ids)
         if ids.shape[0] > self.config.max_model_len:
             raise EngineRequestError(
@@ -427,8 +433,7 @@ class ReferenceEngine:
                 f"found {ids.shape[0]}",
                 param="token_ids",
             )
-        _, routes = self.model.run(torch.from_numpy(ids), logits_from=None)
-        return routes.numpy().astype(self.spec.dtype)
+        return ids
 
     def router_inputs(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """What each MoE layer's router scored for every token of a full sequence.
@@ -437,13 +442,7 @@ class ReferenceEngine:
         `TinyMoE.router_weights` it recomputes the engine's routing outside the engine
         (e.g. in a trainer's router at another precision). Same checks as `routes_for`.
         """
-        ids = self.check_token_ids(token_ids)
-        if ids.shape[0] > self.config.max_model_len:
-            raise EngineRequestError(
-                f"token_ids: expected at most max_model_len={self.config.max_model_len} tokens, "
-                f"found {ids.shape[0]}",
-                param="token_ids",
-            )
+        ids = self._full_sequence(token_ids)
         inputs, _ = self.model.router_inputs(torch.from_numpy(ids))
         return inputs.numpy()
 
