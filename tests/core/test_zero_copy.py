@@ -88,20 +88,25 @@ def test_default_copy_protects_against_the_caller_reusing_its_buffer() -> None:
     np.testing.assert_array_equal(routes_to_numpy(out), want)
 
 
+_TURN = 16_000  # rows of the measured turn: 6 MiB
+
+
 def _record_peak(copy: bool) -> int:
-    rows = rows_of(2000)
+    # Large enough that the numpy backend's fixed, cache-sized scratch of the id check
+    # (a few hundred KiB, whatever the turn's size) stays far below a copy of the turn.
+    rows = rows_of(_TURN + 4)
     trace = RouteTrace(BIG)
     trace.record(rows[:4].copy(), prompt_tokens=4, generated_tokens=1, copy=copy)  # warm
     tracemalloc.start()
     try:
-        trace.record(rows[4:], prompt_tokens=2000, generated_tokens=1, copy=copy)
+        trace.record(rows[4:], prompt_tokens=_TURN + 4, generated_tokens=1, copy=copy)
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
 
 
 def test_copy_false_allocates_no_copy_of_the_turn() -> None:
-    nbytes = 1996 * BIG.row_nbytes
+    nbytes = _TURN * BIG.row_nbytes
     assert _record_peak(copy=True) >= nbytes  # the private copy
     assert _record_peak(copy=False) < nbytes // 10  # bookkeeping only
 
