@@ -341,9 +341,14 @@ def read_rollouts(
     columns: Sequence[str] | None = None,
     layers: Sequence[int] | None = None,
     row_groups: Sequence[int] | None = None,
+    max_memory: int | None = None,
+    batch_rows: int | None = None,
     validate: bool = True,
 ) -> pa.Table:
     """The rows `iter_rollouts` yields for the same arguments, as one table (chunks kept).
+
+    ``max_memory`` / ``batch_rows`` bound the pieces read on the way (as in `iter_rollouts`;
+    default: whole row groups), not the result, which holds every selected row.
 
     The spec stays in the schema metadata; with no row selected (``steps`` absent),
     no rows with the schema of the first file. Validated as a whole (error rows index
@@ -363,8 +368,8 @@ def read_rollouts(
             footers={f.path: f.footer for f in files},
             columns=columns,
             layers=layers,
-            max_memory=None,
-            batch_rows=None,
+            max_memory=max_memory,
+            batch_rows=batch_rows,
             validate=False,
             check=validate,
             row_groups=groups,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -218,3 +219,18 @@ def test_reading_only_the_step_column_keeps_every_row(tmp_path: Path) -> None:
 
 def test_default_max_memory_is_exported() -> None:
     assert DEFAULT_MAX_MEMORY == 1 << 30  # imported from r3arrow.io above
+
+
+def test_read_rollouts_is_the_concatenation_of_iter_rollouts(tmp_path: Path) -> None:
+    """Same arguments, same rows: budgeted pieces concatenated equal the whole read."""
+    spec = RouteSpec(num_layers=4, topk=2, num_experts=8)
+    table = random_rollouts(np.random.default_rng(3), spec, [(5, 4, 9)] * 40)
+    write_rollouts(table, tmp_path, step=1)
+    write_rollouts(table.slice(0, 7), tmp_path, step=2)
+    kw: dict[str, Any] = {"max_memory": 64 << 10, "batch_rows": 7}
+    pieces = list(iter_rollouts(tmp_path, **kw))
+    assert len(pieces) > 2
+    whole = read_rollouts(tmp_path, **kw)
+    assert whole.equals(pa.concat_tables(pieces))
+    assert whole.equals(read_rollouts(tmp_path))
+    assert whole.num_rows == 47
