@@ -130,7 +130,10 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
                 return j
         return -1
 
-    @numba.njit(cache=True, nogil=True)
+    # Not cached: numba keys a closure's cache entry by a pickle of its cells, and the cells
+    # hold the inner dispatchers, whose pickle differs per process, so every process would
+    # compile again and add a file to __pycache__ (compiled once per process instead).
+    @numba.njit(cache=False, nogil=True)
     def first_token(words: Any, rows: Any, n_a: int, n_b: int, layers_first: bool) -> int:
         if not layers_first:
             j = first_row(words, rows, 0, n_a * n_b)
@@ -151,7 +154,10 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
             t |= w & ((w & ~one_highs) + c) & one_highs
         return t
 
-    @numba.njit(cache=True, nogil=True)
+    # Not cached: numba keys a closure's cache entry by a pickle of its cells, and the cells
+    # hold the inner dispatchers, whose pickle differs per process, so every process would
+    # compile again and add a file to __pycache__ (compiled once per process instead).
+    @numba.njit(cache=False, nogil=True)
     def gather(
         words: Any,
         n_layers: int,
@@ -253,7 +259,10 @@ def _elems_kernel(k: int) -> Callable[..., Any]:
             i = end
         return -1
 
-    @numba.njit(cache=True, nogil=True)
+    # Not cached: numba keys a closure's cache entry by a pickle of its cells, and the cells
+    # hold the inner dispatchers, whose pickle differs per process, so every process would
+    # compile again and add a file to __pycache__ (compiled once per process instead).
+    @numba.njit(cache=False, nogil=True)
     def first_token(flat: Any, n_a: int, n_b: int, layers_first: bool) -> int:
         if not layers_first:
             j = first_row(flat, 0, n_a * n_b)
