@@ -18,7 +18,8 @@ reference's. Sections:
   **generated**: `_word_kernels` (``K``, ``bits``) and `_elems_kernel` (``K``) build the njit
   functions from one source with ``K``, ``bits`` and the lane masks as compile-time constants
   (closure variables: numba folds them, about twice the speed of runtime shift amounts), cached
-  per key (in memory, and by numba's cache, whose index keys on the closure values).
+  per key in memory and on disk: the closures hold only constants, so numba's cache index
+  (keyed on the closure values) hits in every later process.
 * **Statistics** (`count_codes`, `count_bytes`, `agree`; `r3arrow.stats._counts`,
   `r3arrow.stats._agreement`): one pass over the ids; they never raise, bad input is flagged.
 * **Interleave** (`copy_runs`; `r3arrow.io._interleave`): the runs of a layer-group restore.
@@ -61,6 +62,89 @@ def _masks(k: int, bits: int, fields: int) -> tuple[int, int, int]:
     return ones, ones << (bits - 1), rows
 
 
+# The generated kernels are closures over constants only (the row geometry, the masks), so
+# numba's disk cache, which keys a closure by a pickle of its cells, hits in every process;
+# the helpers they call are module globals taking those constants as arguments, inlined
+# into the caller (``inline="always"``), where LLVM folds them as if written literally.
+@numba.njit(cache=True, nogil=True, inline="always")
+def _row_dup(v: Any, bits: int, kb: int, half: int, ones: Any, highs: Any, field: Any) -> Any:
+    """Nonzero: row ``v`` (low ``kb`` bits, lanes of ``bits``) has two equal lanes."""
+    t = np.uint64(0)
+    for r in range(1, half + 1):
+        s = np.uint64(r * bits)
+        x = v ^ (((v >> s) | (v << np.uint64(kb - r * bits))) & field)
+        t |= (x - ones) & ~x
+    return t & highs
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _word_dup(v: Any, bits: int, kb: int, half: int, ones: Any, highs: Any, lows: Any) -> Any:
+    """Nonzero: some row of the whole word ``v`` has two equal lanes (``lows``: per rotation
+    ``r``, the bits of every row that move down by ``r`` lanes)."""
+    full = np.uint64(0xFFFFFFFFFFFFFFFF)
+    t = np.uint64(0)
+    for i in range(half):
+        s = np.uint64((i + 1) * bits)
+        low = lows[i]
+        rot = ((v >> s) & low) | ((v << np.uint64(kb - (i + 1) * bits)) & (full & ~low))
+        x = v ^ rot
+        t |= (x - ones) & ~x
+    return t & highs
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _first_word_row(words: Any, rows: Any, start: int, stop: int, g: Any) -> int:
+    """The first row in ``[start, stop)`` repeating an id, -1 for none: whole words branch-free
+    (vectorised), the ragged ends and a failing range row by row. ``g``: `_geometry`."""
+    bits, kb, per, half, one_ones, one_highs, one_field, w_ones, w_highs, lows = g
+    lo_word = (start + per - 1) // per  # words wholly inside [start, stop)
+    hi_word = max(lo_word, min(stop // per, words.shape[0]))
+    head_end = min(stop, lo_word * per)
+    for j in range(start, head_end):
+        if _row_dup(np.uint64(rows[j]), bits, kb, half, one_ones, one_highs, one_field) != 0:
+            return j
+    sub = words[lo_word:hi_word]  # a loop from 0 to a length vectorises
+    acc = np.uint64(0)
+    for j in range(sub.shape[0]):
+        acc |= _word_dup(sub[j], bits, kb, half, w_ones, w_highs, lows)
+    if acc != 0:
+        for j in range(lo_word * per, hi_word * per):
+            if _row_dup(np.uint64(rows[j]), bits, kb, half, one_ones, one_highs, one_field):
+                return j
+    for j in range(max(head_end, hi_word * per), stop):
+        if _row_dup(np.uint64(rows[j]), bits, kb, half, one_ones, one_highs, one_field) != 0:
+            return j
+    return -1
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bad_word(w: Any, mode: int, c: Any, g: Any) -> Any:
+    """Nonzero: the one row of ``w`` repeats an id or has a lane out of range (`_range_bits`
+    ``mode``/``c``)."""
+    bits, kb, _, half, one_ones, one_highs, one_field, _, _, _ = g
+    t = _row_dup(w, bits, kb, half, one_ones, one_highs, one_field)
+    if mode == 1:  # as `_range_bits` (a nested inline call there returned None)
+        t |= (w | ((w & ~one_highs) + c)) & one_highs
+    elif mode == 2:
+        t |= w & ((w & ~one_highs) + c) & one_highs
+    return t
+
+
+def _geometry(k: int, bits: int) -> tuple[Any, ...]:
+    """The constants of rows of ``k`` lanes of ``bits``: ``(bits, kb, per, half, one_ones,
+    one_highs, one_field, w_ones, w_highs, lows)`` (`_masks` for one row and a whole word)."""
+    kb = k * bits
+    per = 64 // kb  # rows per uint64
+    half = k // 2
+    one = tuple(np.uint64(v) for v in _masks(k, bits, 1))
+    word = tuple(np.uint64(v) for v in _masks(k, bits, per))
+    lows = tuple(
+        np.uint64(sum(((1 << (kb - r * bits)) - 1) << (q * kb) for q in range(per)))
+        for r in range(1, half + 1)
+    )
+    return (bits, kb, per, half, *one, word[0], word[1], lows)
+
+
 @functools.cache
 def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``(first_token, gather)`` for rows of ``k`` lanes of ``bits`` (``k * bits`` = 16, 32 or
@@ -76,88 +160,22 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
     OR-accumulated, and a failing block returns its first failing position ``p * C + col``
     before the next block is written, -1 if none fails.
     """
-    kb = k * bits
-    per = 64 // kb  # rows per uint64
-    half = k // 2
-    one_ones, one_highs, one_field = (np.uint64(v) for v in _masks(k, bits, 1))
-    w_ones, w_highs, _ = (np.uint64(v) for v in _masks(k, bits, per))
-    # per rotation r: the bits of every row that move down by r lanes (the others move up)
-    lows = tuple(
-        np.uint64(sum(((1 << (kb - r * bits)) - 1) << (q * kb) for q in range(per)))
-        for r in range(1, half + 1)
-    )
-    full = np.uint64((1 << 64) - 1)  # per * kb == 64: every bit of a word is some row's
+    g = _geometry(k, bits)
     lane = np.uint64((1 << bits) - 1)
 
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def row_bits(v: Any) -> Any:  # nonzero: row ``v`` (low ``kb`` bits) has two equal lanes
-        t = np.uint64(0)
-        for r in range(1, half + 1):
-            s = np.uint64(r * bits)
-            x = v ^ (((v >> s) | (v << np.uint64(kb - r * bits))) & one_field)
-            t |= (x - one_ones) & ~x
-        return t & one_highs
-
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def word_bits(v: Any) -> Any:  # nonzero: some row of word ``v`` has two equal lanes
-        t = np.uint64(0)
-        for i in range(half):
-            s = np.uint64((i + 1) * bits)
-            low = lows[i]
-            rot = ((v >> s) & low) | ((v << np.uint64(kb - (i + 1) * bits)) & (full & ~low))
-            x = v ^ rot
-            t |= (x - w_ones) & ~x
-        return t & w_highs
-
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def first_row(words: Any, rows: Any, start: int, stop: int) -> int:
-        lo_word = (start + per - 1) // per  # words wholly inside [start, stop)
-        hi_word = max(lo_word, min(stop // per, words.shape[0]))
-        head_end = min(stop, lo_word * per)
-        for j in range(start, head_end):
-            if row_bits(np.uint64(rows[j])) != 0:
-                return j
-        sub = words[lo_word:hi_word]  # a loop from 0 to a length vectorises
-        acc = np.uint64(0)
-        for j in range(sub.shape[0]):  # branch-free: vectorised across words
-            acc |= word_bits(sub[j])
-        if acc != 0:
-            for j in range(lo_word * per, hi_word * per):
-                if row_bits(np.uint64(rows[j])) != 0:
-                    return j
-        for j in range(max(head_end, hi_word * per), stop):
-            if row_bits(np.uint64(rows[j])) != 0:
-                return j
-        return -1
-
-    # Not cached: numba keys a closure's cache entry by a pickle of its cells, and the cells
-    # hold the inner dispatchers, whose pickle differs per process, so every process would
-    # compile again and add a file to __pycache__ (compiled once per process instead).
-    @numba.njit(cache=False, nogil=True)
+    @numba.njit(cache=True, nogil=True)
     def first_token(words: Any, rows: Any, n_a: int, n_b: int, layers_first: bool) -> int:
         if not layers_first:
-            j = first_row(words, rows, 0, n_a * n_b)
+            j = _first_word_row(words, rows, 0, n_a * n_b, g)
             return -1 if j < 0 else j // n_b
         limit = n_b  # layers first: the smallest failing token over all layers
         for a in range(n_a):
-            j = first_row(words, rows, a * n_b, a * n_b + limit)
+            j = _first_word_row(words, rows, a * n_b, a * n_b + limit, g)
             if j >= 0:
                 limit = j - a * n_b
         return limit if limit < n_b else -1
 
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def bad(w: Any, mode: int, c: Any) -> Any:  # duplicates, or a lane out of range
-        t = row_bits(w)
-        if mode == 1:  # as `_range_bits` (a nested inline call there returned None)
-            t |= (w | ((w & ~one_highs) + c)) & one_highs
-        elif mode == 2:
-            t |= w & ((w & ~one_highs) + c) & one_highs
-        return t
-
-    # Not cached: numba keys a closure's cache entry by a pickle of its cells, and the cells
-    # hold the inner dispatchers, whose pickle differs per process, so every process would
-    # compile again and add a file to __pycache__ (compiled once per process instead).
-    @numba.njit(cache=False, nogil=True)
+    @numba.njit(cache=True, nogil=True)
     def gather(
         words: Any,
         n_layers: int,
@@ -184,7 +202,7 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
                     for li in range(n_local):
                         w = dummy if r < 0 else words[base + layer_index[li]]
                         if check:
-                            acc |= bad(w, mode, c)
+                            acc |= _bad_word(w, mode, c, g)
                         d = out[li]
                         for q in range(k):
                             d[o + q] = (w >> np.uint64(bits * q)) & lane
@@ -194,7 +212,7 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
                         r = pos_row[p, col]
                         for li in range(n_local):
                             w = dummy if r < 0 else words[r * n_layers + layer_index[li]]
-                            if bad(w, mode, c) != 0:
+                            if _bad_word(w, mode, c, g) != 0:
                                 return int(p * n_c + col)
         return -1
 
@@ -231,45 +249,45 @@ def _scan_kernel(k: int, bits: int, mode: int) -> Callable[..., Any]:
     return scan
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _first_elems_row(flat: Any, start: int, stop: int, k: int) -> int:
+    """The first row of ``k`` ids in ``[start, stop)`` of ``flat`` repeating an id, -1 for
+    none: per chunk the ``k // 2`` lane rotations OR-accumulated, a failing chunk rescanned."""
+    half = k // 2
+    i = start
+    while i < stop:
+        end = min(i + _CHUNK, stop)
+        acc = False
+        for j in range(i, end):
+            b = j * k
+            for r in range(1, half + 1):
+                for q in range(k):
+                    acc |= flat[b + q] == flat[b + (q + r) % k]
+        if acc:
+            for j in range(i, end):
+                b = j * k
+                for r in range(1, half + 1):
+                    for q in range(k):
+                        if flat[b + q] == flat[b + (q + r) % k]:
+                            return j
+        i = end
+    return -1
+
+
 @functools.cache
 def _elems_kernel(k: int) -> Callable[..., Any]:
     """``first_token(flat, n_a, n_b, layers_first)`` on C-contiguous ids ``flat`` (``[A, B, K]``
     flattened, any row size), generated with ``K`` constant: the ``K // 2`` lane rotations
     unroll and LLVM vectorises across rows with interleaved loads."""
-    half = k // 2
 
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def first_row(flat: Any, start: int, stop: int) -> int:
-        i = start
-        while i < stop:
-            end = min(i + _CHUNK, stop)
-            acc = False
-            for j in range(i, end):
-                b = j * k
-                for r in range(1, half + 1):
-                    for q in range(k):
-                        acc |= flat[b + q] == flat[b + (q + r) % k]
-            if acc:
-                for j in range(i, end):
-                    b = j * k
-                    for r in range(1, half + 1):
-                        for q in range(k):
-                            if flat[b + q] == flat[b + (q + r) % k]:
-                                return j
-            i = end
-        return -1
-
-    # Not cached: numba keys a closure's cache entry by a pickle of its cells, and the cells
-    # hold the inner dispatchers, whose pickle differs per process, so every process would
-    # compile again and add a file to __pycache__ (compiled once per process instead).
-    @numba.njit(cache=False, nogil=True)
+    @numba.njit(cache=True, nogil=True)
     def first_token(flat: Any, n_a: int, n_b: int, layers_first: bool) -> int:
         if not layers_first:
-            j = first_row(flat, 0, n_a * n_b)
+            j = _first_elems_row(flat, 0, n_a * n_b, k)
             return -1 if j < 0 else j // n_b
         limit = n_b
         for a in range(n_a):
-            j = first_row(flat, a * n_b, a * n_b + limit)
+            j = _first_elems_row(flat, a * n_b, a * n_b + limit, k)
             if j >= 0:
                 limit = j - a * n_b
         return limit if limit < n_b else -1
