@@ -1,39 +1,23 @@
-"""The expert-id rules, in one place: id range and distinct experts per top-k row.
+"""The expert-id rules, in one place (``docs/design.md``, "Expert ids").
 
-The rules (see ``docs/design.md``, "Expert ids"):
+* On a **router layer** every id is in ``[0, num_experts)`` (``num_experts=None``: only
+  ``>= 0``), and the ``K`` ids of one token's row are distinct.
+* On a **dense layer** (no router; vLLM reports a row of zeros) values are not expert ids and
+  are not checked for duplicates, but they must be ``>= 0`` and fit the storage dtype, so that
+  no narrowing cast ever wraps a value.
 
-* On a **router layer** every id is in ``[0, num_experts)`` (``num_experts=None``:
-  only ``>= 0``), and the ``K`` ids of one token's row are distinct.
-* On a **dense layer** (no router; vLLM reports a row of zeros) values are not
-  expert ids and are not checked for duplicates, but they must be ``>= 0`` and
-  fit the storage dtype, so that no narrowing cast ever wraps a value.
-
-The public face is two functions: :func:`check_routes` (both rules, or one of them, on the
-routes of a `RouteSpec`; or, without a spec, the router-layer rules on ids of router layers
-only, numpy arrays or torch tensors: CPU tensors are viewed through numpy, zero-copy; tensors
-on another device are checked there with the same operations, without importing torch) and
-:func:`gather_router_ids` (the fused collation pass).
-The common valid case on CPU costs one min/max where a bound needs it (signed ids, or
-``num_experts`` given) and one fast duplicate test: with numba installed, a numba kernel
-(`r3arrow._kernels._numba`: each top-k row of 2, 4 or 8 bytes tested as one machine word)
-that returns the first failing token; on the numpy backend (`r3arrow._kernels`: no numba, or
-``R3ARROW_NO_NUMBA`` set), the numpy test of `_Scratch` per cache-sized block (reused
-buffers, no allocation per block). Either way the reference check `_check_block`, which locates the
-offending token and layer, runs only on the first block that fails, so both backends raise
-the same error (``benchmarks/bench_validate.py`` measures both against a memory copy).
-numba is imported on the first CPU check, never by ``import r3arrow``; the first call per
-(dtype, layout) in a fresh environment compiles for about 2-6 s, later processes load the
-cached machine code. `check_routes` with a spec (also its per-turn ``exact=False`` form)
-first tries a lean path for valid unsigned ids of an all-router spec (cached bounds, one
-kernel call; top-8 uint8: one fused range + duplicate pass), falling back to the checks
-above on any failure.
+Public: `check_routes` (the rules on a `RouteSpec`'s routes, or on router-layer ids of a numpy
+array or torch tensor, checked where it lives) and `gather_router_ids` (the fused collation
+pass). The fast paths (the numba kernels of `r3arrow._kernels`, or numpy per cache-sized block)
+only decide whether a block fails; the reference `_check_block` then names the offender, so
+every backend raises the same error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, overload
 
 import numpy as np
 
@@ -52,17 +36,10 @@ _WORD_OF: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint16), 2: np.dtype(np.uin
 
 
 class _Scratch:
-    """Preallocated buffers and the fast duplicate test of `_check_router_ids` (CPU, numpy).
-
-    ``has_duplicate(blk)`` answers exactly "does some row of ``blk`` ``[A, B, K]`` (any two
-    leading axes) repeat an id", without locating it (the reference `_check_block` does that
-    on failure). ``K == 2``: one vector comparison of the two ids (as the halves of one word
-    when the block is contiguous and the ids are 1 or 2 bytes). ``K >= 3``: one transposed
-    copy of the block into a reused ``[K, A * B]`` buffer, then for each distance ``r`` one
-    comparison of positions ``i`` and ``i + r`` into a reused bool buffer: ``K (K - 1) / 2``
-    id comparisons per row, each a contiguous vector operation. ``size`` is the most rows
-    (``A * B``) a block has.
-    """
+    """Reused buffers of the numpy duplicate test: ``has_duplicate(blk)`` says whether some
+    row of ``blk`` ``[A, B, K]`` (at most ``size`` rows ``A * B``) repeats an id. ``K == 2``:
+    one comparison (of a word's halves when contiguous); ``K >= 3``: a transposed copy, then
+    one contiguous comparison per distance ``r``."""
 
     def __init__(self, k: int, size: int, dtype: np.dtype[Any]) -> None:
         self.k = k
@@ -117,40 +94,7 @@ def _check_router_ids(
     range_error: type[ExpertRangeError] = ExpertRangeError,
     duplicate_error: type[DuplicateExpertError] = DuplicateExpertError,
 ) -> None:
-    """Check the router-layer rules on ``arr``; raise on the first violation.
-
-    Parameters
-    ----------
-    arr:
-        Integer ids, numpy array or torch tensor: ``[tokens, layers, K]``, or
-        ``[layers, tokens, K]`` with ``layers_first``. Only router layers belong
-        here (select them first).
-    num_experts:
-        Exclusive upper bound of the ids, or ``None`` for "no upper bound".
-    layer_ids:
-        The global layer id of each entry of the layer axis (used in messages).
-    layers_first:
-        Layout flag, see ``arr``.
-    what:
-        What the ids are, for messages (``"routes"``, ``"replay target"``).
-    token_offset:
-        Added to token positions in messages and fields (the block's start).
-    range_error, duplicate_error:
-        The exception types to raise (the replay boundary raises its own
-        subclasses).
-
-    Raises
-    ------
-    ExpertRangeError
-        (or ``range_error``) an id is negative or ``>= num_experts``; the error's
-        ``token`` and ``layer`` fields locate it.
-    DuplicateExpertError
-        (or ``duplicate_error``) a row names the same expert twice.
-
-    Which offender an error names, when there are several, is defined by the reference
-    block check `_check_block` (unchanged by the fast path, which only decides whether a
-    block fails).
-    """
+    """`check_routes` without a spec (its router-layer form, arguments as there)."""
     if arr.ndim != 3:
         raise ValueError(f"{what}: expected a 3-d id array, found shape {list(arr.shape)}")
     n_layers = arr.shape[0] if layers_first else arr.shape[1]
@@ -176,27 +120,25 @@ def _check_router_ids(
     if kernels is not None:
         _check_cpu_numba(data, step, where, kernels)
         return
-    signed = bool(dtype.kind == "i")
-    scratch = _Scratch(k, min(step, tokens) * n_layers, np.dtype(data.dtype))
+    scratch = _Scratch(k, min(step, tokens) * n_layers, dtype) if k > 1 else None
     for a in range(0, tokens, step):
         blk = data[:, a : a + step] if layers_first else data[a : a + step]
-        # The common valid case: a min/max and the fast duplicate test on the block as it
-        # lies; a failing block is re-checked by the reference to name the first offender.
-        lo = int(blk.min()) if signed else 0
-        hi = int(blk.max())
-        bad_range = lo < 0 or (num_experts is not None and hi >= num_experts)
-        if bad_range or (k > 1 and scratch.has_duplicate(blk)):
-            _check_block(blk, a, where)
-            raise AssertionError(f"{what}: block at token {a} expected to fail")  # pragma: no cover
+        if _fails(blk, num_experts, scratch):  # the reference names the first offender
+            _check_block(blk, a, where, must_fail=True)
+
+
+def _fails(blk: np.ndarray, num_experts: int | None, scratch: _Scratch | None) -> bool:
+    """Whether block ``blk`` ``[A, B, K]`` breaks a rule: a min/max, then `_Scratch`."""
+    lo = int(blk.min()) if blk.dtype.kind == "i" else 0
+    if lo < 0 or (num_experts is not None and int(blk.max()) >= num_experts):
+        return True
+    return scratch is not None and scratch.has_duplicate(blk)
 
 
 def _check_cpu_numba(data: np.ndarray, step: int, w: _Where, kernels: ModuleType) -> None:
-    """`_check_router_ids` on a numpy array with the numba backend.
-
-    Finds the first failing token (the smaller of the first out-of-range token and the first
-    token repeating an id), then runs the reference `_check_block` on the block of ``step``
-    tokens holding it: the same block, hence the same error, as the numpy backend's loop.
-    """
+    """`_check_router_ids` on the numba backend: the first failing token (out of range or
+    repeating an id), then the reference `_check_block` on its block of ``step`` tokens (the
+    numpy loop's block, hence its error)."""
     layers_first = w.layers_first
     tokens = data.shape[1] if layers_first else data.shape[0]
     e = w.num_experts
@@ -211,40 +153,27 @@ def _check_cpu_numba(data: np.ndarray, step: int, w: _Where, kernels: ModuleType
         first = dup
     if first < tokens:
         a = first - first % step
-        _check_block(data[:, a : a + step] if layers_first else data[a : a + step], a, w)
-        raise AssertionError(f"{w.what}: block at token {a} expected to fail")  # pragma: no cover
+        blk = data[:, a : a + step] if layers_first else data[a : a + step]
+        _check_block(blk, a, w, must_fail=True)
 
 
-class _Where:
-    """How `_check_router_ids` was called: bound, layer ids, layout, names, offset, error types."""
+class _Where(NamedTuple):
+    """How `_check_router_ids` was called (bound, layer ids, layout, names, error types)."""
 
-    def __init__(
-        self,
-        num_experts: int | None,
-        layer_ids: Sequence[int],
-        layers_first: bool,
-        what: str,
-        token_offset: int,
-        range_error: type[ExpertRangeError],
-        duplicate_error: type[DuplicateExpertError],
-    ) -> None:
-        self.num_experts = num_experts
-        self.layer_ids = layer_ids
-        self.layers_first = layers_first
-        self.what = what
-        self.token_offset = token_offset
-        self.range_error = range_error
-        self.duplicate_error = duplicate_error
+    num_experts: int | None
+    layer_ids: Sequence[int]
+    layers_first: bool
+    what: str
+    token_offset: int
+    range_error: type[ExpertRangeError]
+    duplicate_error: type[DuplicateExpertError]
 
 
-def _check_block(blk: Any, a: int, w: _Where) -> None:
-    """The reference check of one block (tokens ``a ..``), numpy or torch; raises on a violation.
-
-    It defines which offender is reported: within the first failing block (blocks of
-    ``_BLOCK_IDS // (layers * K)`` tokens), an out-of-range id first, the first in
-    ``(k, layer, token)`` order; otherwise a duplicate at the smallest distance ``r``
-    between the two positions, then the first in ``(k, layer, token)`` order.
-    """
+def _check_block(blk: Any, a: int, w: _Where, must_fail: bool = False) -> None:
+    """The reference check of one block (tokens ``a ..``), numpy or torch. It defines the
+    offender reported: in the first failing block, an out-of-range id first (the first in
+    ``(k, layer, token)`` order), else a duplicate at the smallest distance ``r`` (then the
+    first in that order). ``must_fail``: a fast path said the block fails."""
     k = int(blk.shape[2])
     perm = (2, 0, 1) if w.layers_first else (2, 1, 0)
     numpy_in = isinstance(blk, np.ndarray)
@@ -276,6 +205,8 @@ def _check_block(blk: Any, a: int, w: _Where) -> None:
                 token=w.token_offset + a + tok,
                 layer=w.layer_ids[layer],
             )
+    if must_fail:  # pragma: no cover - a fast path and the reference disagree
+        raise AssertionError(f"{w.what}: block at token {w.token_offset + a} expected to fail")
 
 
 _ROW_OF: dict[int, np.dtype[Any]] = {
@@ -300,13 +231,9 @@ def gather_router_ids(
 ) -> None:
     """The fused collation pass: gather router layers, check their ids, widen to int32.
 
-    One cache-blocked pass over the compact ids (``docs/collation.md``): for every block of
-    output positions and every local layer, the block's compact rows are gathered, checked
-    with the router-layer rules (ids in ``[0, num_experts)``, no expert twice in a row; the
-    rules of `_check_router_ids`) while still compact, and only then widened into ``out``.
-    Backends as for `_check_router_ids`: a numba kernel (`r3arrow._kernels._numba.gather_widen`)
-    or, on the numpy backend, numpy per block; both raise the same
-    error for the same input.
+    One cache-blocked pass (``docs/collation.md``): each block of output positions is
+    gathered, checked with the router-layer rules while still compact, then widened into
+    ``out``; every backend raises the same error for the same input.
 
     Parameters
     ----------
@@ -335,7 +262,7 @@ def gather_router_ids(
     Raises
     ------
     ExpertRangeError, DuplicateExpertError
-        As `_check_router_ids` on the first failing source row (``token`` = that row of
+        As `check_routes` on the first failing source row (``token`` = that row of
         ``src``; ``layer`` its global layer); ``out`` is then partly written.
     ValueError
         Shapes or dtypes that do not fit each other.
@@ -414,10 +341,9 @@ def _gather_numpy(
     num_experts: int | None,
     check: bool,
 ) -> int:
-    """`gather_router_ids` with numpy: per block, one ``take`` of the rows' local layers, the
-    min/max and `_Scratch` duplicate test on the compact block, then a transpose in cache and
-    the widening copy (``pos_row``/``out``: views, any strides). Returns the first failing
-    position (flat ``p * C + c`` of the views) or -1."""
+    """`gather_router_ids` with numpy, per block: a ``take`` of the local layers, the tests on
+    the compact block, a transpose in cache and the widening copy. Returns the first failing
+    position (flat ``p * C + c`` of the views ``pos_row``/``out``) or -1."""
     tokens, layers, k = (int(v) for v in src.shape)
     n_local = int(layer_index.shape[0])
     n_p, n_c = (int(v) for v in pos_row.shape)
@@ -427,7 +353,6 @@ def _gather_numpy(
     dummy = np.frombuffer(np.arange(k, dtype=src.dtype).tobytes(), dtype=row_dtype)[0]
     step = max(1, _BLOCK_IDS // max(1, n_c * n_local * k))
     scratch = _Scratch(k, step * n_c * n_local, np.dtype(src.dtype)) if check and k > 1 else None
-    signed = src.dtype.kind == "i"
     tmp = np.empty((n_local, step * n_c), dtype=row_dtype)
     for p0 in range(0, n_p, step):
         p1 = min(n_p, p0 + step)
@@ -442,10 +367,7 @@ def _gather_numpy(
             stage[pad] = dummy
         if check:
             ids = stage.view(src.dtype).reshape(m, n_local, k)
-            lo = int(ids.min()) if signed else 0
-            hi = int(ids.max())
-            bad_range = lo < 0 or (num_experts is not None and hi >= num_experts)
-            if bad_range or (scratch is not None and scratch.has_duplicate(ids)):
+            if _fails(ids, num_experts, scratch):
                 return p0 * n_c + _first_bad_row(ids, num_experts)
         t = tmp[:, :m]
         np.copyto(t, stage.T)
@@ -464,12 +386,7 @@ def _first_bad_row(ids: np.ndarray, num_experts: int | None) -> int:
 
 
 def _check_range(arr: np.ndarray, spec: RouteSpec, what: str) -> tuple[int, int]:
-    """The id range of ``arr`` ``[rows, L, K]`` (`check_routes` ``rules="range"``): (min, max).
-
-    Router layers need ids in ``[0, num_experts)``; every layer needs values
-    ``>= 0`` that fit the storage dtype. Returns ``(0, -1)`` for no rows. Raises
-    `ExpertRangeError` with ``token`` and ``layer`` set.
-    """
+    """`check_routes` ``rules="range"``: ``(min, max)`` of ``arr`` ``[rows, L, K]``."""
     if arr.size == 0:
         return 0, -1
     hi = int(arr.max())
@@ -497,25 +414,16 @@ def _check_range(arr: np.ndarray, spec: RouteSpec, what: str) -> tuple[int, int]
     return lo, hi
 
 
-# id(spec) -> (spec, largest storable value, exclusive id bound or -1): `np.iinfo` per call
-# costs microseconds on a per-turn path. The spec is kept (so its id is not reused while
-# cached) and compared by identity.
+# id(spec) -> (spec, storage cap, id bound or -1): computing them costs microseconds per turn.
+# The spec is kept (its id is not reused while cached) and compared by identity.
 _BOUNDS: dict[int, tuple[RouteSpec, int, int]] = {}
 
 
 def _lean_check(arr: Any, spec: RouteSpec, *, exact: bool = True) -> int | None:
-    """`check_routes`' fast path: the largest id when ``arr`` passes both rules, else None.
-
-    ``exact=False`` (the capture path): an upper bound of it (below ``num_experts``) is
-    enough, and top-8 uint8 ids take the fused `scan_top8` pass instead of max + duplicates.
-
-    Applies to a non-empty C-contiguous native unsigned numpy ``arr`` ``[rows, L, K]``
-    (``K >= 2``) of a spec whose every layer is a router layer (``moe_layers`` None), with
-    the numba backend: one ``max`` (range: ``< num_experts`` and ``<= spec.storage_cap``; unsigned
-    ids are ``>= 0``) and one call of the word kernel for duplicates, without the per-call
-    dispatch of `_check_router_ids`. None (not applicable, or some rule fails): the caller
-    runs the reference checks, which raise the usual errors.
-    """
+    """`check_routes`' fast path: the largest id (``exact=False``: an upper bound below
+    ``num_experts``) when ``arr`` passes both rules, None when it fails or the path does not
+    apply (numba backend, non-empty C-contiguous native unsigned ``[rows, L, K]``, ``K >= 2``,
+    every layer a router layer): the caller then runs the reference checks."""
     if (
         type(arr) is not np.ndarray
         or spec.moe_layers is not None
@@ -549,13 +457,7 @@ def _lean_check(arr: Any, spec: RouteSpec, *, exact: bool = True) -> int | None:
 
 
 def _check_distinct(arr: np.ndarray, spec: RouteSpec, what: str) -> None:
-    """Raise `DuplicateExpertError` if a router-layer row of ``arr`` ``[rows, L, K]`` repeats one
-    (`check_routes` ``rules="distinct"``; negative ids are left to the range rule).
-
-    With ``spec.moe_layers=None`` every layer is a router layer; a duplicate on a
-    layer that is really dense (vLLM reports zeros there) is then reported with a
-    hint to declare ``moe_layers``.
-    """
+    """`check_routes` ``rules="distinct"`` (negative ids are left to the range rule)."""
     if arr.shape[0] == 0 or spec.topk == 1:
         return
     layers = list(spec.router_layers)
@@ -636,13 +538,8 @@ def check_routes(
     * ``rules="range"``: the id range only (returns (min, max));
       ``rules="distinct"``: distinct experts only (returns ``(0, -1)``).
     * ``exact=False`` (the capture path, ``rules="all"``): the returned max may be an upper
-      bound of the largest id, still ``< num_experts`` (top-8 uint8 ids: one fused range +
-      duplicate pass, `r3arrow._kernels._numba.scan_top8`; the min is then 0); exact when
+      bound of the largest id, still ``< num_experts`` (the min is then 0); exact when
       ``num_experts`` is None.
-
-    The common valid case takes a lean path (`_lean_check`: one max and one duplicate-kernel
-    call, bounds cached per spec); whenever it does not apply or finds a violation, the rules
-    run as written, so the errors are theirs.
 
     **Without a spec** (router-layer ids): ``arr`` holds router layers only (select them
     first), numpy array or torch tensor, ``[tokens, layers, K]`` or ``[layers, tokens, K]``

@@ -1,20 +1,12 @@
 """The one switch between the numba kernels and their numpy/torch twins (private).
 
-Every accelerated path of r3arrow (the id checks and the fused collation gather of
-`r3arrow.ids`, the counting and agreement statistics, the layer-group interleave copy of a
-read, the replay probe) asks this module for the compiled kernels: `compiled` returns the
-module `r3arrow._kernels._numba`, or None, and the caller then runs its numpy (or torch)
-implementation, which stays beside it as the reference and the fallback: both give the same
-results and raise the same errors.
-
-The backend is ``"numba"`` when numba (the optional extra ``fast``) imports and the
-environment variable ``R3ARROW_NO_NUMBA`` is unset (``""`` and ``"0"`` count as unset),
-else ``"numpy"``. It is decided once per process, on the first call of `backend` or
-`compiled` (so numba is never imported by ``import r3arrow``), and cached; tests switch it
-with `r3arrow.testing.use_backend`, the one documented seam.
-
-Compilation: the kernels use ``cache=True`` (machine code stored in ``__pycache__`` beside
-``_numba.py``, or numba's user cache; ``NUMBA_CACHE_DIR`` overrides) and ``nogil=True``.
+Every accelerated path (the id checks and the collation gather, the counting and agreement
+statistics, the interleave copy of a read, the replay probe) asks `compiled` for the module
+`r3arrow._kernels._numba`, or None, and then runs its numpy (or torch) reference, which gives
+the same results and raises the same errors. The backend is ``"numba"`` when numba (the extra
+``fast``) imports and ``R3ARROW_NO_NUMBA`` is unset (``""`` and ``"0"`` count as unset), else
+``"numpy"``; decided once per process on first use (``import r3arrow`` never imports numba).
+Tests switch it with `r3arrow.testing.use_backend`, the one documented seam.
 """
 
 from __future__ import annotations

@@ -1,35 +1,28 @@
 """The numba kernels of r3arrow, all of them (private; loaded by `r3arrow._kernels.compiled`).
 
-Only imported where numba imports and ``R3ARROW_NO_NUMBA`` is unset (`r3arrow._kernels`). Every
-kernel has a numpy (or torch) twin beside its caller that is the reference: the kernels only
+Every kernel has a numpy (or torch) twin beside its caller, the reference: the kernels only
 *find* (the first failing token or position, a flag for bad input) and the caller re-runs its
 reference on that piece, so messages, error fields and the "first offender" rule are the
 reference's. Sections:
 
-* **Expert ids** (`first_duplicate_token`, `scan_top8`, `gather_widen`; callers `r3arrow.ids`,
-  docs/design.md "Expert ids", ``docs/collation.md``). Rows of ``K * itemsize`` = 2, 4 or 8
-  bytes (C-contiguous, little-endian) are read as uint64 words of ``64 // (K * bits)`` rows,
-  ``K`` lanes each: for each rotation ``r = 1 .. K // 2`` by ``r`` lanes within every row,
-  ``x = w ^ rot(w, r)`` has a zero lane exactly when two ids at distance ``r`` are equal, and
-  ``(x - 0x01..01) & ~x & 0x80..80`` is nonzero exactly when ``x`` has a zero lane; the test is
+* **Expert ids** (`first_duplicate_token`, `scan_top8`, `gather_widen`; caller `r3arrow.ids`):
+  rows of ``K * itemsize`` = 2, 4 or 8 bytes are read as uint64 words of ``64 // (K * bits)``
+  rows; for each rotation ``r = 1 .. K // 2`` lanes within every row, ``x = w ^ rot(w, r)``
+  has a zero lane exactly when two ids at distance ``r`` are equal, and
+  ``(x - 0x01..01) & ~x & 0x80..80`` is nonzero exactly when ``x`` has one; the test is
   OR-accumulated without branches (vectorised), and a failing range is rescanned row by row.
-  Other C-contiguous rows compare the ``K // 2`` lane rotations per row; any strides go through
-  transposed ``[K, chunk]`` buffers. The specialisations per top-k and lane width are
-  **generated**: `_word_kernels` (``K``, ``bits``) and `_elems_kernel` (``K``) build the njit
-  functions from one source with ``K``, ``bits`` and the lane masks as compile-time constants
-  (closure variables: numba folds them, about twice the speed of runtime shift amounts), cached
-  per key in memory and on disk: the closures hold only constants, so numba's cache index
-  (keyed on the closure values) hits in every later process.
-* **Statistics** (`count_codes`, `count_bytes`, `agree`; `r3arrow.stats._counts`,
-  `r3arrow.stats._agreement`): one pass over the ids; they never raise, bad input is flagged.
-* **Interleave** (`copy_runs`; `r3arrow.io._interleave`): the runs of a layer-group restore.
-* **Replay probe** (`overlap_rows`, `overlap_rows_bf16`; `r3arrow.megatron._probe`,
+  Other rows compare the ``K // 2`` rotations per row (any strides: transposed chunks). The
+  specialisations per top-k and lane width are generated (`_word_kernels`, `_elems_kernel`):
+  closures over constants only, which numba folds (about twice the speed of runtime shift
+  amounts) and its disk cache keys on, so every later process loads them.
+* **Statistics** (`count_codes`, `count_bytes`, `agree`; `r3arrow.stats`): one pass over the
+  ids; they never raise, bad input is flagged.
+* **Interleave** (`copy_runs`; `r3arrow.io`): the runs of a layer-group restore.
+* **Replay probe** (`overlap_rows`, `overlap_rows_bf16`; `r3arrow.megatron`,
   ``docs/replay-probe.md``): ``|native ∩ replayed|`` per token in one read of the scores.
 
-Compilation: ``cache=True`` stores the machine code in ``__pycache__`` next to this file (or
-numba's user cache where that is not writable; ``NUMBA_CACHE_DIR`` overrides): the first call per
-signature in a fresh environment compiles for a few seconds, later processes load it.
-``nogil=True``: the kernels run in parallel with other Python threads.
+``cache=True`` stores machine code in ``__pycache__`` beside this file (or numba's user cache;
+``NUMBA_CACHE_DIR`` overrides); ``nogil=True`` lets the kernels run beside other threads.
 """
 
 from __future__ import annotations
@@ -62,10 +55,9 @@ def _masks(k: int, bits: int, fields: int) -> tuple[int, int, int]:
     return ones, ones << (bits - 1), rows
 
 
-# The generated kernels are closures over constants only (the row geometry, the masks), so
-# numba's disk cache, which keys a closure by a pickle of its cells, hits in every process;
-# the helpers they call are module globals taking those constants as arguments, inlined
-# into the caller (``inline="always"``), where LLVM folds them as if written literally.
+# The generated kernels close over constants only: numba's disk cache keys a closure by a
+# pickle of its cells, and a dispatcher's pickle changes per process. The helpers are module
+# globals taking the constants as arguments, inlined (LLVM folds them as literals).
 @numba.njit(cache=True, nogil=True, inline="always")
 def _row_dup(v: Any, bits: int, kb: int, half: int, ones: Any, highs: Any, field: Any) -> Any:
     """Nonzero: row ``v`` (low ``kb`` bits, lanes of ``bits``) has two equal lanes."""
