@@ -208,3 +208,23 @@ def test_demo_cli_against_an_engine_url_without_shape_flags_replays(
     assert f"routers sized from the routes observed ({sized} = max id + 1" in out
     assert "[6/7] replay into" in out and "routing identical to the engine's" in out
     assert "[7/7] replay diagnostics: skipped (needs the embedded engine's" in out
+
+
+def test_demo_ctrl_c_stops_between_stages_without_a_traceback(tmp_path: Path) -> None:
+    """SIGINT during stage 1: the demo stops before stage 2, exits 130, prints no traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "r3arrow", "demo", "--out", str(tmp_path / "d")]
+    argv += ["--groups", "8", "--samples", "4", "--turns", "4", "--no-progress", "--no-replay"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith("[1/7]"), first
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert "[2/7]" not in out
+    assert "Traceback" not in err
+    assert "interrupted" in err

@@ -26,6 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import signal
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -83,8 +86,39 @@ class DemoResult:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
+# Set by the demo's SIGINT handler: the next stage boundary (`_say`) stops the demo.
+_STOP = threading.Event()
+
+
 def _say(msg: str) -> None:
+    if _STOP.is_set():
+        raise KeyboardInterrupt
     print(msg, flush=True)
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """First Ctrl-C: stop at the next stage boundary; the second: stop now. Raising from the
+    handler at an arbitrary point would land in whatever runs then, e.g. a weakref callback,
+    where Python prints the traceback and drops the exception."""
+    if _STOP.is_set():
+        raise KeyboardInterrupt
+    _STOP.set()
+    print("r3arrow demo: stopping after this stage (Ctrl-C again to stop now)", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _stop_between_stages() -> Iterator[None]:
+    """`_on_sigint` as the SIGINT handler while the demo runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _STOP.clear()
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _STOP.clear()
 
 
 def _shape(cfg: DemoConfig) -> dict[str, Any]:
@@ -175,8 +209,15 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     """Run the pipeline, printing what each stage did.
 
     Errors of any stage propagate; the checks (Parquet round trip, replay) are reported in the
-    result, and `R3ArrowError` is raised at the end if one failed.
+    result, and `R3ArrowError` is raised at the end if one failed. Ctrl-C (in the main
+    thread) stops the demo at the next stage boundary with `KeyboardInterrupt`; a second
+    Ctrl-C stops it at once.
     """
+    with _stop_between_stages():
+        return _run(cfg)
+
+
+def _run(cfg: DemoConfig) -> DemoResult:
     from r3arrow.collate import MegatronCollator
     from r3arrow.io import read_rollouts, write_rollouts
     from r3arrow.microbatch import split_microbatches
