@@ -383,9 +383,15 @@ def test_engine_router_inputs_reproduce_its_routing() -> None:
     assert inputs.shape == (70, len(moe), engine.config.hidden_size)
     assert inputs.dtype == np.float64
     logits = np.einsum("tlh,lhe->tle", inputs, engine.model.router_weights().numpy())
-    top = np.sort(np.argsort(-logits, axis=-1)[..., : engine.config.topk], axis=-1)
+    k = engine.config.topk
+    top = np.sort(np.argsort(-logits, axis=-1)[..., :k], axis=-1)
     routes = engine.routes_for(seq)
-    np.testing.assert_array_equal(top, np.sort(routes[:, list(moe)], axis=-1))
+    # another BLAS may move a logit by a few ulps: rows whose k-th and (k+1)-th logits are
+    # that close may rank either way, every other row must match exactly
+    ranked = -np.sort(-logits, axis=-1)
+    clear = (ranked[..., k - 1] - ranked[..., k]) > 1e-9
+    assert clear.mean() > 0.95
+    np.testing.assert_array_equal(top[clear], np.sort(routes[:, list(moe)], axis=-1)[clear])
     # causal: a prefix sees the same inputs as the first rows of the whole sequence (to the
     # last bits: BLAS may pick another kernel for another length)
     np.testing.assert_allclose(engine.router_inputs(seq[:30]), inputs[:30], rtol=1e-12, atol=1e-12)
