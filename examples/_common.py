@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -29,14 +30,15 @@ def say(msg: str) -> None:
 
 
 def parse_args(doc: str, out: str, argv: list[str] | None) -> argparse.Namespace:
-    """The options every loop takes; ``out`` is the default output folder."""
+    """The options every loop takes; ``out`` names the default output folder, made under the
+    system's temp directory (never in the working tree)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--groups", type=int, default=3)
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / out)
     return parser.parse_args(argv)
 
 
