@@ -1,35 +1,10 @@
 """Plan and read one (DP rank, PP stage)'s share of a rollout directory, by row group.
 
-Torch-free core (numpy, pyarrow, `r3arrow.io`): the pieces that
-`r3arrow.collate.collate_directory` (local, one process per rank) and
-`r3arrow.ray.shard_microbatches` (Ray Data read tasks) are built from, so a Ray read task
-never imports torch. Per step:
-
-1. **Plan** (`plan_steps`): the token columns of every row group are read (prompt and
-   response ids only: a few bytes per token against ``L*K`` route bytes), and
-   `r3arrow.microbatch.plan_dp_microbatches` plans every DP rank on the step's lengths:
-   the very plan `r3arrow.microbatch.split_microbatches` gives on the whole step in
-   memory, so every rank gets the same number of microbatches (padding microbatches
-   last) and every rank computes the same plan.
-   ``dp_assign="contiguous"`` plans with `plan_contiguous` instead: each DP rank a
-   contiguous row range, so it reads only its own row groups.
-2. **Read** (`read_share`): the rank's microbatches are grouped into *waves* whose
-   estimated bytes fit ``max_memory``; for a wave, each row group holding one of its
-   rows is read with only the stage's layers (``layers=``: a layer-projected read,
-   ``docs/storage.md``) and the wave's rows are taken out of it (one copy, then the
-   group's other rows are dropped; a group whose rows are all the wave's is kept as is),
-   so at most ``max_memory`` plus one row group is resident. A wave's microbatch is a
-   zero-copy concatenation of slices of those pieces, rows in ascending step order (as
-   `split_microbatches` orders them).
-
-Every row group is validated as it is read (``validate=True``, the readers' checks of
-`r3arrow.io`), and the microbatch tables are marked validated so a collator does not
-check them again. Memory: the budget bounds the pieces of one wave; one microbatch is
-never split, so a microbatch larger than ``max_memory`` still forms a wave of its own.
-More than one wave per step re-reads the row groups shared by two waves (``docs/ray.md``).
-
-`read_ahead` overlaps reading the next wave with the caller's use of the current one
-(`r3arrow.collate.collate_directory` collates meanwhile) when both fit the budget.
+Torch-free (numpy, pyarrow, `r3arrow.io`), so a Ray read task never imports torch: the
+pieces of `r3arrow.collate.collate_directory` and `r3arrow.ray.shard_microbatches`.
+`plan_steps` plans each step from its token columns, `read_share` reads a rank's share in
+waves that fit ``max_memory``, `read_ahead` overlaps the next wave's read with the use of
+the current one. Semantics and memory bounds: ``docs/ray.md`` (The plan, The read).
 """
 
 from __future__ import annotations
@@ -45,16 +20,20 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_choice, check_int, check_optional_int, check_positive_int
-from r3arrow._schema import ROLLOUT_COLUMNS, list_lengths
+from r3arrow._schema import ROLLOUT_COLUMNS
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import SchemaError
 from r3arrow.io import DEFAULT_MAX_MEMORY, read_rollouts, rollout_files
 from r3arrow.microbatch import padding_table, plan_dp_microbatches
 from r3arrow.spec import RouteSpec
+from r3arrow.table import sequence_lengths, take_rows
 
 #: Columns a collator reads: the core columns; ``routes`` is added with a spec.
 COLLATE_COLUMNS = tuple(c for c in ROLLOUT_COLUMNS if c != "routes")
+#: DP assignments of `plan_steps`: "balanced" (`plan_dp_microbatches`, the plan of
+#: `split_microbatches`) or "contiguous" (`plan_contiguous`, each rank a row range).
+DP_ASSIGNMENTS = ("balanced", "contiguous")
 T = TypeVar("T")
 #: Bytes per token of the non-route columns in the memory estimate (ids, mask, offsets).
 _TOKEN_BYTES = 16
@@ -72,13 +51,8 @@ class RowGroupRef:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """The microbatch plan of one step for every DP rank.
-
-    ``groups``: the step's row groups in row order; ``lengths``: tokens (prompt +
-    response) of every row, int64 ``[B]``; ``microbatches[rank][j]``: the rows (int64,
-    ascending, step order) of microbatch ``j`` of DP rank ``rank`` — empty for a padding
-    microbatch. Every rank has ``num_microbatches`` of them; every row is in exactly one.
-    """
+    """The microbatch plan of one step: ``groups`` in row order, int64 ``lengths`` ``[B]``,
+    ``microbatches[rank][j]`` the ascending rows of microbatch ``j`` (empty: padding)."""
 
     step: int | None
     groups: tuple[RowGroupRef, ...]
@@ -103,78 +77,39 @@ def plan_contiguous(
     multiple: int = 1,
     packed: bool = True,
 ) -> list[list[np.ndarray]]:
-    """A DP plan like `plan_dp_microbatches` whose ranks hold contiguous rows.
-
-    Rank ``r`` gets the rows whose cost midpoint (lengths rounded up to ``multiple``,
-    cumulated in row order) falls in the ``r``-th ``1/dp_size`` of the total cost: a
-    contiguous range, balanced to within one trajectory. Each range is split by
-    `plan_dp_microbatches` (``dp_size=1``); every rank is padded (empty arrays, last) to the largest
-    count. A rank then reads only the row groups of its range. Raises as
-    `plan_dp_microbatches`.
-    """
+    """A DP plan like `plan_dp_microbatches` whose ranks hold contiguous rows: rank ``r``
+    gets the rows whose cost midpoint (cumulated in row order) falls in the ``r``-th
+    ``1/dp_size`` of the total cost. Raises as `plan_dp_microbatches`."""
     dp_size = check_positive_int(dp_size, "dp_size")
     multiple = check_positive_int(multiple, "multiple")
     max_tokens = check_optional_int(max_tokens, "max_tokens", minimum=1)
     bins = check_optional_int(num_microbatches, "num_microbatches", minimum=1)
     n = np.asarray(lengths, dtype=np.int64)
-    malformed = n.ndim != 1 or n.size == 0 or int(n.min(initial=1)) < 1
-    neither = max_tokens is None and bins is None
-    if malformed or neither or (bins is not None and bins > n.size):
-        # Let the balanced planner raise its error for these (same messages).
-        return plan_dp_microbatches(
-            n,
-            dp_size=dp_size,
-            max_tokens=max_tokens,
-            num_microbatches=bins,
-            multiple=multiple,
-            packed=packed,
-        )
     cost = -(-n // multiple) * multiple
-    if max_tokens is not None and int(cost.max()) > max_tokens:  # raises, naming the row
-        plan_dp_microbatches(n, max_tokens=max_tokens, multiple=multiple, packed=packed)
+    options: dict[str, Any] = {"max_tokens": max_tokens, "multiple": multiple, "packed": packed}
+    if (
+        n.ndim != 1
+        or n.size == 0
+        or int(n.min(initial=1)) < 1
+        or (max_tokens is None and bins is None)
+        or (bins is not None and bins > n.size)
+        or (max_tokens is not None and int(cost.max()) > max_tokens)
+    ):
+        # The balanced planner raises its error for these (same messages).
+        return plan_dp_microbatches(n, dp_size=dp_size, num_microbatches=bins, **options)
     cum = np.cumsum(cost)
-    mid = cum - cost / 2
-    owner = np.minimum((mid * dp_size // int(cum[-1])).astype(np.int64), dp_size - 1)
+    owner = np.minimum(((cum - cost / 2) * dp_size // int(cum[-1])).astype(np.int64), dp_size - 1)
     plan: list[list[np.ndarray]] = []
     for rank in range(dp_size):  # per DP rank: not a hot loop
         rows = np.flatnonzero(owner == rank)
-        if not rows.size:
-            plan.append([])
-            continue
         count = None if bins is None else min(bins, int(rows.size))
-        (parts,) = plan_dp_microbatches(
-            n[rows],
-            max_tokens=max_tokens,
-            num_microbatches=count,
-            multiple=multiple,
-            packed=packed,
+        parts = (
+            plan_dp_microbatches(n[rows], num_microbatches=count, **options)[0] if rows.size else []
         )
         plan.append([rows[g] for g in parts])
     total = max(max(len(p) for p in plan), bins or 1)
     empty = np.zeros(0, dtype=np.int64)
     return [p + [empty] * (total - len(p)) for p in plan]
-
-
-#: DP assignments of `plan_steps`: "balanced" (`plan_dp_microbatches`, the plan of
-#: `split_microbatches`) or "contiguous" (`plan_contiguous`, each rank a row range).
-DP_ASSIGNMENTS = ("balanced", "contiguous")
-
-
-def _step_plan(
-    step: int | None,
-    groups: list[RowGroupRef],
-    lengths: list[np.ndarray],
-    dp_size: int,
-    assign: str,
-    options: dict[str, Any],
-) -> StepPlan:
-    n = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    if n.size == 0:
-        where = groups[0].path if groups else "the step"
-        raise SchemaError(f"step {step}: expected trajectories to plan, found none in {where}")
-    planner = plan_contiguous if assign == "contiguous" else plan_dp_microbatches
-    plan = planner(n, dp_size=dp_size, **options)
-    return StepPlan(step, tuple(groups), n, tuple(tuple(rank) for rank in plan))
 
 
 def plan_steps(
@@ -189,24 +124,21 @@ def plan_steps(
     dp_assign: str = "balanced",
     validate: bool = True,
 ) -> tuple[RouteSpec, Iterator[StepPlan]]:
-    """The spec of ``path`` (a rollout file or step root) and a lazy plan per step.
+    """The spec of ``path`` (a rollout file or step root) and a lazy `StepPlan` per step.
 
-    Footers are read (and every file checked to share one spec) before returning; each
-    `StepPlan` is computed when the iterator reaches it, from the step's token columns
-    (read row group by row group, validated unless ``validate=False``). The plan is
-    `r3arrow.microbatch.plan_dp_microbatches` with these arguments (``max_tokens``,
-    ``num_microbatches`` per rank; ``multiple`` and ``packed`` the collator's layout), or
-    with ``dp_assign="contiguous"`` `plan_contiguous` (each DP rank a row range, so it
-    reads only its row groups; not the plan of `split_microbatches`). A file outside a
-    root is one step, ``None``.
+    Footers are read (one spec for every file) before returning; each plan is made from
+    the step's token columns (validated unless ``validate=False``) when the iterator
+    reaches it, by `plan_dp_microbatches` with these arguments or, with
+    ``dp_assign="contiguous"``, `plan_contiguous`. A file outside a root is step ``None``.
 
-    Raises ``TypeError``/``ValueError`` for argument misuse (as `plan_dp_microbatches`,
-    checked here), `SchemaError` (``path`` set) for a missing, foreign or corrupt file or
-    mixed specs, and, while iterating, the readers' validation errors and `SchemaError`
-    for a trajectory over ``max_tokens``.
+    Raises ``TypeError``/``ValueError`` for argument misuse (checked here), `SchemaError`
+    (``path`` set) for a missing, foreign or corrupt file or mixed specs and, while
+    iterating, the readers' validation errors and `SchemaError` for a trajectory over
+    ``max_tokens``.
     """
     dp = check_positive_int(dp_size, "dp_size")
     assign = check_choice(dp_assign, "dp_assign", DP_ASSIGNMENTS)
+    planner = plan_contiguous if assign == "contiguous" else plan_dp_microbatches
     options: dict[str, Any] = {
         "max_tokens": check_optional_int(max_tokens, "max_tokens", minimum=1),
         "num_microbatches": check_optional_int(num_microbatches, "num_microbatches", minimum=1),
@@ -220,11 +152,11 @@ def plan_steps(
     assert spec is not None  # require_routes
 
     def plans() -> Iterator[StepPlan]:
-        for step, step_group in itertools.groupby(files, key=lambda f: f.step):
+        for step, step_files in itertools.groupby(files, key=lambda f: f.step):
             groups: list[RowGroupRef] = []
-            lengths: list[np.ndarray] = []
+            lengths: list[np.ndarray] = [np.zeros(0, np.int64)]
             start = 0
-            for f in step_group:
+            for f in step_files:
                 for g in range(f.num_row_groups):  # per row group: not a hot loop
                     cols = read_rollouts(
                         [f],
@@ -232,22 +164,24 @@ def plan_steps(
                         columns=["prompt_ids", "response_ids"],
                         validate=validate,
                     )
-                    n = list_lengths(cols.column("prompt_ids")) + list_lengths(
-                        cols.column("response_ids")
-                    )
+                    n = sequence_lengths(cols)
                     groups.append(RowGroupRef(str(f.path), g, start, int(n.shape[0])))
                     lengths.append(n)
                     start += int(n.shape[0])
-            yield _step_plan(step, groups, lengths, dp, assign, options)
+            n = np.concatenate(lengths)
+            if n.size == 0:
+                where = groups[0].path if groups else "the step"
+                raise SchemaError(
+                    f"step {step}: expected trajectories to plan, found none in {where}"
+                )
+            plan = planner(n, dp_size=dp, **options)
+            yield StepPlan(step, tuple(groups), n, tuple(tuple(rank) for rank in plan))
 
     return spec, plans()
 
 
 def _read(
-    ref: RowGroupRef,
-    columns: Sequence[str],
-    layers: Sequence[int] | None,
-    validate: bool,
+    ref: RowGroupRef, columns: Sequence[str], layers: Sequence[int] | None, validate: bool
 ) -> pa.Table:
     """One row group: ``columns`` only and, with ``layers``, only those (a projected read)."""
     table = read_rollouts(
@@ -291,28 +225,23 @@ def read_share(
 ) -> Iterator[tuple[int, pa.Table]]:
     """Yield ``(j, table)`` for every microbatch ``j`` of DP rank ``dp_rank`` in ``plan``.
 
-    Tables hold the microbatch's trajectories in step order, ``columns`` only (default
-    `COLLATE_COLUMNS` + ``routes``) and, with ``layers``, only those layers (a projected
-    table: `r3arrow.table.route_layers` names them); they keep the file's
-    schema metadata and, when ``validate``, are marked validated. A padding microbatch
-    is `r3arrow.microbatch.padding_table` of the step's schema. ``spec`` (the files'
-    spec) sizes the memory estimate: a token costs its route bytes (``len(layers)`` or
-    ``spec.num_layers`` rows of ``topk`` ids) plus 16.
-    At most ``max_memory`` bytes (estimated) of taken rows plus one row group are resident.
+    Rows in step order, ``columns`` only (default `COLLATE_COLUMNS` + ``routes``) and,
+    with ``layers``, only those layers; the file's schema metadata kept, marked validated
+    with ``validate``; padding microbatches are `r3arrow.microbatch.padding_table`. At
+    most ``max_memory`` estimated bytes (16 per token plus, with ``spec``, its route rows)
+    of taken rows plus one row group are resident.
 
-    Raises ``ValueError``/``TypeError`` for a ``dp_rank`` outside the plan or a
-    ``max_memory`` that is not a positive int (at call time), and while iterating the
-    readers' errors and `SchemaError` (``path`` set) if a row group no longer holds the
-    rows it was planned with.
+    Raises ``ValueError``/``TypeError`` at call time for a ``dp_rank`` outside the plan or
+    a ``max_memory`` that is not a positive int, and while iterating the readers' errors
+    and `SchemaError` (``path`` set) if a row group no longer holds its planned rows.
     """
-    ranks = len(plan.microbatches)
-    rank = check_int(dp_rank, "dp_rank", minimum=0, maximum=ranks - 1)
+    rank = check_int(dp_rank, "dp_rank", minimum=0, maximum=len(plan.microbatches) - 1)
     budget = check_positive_int(max_memory, "max_memory")
     cols = [*COLLATE_COLUMNS, "routes"] if columns is None else list(columns)
     layer_list = None if layers is None else [check_int(i, "layers") for i in layers]
     per_token = _per_token(spec, layer_list)
-    waves = _load_waves(plan, rank, layer_list, cols, budget, per_token, validate)
-    return itertools.chain.from_iterable(wave.tables() for wave in waves)
+    loaders = _wave_loaders(plan, rank, layer_list, cols, budget, per_token, validate)
+    return itertools.chain.from_iterable(load().tables for _, load in loaders)
 
 
 def _per_token(spec: RouteSpec | None, layers: Sequence[int] | None) -> int:
@@ -323,43 +252,15 @@ def _per_token(spec: RouteSpec | None, layers: Sequence[int] | None) -> int:
     return _TOKEN_BYTES + count * spec.topk * np.dtype(spec.dtype).itemsize
 
 
-def _empty(table: pa.Table, validate: bool) -> pa.Table:
-    """No rows of ``table`` (its schema and metadata), validated if ``table`` was."""
-    out = table.slice(0, 0)
-    return mark_validated(out) if validate and is_validated(table) else out
-
-
 @dataclasses.dataclass
 class _Wave:
-    """Consecutive microbatches ``js`` of one rank, their rows taken out of the row groups."""
+    """Consecutive microbatches ``js`` of one rank: ``tables``, ``(j, table)`` each, are
+    zero-copy slices of ``pieces``, the wave's rows taken out of the row groups."""
 
     step: int | None
     js: range
-    mbs: tuple[np.ndarray, ...]
-    real: list[int]
     pieces: list[pa.Table]
-    #: Per piece: its rows in (microbatch, step row) order; those of microbatch ``real[k]``
-    #: are ``index[b[k]:b[k + 1]]`` with ``b`` the piece's ``bounds``.
-    indices: list[np.ndarray]
-    bounds: list[np.ndarray]
-    template: pa.Table
-    validate: bool
-
-    def tables(self) -> Iterator[tuple[int, pa.Table]]:
-        validated = self.validate and all(is_validated(p) for p in self.pieces)
-        meta = self.template.schema.metadata
-        for j in self.js:
-            if not self.mbs[j].size:
-                yield j, padding_table(self.template)
-                continue
-            k = self.real.index(j)
-            parts = [
-                piece.slice(a, n)
-                for piece, index, b in zip(self.pieces, self.indices, self.bounds, strict=True)
-                for a, n in _runs(index[b[k] : b[k + 1]])
-            ]
-            out = pa.concat_tables(parts).replace_schema_metadata(meta)  # zero-copy
-            yield j, mark_validated(out) if validated else out
+    tables: list[tuple[int, pa.Table]]
 
 
 def _runs(index: np.ndarray) -> list[tuple[int, int]]:
@@ -381,12 +282,8 @@ def _wave_loaders(
     per_token: int,
     validate: bool,
 ) -> Iterator[tuple[int, Callable[[], _Wave]]]:
-    """``(estimated bytes, load)`` of each of the rank's waves of ``plan``, in order.
-
-    ``load()`` reads the wave's row groups and takes its rows; the loads must be called
-    in order (the first wave's schema is the template of padding microbatches), each at
-    most once, from any one thread at a time.
-    """
+    """``(estimated bytes, load)`` of each of the rank's waves, to load in order (the first
+    wave's schema is the padding template), each once, one thread at a time."""
     mbs = plan.microbatches[rank]
     starts = np.asarray([g.start for g in plan.groups], dtype=np.int64)
     sizes = np.asarray([int(plan.lengths[m].sum()) * per_token for m in mbs], dtype=np.int64)
@@ -395,8 +292,7 @@ def _wave_loaders(
     def load(wave: range) -> _Wave:
         real = [j for j in wave if mbs[j].size]
         pieces: list[pa.Table] = []
-        indices: list[np.ndarray] = []
-        bounds: list[np.ndarray] = []
+        parts: dict[int, list[pa.Table]] = {j: [] for j in real}
         if real:
             rows = np.concatenate([mbs[j] for j in real])
             owner = np.repeat(np.arange(len(real)), [mbs[j].size for j in real])
@@ -412,54 +308,36 @@ def _wave_loaders(
                 if local.size == ref.num_rows:  # the whole group is ours: keep it, no copy
                     piece, index = table, local
                 else:  # take our rows out, so the group's other rows go now
-                    piece = table.take(pa.array(local, type=pa.int64()))
-                    piece = piece.replace_schema_metadata(table.schema.metadata)
-                    if validate and is_validated(table):
-                        mark_validated(piece)
-                    index = np.arange(local.size, dtype=np.int64)
+                    piece, index = take_rows(table, local), np.arange(local.size, dtype=np.int64)
                 pieces.append(piece)
-                indices.append(index)
-                bounds.append(np.searchsorted(owner[sel], np.arange(len(real) + 1)))
+                bounds = np.searchsorted(owner[sel], np.arange(len(real) + 1)).tolist()
+                for k, j in enumerate(real):  # microbatch j's rows of this piece
+                    runs = _runs(index[bounds[k] : bounds[k + 1]])
+                    parts[j].extend(piece.slice(a, n) for a, n in runs)
                 del table
-            if "template" not in state:
-                state["template"] = _empty(pieces[0], validate)
-        elif "template" not in state:  # only padding so far: the schema of the first row group
-            state["template"] = _empty(_read(plan.groups[0], columns, layers, validate), validate)
-        return _Wave(
-            plan.step, wave, mbs, real, pieces, indices, bounds, state["template"], validate
-        )
+        if "template" not in state:  # only padding so far: the schema of the first row group
+            first = pieces[0] if pieces else _read(plan.groups[0], columns, layers, validate)
+            empty = first.slice(0, 0)
+            state["template"] = mark_validated(empty) if validate and is_validated(first) else empty
+        template = state["template"]
+        validated = validate and all(is_validated(p) for p in pieces)
+        tables = []
+        for j in wave:
+            if not mbs[j].size:
+                tables.append((j, padding_table(template)))
+                continue
+            out = pa.concat_tables(parts[j]).replace_schema_metadata(template.schema.metadata)
+            tables.append((j, mark_validated(out) if validated else out))  # zero-copy
+        return _Wave(plan.step, wave, pieces, tables)
 
     for wave in _waves(sizes, budget):
         yield int(sizes[wave.start : wave.stop].sum()), functools.partial(load, wave)
 
 
-def _load_waves(
-    plan: StepPlan,
-    rank: int,
-    layers: list[int] | None,
-    columns: list[str],
-    budget: int,
-    per_token: int,
-    validate: bool,
-) -> Iterator[_Wave]:
-    """The rank's waves of ``plan``, each loaded (read, taken) when the iterator reaches it."""
-    for _, load in _wave_loaders(plan, rank, layers, columns, budget, per_token, validate):
-        yield load()
-
-
 def read_ahead(loaders: Iterator[tuple[int, Callable[[], T]]], budget: int) -> Iterator[T]:
-    """``load()`` of each ``(size, load)``, the next loaded on a thread while this one is used.
-
-    Reading (Arrow's Parquet reader) and collating (numpy/numba copies) release the GIL,
-    so the next wave is read on a background thread while the caller collates the
-    current one, but only when both fit ``budget`` together (estimated ``size`` bytes):
-    otherwise it is read once the caller asks for it, after it dropped the current item
-    (it must: the caller holds no reference to an item when it asks for the next). So at
-    most ``budget`` (or one item larger than it) is resident, and a step whose share fits
-    the budget is read in one wave (no row group read twice). ``loaders`` is advanced
-    (the next step planned: its token columns) on the caller's thread while the
-    background thread reads, which balances the two threads (read | plan + collate).
-    Errors surface in order.
+    """``load()`` of each ``(size, load)``, the next loaded on a thread while this one is used
+    if both sizes fit ``budget``, else once the caller, holding no reference to the current
+    item, asks for it. ``loaders`` advances on the caller's thread. Errors surface in order.
     """
     with ThreadPoolExecutor(1, thread_name_prefix="r3arrow-read") as pool:
         current = next(loaders, None)

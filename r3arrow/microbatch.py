@@ -1,21 +1,9 @@
 """Split rollouts into microbatches of whole trajectories, by token budget or by count.
 
-Torch-free (numpy and pyarrow only): the planner runs wherever tables are, before any
-trainer tensor exists. `plan_dp_microbatches` plans on trajectory lengths;
-`split_microbatches` applies the plan to a rollout table. The cost model matches the
-layouts of `r3arrow.collate.MegatronCollator` (see ``docs/design.md``, "Layouts for
-Megatron"): packed, a microbatch costs the sum of its lengths rounded up to the alignment
-multiple; unpacked, its rows times the longest rounded length.
-
-Data parallelism (``dp_size > 1``): Megatron runs the same number of microbatches on every
-DP rank. Trajectories are balanced over the ranks by token cost (longest first onto the
-least loaded rank), each rank's share is split as above, and ranks with fewer microbatches
-get padding microbatches: an empty index array in the plan, and in `split_microbatches` a
-`padding_table` (one dummy trajectory of one pad token, no route rows, empty response, so
-the collator gives it ``padding_mask`` True everywhere, dummy routes ``[0 .. K-1]`` and loss
-mask 0; it is marked in the schema metadata, see `is_padding_table`). Padding microbatches
-come last on their rank. The plan depends only on the lengths and arguments, so every rank
-computes the same one.
+Torch-free: `plan_dp_microbatches` plans on trajectory lengths, `split_microbatches` applies
+the plan to a table. The cost model is the collator's layouts and the DP padding
+microbatches are `padding_table` (``docs/design.md``, §5 Layouts for Megatron, *Splitting*
+and *Data parallelism*).
 """
 
 from __future__ import annotations
@@ -37,10 +25,6 @@ PADDING_METADATA_KEY = b"r3arrow.padding"
 PADDING_TRAJECTORY_ID = "__r3arrow_padding__"
 
 
-def _round_up(x: np.ndarray, m: int) -> np.ndarray:
-    return np.asarray(-(-x // m) * m, dtype=np.int64)
-
-
 def _lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     n = np.asarray(lengths, dtype=np.int64)
     if n.ndim != 1 or n.size == 0:
@@ -49,50 +33,25 @@ def _lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         )
     if int(n.min()) < 1:
         i = int(np.argmin(n))
-        found = int(n[i])
-        raise SchemaError(f"expected trajectory lengths >= 1, found {found} at row {i}", row=i)
+        raise SchemaError(f"expected trajectory lengths >= 1, found {int(n[i])} at row {i}", row=i)
     return n
 
 
 def _split(
-    lengths: Sequence[int] | np.ndarray,
-    max_tokens: int | None,
-    num_microbatches: int | None,
-    multiple: int,
-    packed: bool,
+    cost: np.ndarray, budget: int | None, bins: int | None, packed: bool
 ) -> list[np.ndarray]:
-    """One DP rank's microbatches of `plan_dp_microbatches`."""
-    multiple = check_positive_int(multiple, "multiple")
-    budget = check_optional_int(max_tokens, "max_tokens", minimum=1)
-    if budget is None and num_microbatches is None:
-        raise ValueError("expected max_tokens, num_microbatches or both, found neither")
-    n = _lengths(lengths)
-    bins = check_optional_int(num_microbatches, "num_microbatches", minimum=1)
-    if bins is not None and bins > n.size:
-        raise ValueError(
-            f"num_microbatches: expected 1..{n.size} (one trajectory at least each), found {bins}"
-        )
-    cost = _round_up(n, multiple)
+    """One DP rank's microbatches: the fewest (at least ``bins``) whose costs fit ``budget``."""
     order = np.argsort(-cost, kind="stable")
     if budget is None:
         return _balance(cost, order, bins or 1)
-    worst = int(cost.max())
-    if budget < worst:
-        i = int(np.argmax(cost))
-        raise SchemaError(
-            f"max_tokens: trajectory at row {i} needs {worst} tokens after alignment to "
-            f"{multiple}, budget is {budget}; trajectories are never split",
-            row=i,
-        )
     # No fewer microbatches than the budget allows, nor than asked for.
-    lo = max(bins or 1, -(-int(cost.sum()) // budget))
-    for count in range(lo, n.size + 1):
+    for count in range(max(bins or 1, -(-int(cost.sum()) // budget)), cost.size + 1):
         groups = _balance(cost, order, count)
         if all(_cost(cost[g], packed) <= budget for g in groups):
             return groups
     # One trajectory per microbatch always fits once every cost does; kept as a guard.
     raise SchemaError(  # pragma: no cover
-        f"max_tokens={budget}: no split of {n.size} trajectories fits the budget"
+        f"max_tokens={budget}: no split of {cost.size} trajectories fits the budget"
     )
 
 
@@ -113,9 +72,7 @@ def _assign(cost: np.ndarray, order: np.ndarray, bins: int) -> np.ndarray:
 
 def _balance(cost: np.ndarray, order: np.ndarray, bins: int) -> list[np.ndarray]:
     assign = _assign(cost, order, bins)
-    groups = [np.flatnonzero(assign == j) for j in range(bins)]
-    groups.sort(key=lambda g: int(g[0]))
-    return groups
+    return sorted((np.flatnonzero(assign == j) for j in range(bins)), key=lambda g: int(g[0]))
 
 
 def plan_dp_microbatches(
@@ -129,43 +86,21 @@ def plan_dp_microbatches(
 ) -> list[list[np.ndarray]]:
     """The microbatch plan: row indices of every DP rank's microbatches, ``plan[rank][j]``.
 
-    Every trajectory stays whole; indices are int64 and ascending, microbatches ordered by
-    their first row. Without data parallelism (``dp_size=1``) the plan is ``[microbatches]``.
+    Trajectories stay whole; indices are int64 and ascending, microbatches ordered by their
+    first row; every row ``0 .. B-1`` appears exactly once. ``lengths``: tokens (prompt +
+    response) per trajectory, ``[B]``, all ``>= 1``. ``max_tokens``: the fewest microbatches
+    (at least ``num_microbatches``) whose costs fit it; ``num_microbatches`` alone: exactly
+    that many, balanced by cost. Cost: lengths rounded up to ``multiple`` (e.g.
+    `r3arrow.collate.alignment_multiple`), summed (``packed``) or ``rows x longest``.
+    Balancing is longest first onto the least loaded bin. ``dp_size``: trajectories are
+    balanced over the ranks that way first and each rank's share is split (a rank with
+    fewer trajectories than ``num_microbatches`` gets one per trajectory); every rank is
+    padded to the largest count (at least ``num_microbatches``) with empty arrays, last.
 
-    Parameters
-    ----------
-    lengths:
-        Tokens (prompt + response) of each trajectory, ``[B]``, all ``>= 1``.
-    max_tokens:
-        Token budget per microbatch (dynamic batch size): the fewest microbatches, at
-        least ``num_microbatches``, whose costs all fit it.
-    num_microbatches:
-        Alone: exactly that many microbatches, balanced by cost (``1 .. B``).
-    multiple:
-        Alignment multiple of a sequence (packed) or of the row length (unpacked),
-        e.g. `r3arrow.collate.alignment_multiple`.
-    packed:
-        Cost model: sum of rounded lengths (packed) or ``rows x longest rounded length``.
-    dp_size:
-        Data parallelism: trajectories are balanced over the ``dp_size`` ranks by cost
-        (lengths rounded up to ``multiple``, longest first onto the least loaded rank); each
-        rank's share is split as above (``max_tokens`` and ``num_microbatches`` per rank; a
-        rank with fewer trajectories than ``num_microbatches`` splits into one per
-        trajectory). Every rank then gets ``M`` microbatches, ``M`` the largest count (at
-        least ``num_microbatches``): the missing ones are padding, empty arrays after the
-        real ones. A rank may hold only padding when there are fewer trajectories than
-        ranks. Every row ``0 .. B-1`` appears exactly once over all ranks.
-
-    Balancing is longest-first onto the least loaded microbatch.
-
-    Raises
-    ------
-    TypeError, ValueError
-        ``max_tokens``/``multiple``/``dp_size`` not a positive int, ``num_microbatches`` not
-        in ``1 .. B``, or neither ``max_tokens`` nor ``num_microbatches`` given.
-    SchemaError
-        ``lengths`` is not a non-empty 1-D array of lengths ``>= 1`` (``row`` set), or a
-        trajectory alone exceeds the budget (``row`` set).
+    Raises ``TypeError``/``ValueError`` for ``max_tokens``/``multiple``/``dp_size`` not a
+    positive int, ``num_microbatches`` not in ``1 .. B``, or neither given; `SchemaError`
+    (``row`` set) for ``lengths`` not a non-empty 1-D array of lengths ``>= 1`` or a
+    trajectory alone over the budget.
     """
     dp = check_positive_int(dp_size, "dp_size")
     mult = check_positive_int(multiple, "multiple")
@@ -178,18 +113,22 @@ def plan_dp_microbatches(
         raise ValueError(
             f"num_microbatches: expected 1..{n.size} (one trajectory at least each), found {bins}"
         )
-    cost = _round_up(n, mult)
+    cost = np.asarray(-(-n // mult) * mult, dtype=np.int64)
     if budget is not None and budget < int(cost.max()):
-        _split(n, budget, None, mult, packed)  # raises, naming the row of the whole batch
+        i = int(np.argmax(cost))
+        raise SchemaError(
+            f"max_tokens: trajectory at row {i} needs {int(cost[i])} tokens after alignment to "
+            f"{mult}, budget is {budget}; trajectories are never split",
+            row=i,
+        )
     assign = _assign(cost, np.argsort(-cost, kind="stable"), dp)
     plan: list[list[np.ndarray]] = []
     for rank in range(dp):
         rows = np.flatnonzero(assign == rank)
-        if rows.size == 0:
-            plan.append([])
-            continue
         count = None if bins is None else min(bins, int(rows.size))
-        plan.append([rows[g] for g in _split(n[rows], budget, count, mult, packed)])
+        plan.append(
+            [rows[g] for g in _split(cost[rows], budget, count, packed)] if rows.size else []
+        )
     total = max(max(len(p) for p in plan), bins or 1)
     empty = np.zeros(0, dtype=np.int64)
     return [p + [empty] * (total - len(p)) for p in plan]
@@ -198,17 +137,12 @@ def plan_dp_microbatches(
 def padding_table(table: pa.Table) -> pa.Table:
     """A DP padding microbatch with ``table``'s schema: one dummy trajectory.
 
-    The trajectory (id and group `PADDING_TRAJECTORY_ID`) has one prompt token 0, an empty
-    response and loss mask, reward 0 and, when ``table`` has a ``routes`` column, no route
-    rows; other columns are null. The schema metadata (the spec) is kept and
-    `PADDING_METADATA_KEY` added. The collator gives it ``padding_mask`` True at every
-    position, dummy route rows ``[0 .. K-1]``, loss mask 0 and ``Microbatch.is_padding``.
-    Marked validated when ``table`` is.
-
-    Its loss mask sums to 0: a loss normalised per microbatch must not divide by it (one
-    normalised over the global batch's tokens is unaffected). With a router aux loss on,
-    megatron-core 0.16.1 divides by its zero unpadded tokens (NaN gradients); apply
-    ``r3arrow.megatron.apply_shims()`` first.
+    Trajectory and group id `PADDING_TRAJECTORY_ID`, one prompt token 0, empty response and
+    loss mask, reward 0, no route rows; other columns null. The schema metadata is kept and
+    `PADDING_METADATA_KEY` added; marked validated when ``table`` is. The collator gives it
+    ``padding_mask`` True everywhere, dummy routes, loss mask 0 and ``Microbatch.is_padding``:
+    a loss normalised per microbatch must not divide by its zero loss-mask sum, and with a
+    router aux loss apply ``r3arrow.megatron.apply_shims()`` (megatron-core 0.16.1 gives NaN).
 
     Raises `SchemaError` when ``table`` lacks the token columns.
     """
@@ -251,14 +185,13 @@ def split_microbatches(
     dp_size: int = 1,
     dp_rank: int | None = None,
 ) -> list[pa.Table]:
-    """Split a rollout table into microbatches of whole trajectories.
+    """DP rank ``dp_rank``'s microbatches of ``table``, whole trajectories each.
 
     The plan is `plan_dp_microbatches` on the prompt + response lengths; each part keeps
-    every column and the schema metadata (the spec). With ``dp_size > 1``, the microbatches
-    of DP rank ``dp_rank`` (required; in ``[0, dp_size)``): as many on every rank, padding
-    microbatches (`padding_table`) last. Works on tables with or without a ``routes``
-    column (R3 off). Raises as `plan_dp_microbatches` does, and ``ValueError`` for a
-    missing or out-of-range ``dp_rank``.
+    every column and the schema metadata; padding microbatches (`padding_table`) come last.
+    ``dp_rank`` is required with ``dp_size > 1``. Works with or without a ``routes``
+    column. Raises as `plan_dp_microbatches`, and ``ValueError`` for a missing or
+    out-of-range ``dp_rank``.
     """
     dp = check_positive_int(dp_size, "dp_size")
     if dp > 1 and dp_rank is None:

@@ -1,9 +1,8 @@
-"""Output memory of the collator: a pool of reusable byte buffers and 64-byte aligned views.
+"""Output memory of the collator: reusable byte buffers, 64-byte aligned views, pinned stage.
 
-Fresh pages cost more to touch than the copy into them, so the collator takes each
-microbatch's buffer from a `_BufferPool` and carves its arrays out of it with an `_Arena`.
-With a CUDA device, the compact replay buffer is written into a `_PinnedStage` (page-locked
-host memory, so the copy to the device is asynchronous) reused once its last copy is done.
+Fresh pages cost more to touch than the copy into them, so each microbatch's arrays are
+carved (`_Arena`) out of a pooled buffer (`_BufferPool`); for a CUDA device the compact
+replay buffer is written into page-locked memory (`_PinnedStage`) for an async copy.
 """
 
 from __future__ import annotations
@@ -21,12 +20,7 @@ _ALIGN = 64
 
 
 class _BufferPool:
-    """Reuses byte buffers once no array or tensor views them any more.
-
-    A buffer is free when the pool holds the only reference to it: every numpy view
-    and every tensor made by ``torch.from_numpy`` keeps the base array alive, so the
-    reference count is exact. Thread-safe.
-    """
+    """Byte buffers reused once no array or tensor views them (their refcount), thread-safe."""
 
     def __init__(self, max_buffers: int = 32) -> None:
         self.max_buffers = max_buffers
@@ -40,28 +34,22 @@ class _BufferPool:
     def take(self, nbytes: int) -> np.ndarray:
         nbytes = max(int(nbytes), 1)
         with self._lock:
-            best = -1
-            for i in range(len(self._buffers)):
-                size = self._buffers[i].nbytes
-                if (
-                    size >= nbytes
-                    and self._is_free(i)
-                    and (best < 0 or size < self._buffers[best].nbytes)
-                ):
-                    best = i
-            if best >= 0:
-                return self._buffers[best]
-            # Replace free buffers that are too small rather than keeping them around.
-            self._drop_free()
-            # 1/8 headroom so the next, slightly larger batch fits.
-            buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)
+            fits = [
+                i
+                for i in range(len(self._buffers))
+                if self._buffers[i].nbytes >= nbytes and self._is_free(i)
+            ]
+            if fits:
+                return self._buffers[min(fits, key=lambda i: self._buffers[i].nbytes)]
+            self._drop_free()  # free buffers that are too small go rather than stay
+            buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)  # headroom for the next batch
             if len(self._buffers) < self.max_buffers:
                 self._buffers.append(buf)
             return buf
 
     def _drop_free(self) -> None:
         busy = [not self._is_free(i) for i in range(len(self._buffers))]
-        self._buffers = [self._buffers[i] for i in range(len(busy)) if busy[i]]
+        self._buffers = [b for b, keep in zip(self._buffers, busy, strict=True) if keep]
 
     def clear(self) -> None:
         """Drop every free buffer."""
@@ -85,10 +73,10 @@ class _Arena:
 
     @staticmethod
     def size(parts: Iterable[tuple[tuple[int, ...], Any]]) -> int:
-        total = 0
-        for shape, dtype in parts:
-            total += -(-math.prod(shape) * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
-        return total
+        return sum(
+            -(-math.prod(shape) * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
+            for shape, dtype in parts
+        )
 
     def take(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         dt = np.dtype(dtype)
@@ -99,12 +87,8 @@ class _Arena:
 
 
 class _PinnedStage:
-    """One reusable page-locked host buffer for the compact ids shipped to a CUDA device.
-
-    `take` waits for the previous asynchronous copy out of the buffer (a CUDA event recorded
-    by `shipped`) before handing the memory out again, so a ``non_blocking`` copy never
-    reads bytes the next collation is writing. Not thread-safe (one per collator).
-    """
+    """A reusable page-locked buffer for ids shipped to CUDA; `take` first waits for the last
+    copy out of it (`shipped`), so the next collation never overwrites bytes in flight."""
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None

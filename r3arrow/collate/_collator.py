@@ -1,10 +1,8 @@
 """`MegatronCollator`: a rollout table → one `Microbatch` for this rank's routers.
 
-The collator checks the table, computes the layout (`_layout`), takes one output buffer
-from its pool and fills it in a single pass over the segments (at most two per
-trajectory): token columns by slices, routes by the fused gather + check + widening pass
-(`r3arrow.ids.gather_router_ids`, per routes chunk: `_kernels`), split over threads when
-large. See ``docs/collation.md``.
+Checks the table, lays it out (`_layout`), and fills one pooled buffer in a single pass
+over the segments (at most two per trajectory); routes by the fused pass per routes chunk
+(`_kernels`), split over threads when large. ``docs/collation.md``.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +39,21 @@ _SHIP_DTYPE: dict[int, np.dtype[Any]] = {
     2: np.dtype(np.int16),
     4: np.dtype(np.int32),
 }
+_TOKEN_COLUMNS = ("prompt_ids", "response_ids", "loss_mask")
+
+
+class _Tokens(NamedTuple):
+    """The token arrays of a microbatch (its field names), ``[C, P]`` each (packed: C = 1)."""
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    labels: np.ndarray
+    loss_mask: np.ndarray
+    label_mask: np.ndarray
+    padding_mask: np.ndarray
+
+
+_TOKEN_DTYPES = (np.int64, np.int64, np.int64, np.float32, np.float32, np.bool_)
 
 
 def _flat_list(arr: ArrowArray) -> tuple[np.ndarray, np.ndarray]:
@@ -57,10 +70,9 @@ def _flat_list(arr: ArrowArray) -> tuple[np.ndarray, np.ndarray]:
 class Parallelism:
     """This rank's place in Megatron's tensor and context parallelism (a collator's ``parallel``).
 
-    ``tp_size``/``tp_rank``: tensor parallelism; ``sequence_parallel``: Megatron's sequence
-    parallelism (each TP rank's routers see its slice of the positions); ``cp_size``/
-    ``cp_rank``: context parallelism. Sizes are positive ints and ranks lie in ``[0, size)``;
-    anything else raises `ValueError`/`TypeError`.
+    ``tp_size``/``tp_rank``, ``cp_size``/``cp_rank``: positive sizes, ranks in
+    ``[0, size)``; ``sequence_parallel``: each TP rank's routers see its slice of the
+    positions. Anything else raises `ValueError`/`TypeError`.
     """
 
     tp_size: int = 1
@@ -85,37 +97,23 @@ _SINGLE = Parallelism()
 class MegatronCollator:
     """Rollout table (or record batch) → `Microbatch` for this rank's routers.
 
-    ``layers``: global ids of this stage's routers, in Megatron's build order (default:
-    every router layer of ``spec``); they must be router layers of ``spec``. ``parallel``:
-    this rank's TP/CP ranks and sequence parallelism (`Parallelism`). ``align`` combines by
-    lcm with the TP/CP/FP8 multiples (`alignment_multiple`): unpacked, the row
-    length is rounded up to it; packed, every sequence is. ``pad_token_id`` fills
-    ``input_ids``/``labels`` at padding. ``validate`` runs the full rollout-table check
-    (terminal-gap rule) first; shapes and lengths are always checked. ``reuse_buffers``
-    recycles output memory once a microbatch and every tensor taken from it are gone.
-    ``num_threads`` (default: torch's intra-op threads, at most 8) split large route copies;
-    numpy and the numba kernel release the GIL while copying.
+    ``layers``: global ids of this stage's routers in Megatron's build order (default:
+    every router layer of ``spec``); a layer-projected table must hold them all.
+    ``parallel``: this rank's `Parallelism`. ``align`` combines by lcm with the TP/CP/FP8
+    multiples (`alignment_multiple`) to round the row length (unpacked) or every sequence
+    (packed). ``pad_token_id`` fills ``input_ids``/``labels`` at padding. ``validate``
+    runs the rollout-table checks and the id checks of the fused pass (the microbatch is
+    then marked so `install_replay` does not scan again); shapes and lengths are always
+    checked. ``reuse_buffers`` recycles output memory once nothing references it.
+    ``num_threads`` (default: torch's intra-op threads, at most 8) split large route
+    copies. ``device`` (e.g. ``"cuda"``): the ids travel compact (pinned for CUDA,
+    ``non_blocking``), are widened there and every tensor is returned there; None writes
+    int32 on the host. ``spec=None``: R3 off (``docs/design.md`` §5, *R3 off*; ``layers``
+    must be None). A DP padding table collates to a microbatch with ``is_padding`` set.
 
-    Routes are written by one fused pass per chunk of the routes column (the chunks are
-    never joined): gather this stage's layers, check the ids while compact (with
-    ``validate``; the microbatch is then marked so `install_replay` does not scan them
-    again), widen to int32 (``docs/collation.md``). A layer-projected table (layer projection:
-    ``r3arrow.route_layers``) must hold every layer the collator replays
-    (`RouteShapeError` names the missing ones). ``device`` (e.g. ``"cuda"``): the ids stay
-    compact on the host (pinned memory for CUDA), travel ``non_blocking`` and are widened on
-    the device, and every microbatch tensor is returned there; ``"cpu"`` runs the same path
-    on the CPU; None (default) writes int32 on the host.
-
-    ``spec=None`` collates with R3 off: tables without a ``routes`` column (one is ignored
-    if present), the same ``input_ids``/``position_ids``/masks/``cu_seqlens`` as with routes
-    captured on every token, no replay buffer (`Microbatch.routes` is None); ``layers`` must
-    then be None. A DP padding table (`r3arrow.microbatch.padding_table`) collates to a
-    microbatch with ``is_padding`` set, every position padding and dummy rows.
-
-    Raises `TypeError`/`ValueError` for argument misuse (``spec`` not a `RouteSpec` or None,
-    layers not distinct ints or given with R3 off) and
-    `RouteShapeError` for layers that are not router layers of ``spec``. Build one for a
-    Megatron rank with ``collator_for`` of the Megatron integration.
+    Raises `TypeError`/`ValueError` for argument misuse (``spec`` not a `RouteSpec` or
+    None, layers not distinct ints or given with R3 off) and `RouteShapeError` for layers
+    that are not router layers of ``spec``. For a Megatron rank: ``collator_for``.
     """
 
     def __init__(
@@ -172,7 +170,6 @@ class MegatronCollator:
         self._pinned = _PinnedStage() if self.device is not None else None
         self._arange = np.arange(0, dtype=np.int64)
 
-    # ---------------------------------------------------------------- public
     def __call__(self, table: pa.Table | pa.RecordBatch) -> Microbatch:
         """Collate every trajectory of ``table`` into one microbatch (see `Microbatch`).
 
@@ -183,16 +180,28 @@ class MegatronCollator:
         """
         batches, spec, layer_index = self._check_table(table)
         padding = is_padding_table(table)
-        plen = np.concatenate([list_lengths(b.column("prompt_ids")) for b in batches])
-        rlen = np.concatenate([list_lengths(b.column("response_ids")) for b in batches])
+
+        def lengths(name: str) -> np.ndarray:
+            return np.concatenate([list_lengths(b.column(name)) for b in batches])
+
+        plen, rlen = lengths("prompt_ids"), lengths("response_ids")
         n = plen + rlen
         if padding:
             cap = np.zeros_like(n)  # every position is padding
         elif spec is None:
             cap = n  # R3 off: routers route every real token freely
         else:
-            cap = np.concatenate([list_lengths(b.column("routes")) for b in batches])
-        self._check_lengths(batches, rlen, n, cap)
+            cap = lengths("routes")
+        mlen = lengths("loss_mask")
+        bad = np.flatnonzero((mlen != rlen) | (cap > n) | (n < 1))
+        if bad.size:
+            i = int(bad[0])
+            raise SchemaError(
+                f"row {i}: expected at least one token, a loss_mask over the {rlen[i]} response "
+                f"tokens and at most {n[i]} route rows; found {n[i]} tokens, loss_mask of "
+                f"{mlen[i]}, {cap[i]} route rows",
+                row=i,
+            )
         lay = _layout(
             n,
             packed=self.packed,
@@ -211,8 +220,7 @@ class MegatronCollator:
         dp_size: int = 1,
         dp_rank: int | None = None,
     ) -> list[pa.Table]:
-        """`split_microbatches` with this collator's layout and alignment (DP padding
-        microbatches included with ``dp_size > 1``)."""
+        """`split_microbatches` with this collator's ``multiple`` and ``packed``."""
         return split_microbatches(
             table,
             max_tokens=max_tokens,
@@ -232,27 +240,24 @@ class MegatronCollator:
     def pooled_bytes(self) -> int:
         return 0 if self._pool is None else self._pool.nbytes
 
-    # ---------------------------------------------------------------- checks
     def _check_table(
         self, table: pa.Table | pa.RecordBatch
     ) -> tuple[list[pa.RecordBatch], RouteSpec | None, np.ndarray]:
+        """(non-empty record batches, the microbatch's spec, route row of each layer)."""
         if not isinstance(table, pa.Table | pa.RecordBatch):
             raise TypeError(
                 f"table: expected a pyarrow Table or RecordBatch, found {type(table).__name__}"
             )
-        for name in ("prompt_ids", "response_ids", "loss_mask"):
+        for name in _TOKEN_COLUMNS:
             if name not in table.schema.names:
                 raise SchemaError(f"expected column {name!r}, found columns {table.schema.names}")
         if table.num_rows == 0:
             raise SchemaError("expected at least one trajectory, found an empty table")
-        batches = [
-            b
-            for b in (table.to_batches() if isinstance(table, pa.Table) else [table])
-            if b.num_rows
-        ]
+        chunks = table.to_batches() if isinstance(table, pa.Table) else [table]
+        batches = [b for b in chunks if b.num_rows]
         if self.spec is None:
             # R3 off: token columns must be integer lists even without validation.
-            for name in ("prompt_ids", "response_ids", "loss_mask"):
+            for name in _TOKEN_COLUMNS:
                 typ = table.schema.field(name).type
                 if not (
                     (pa.types.is_list(typ) or pa.types.is_large_list(typ))
@@ -268,13 +273,10 @@ class MegatronCollator:
                 f"found columns {table.schema.names}; collate a table without routes with "
                 f"MegatronCollator(spec=None) (R3 off)"
             )
-        # A table r3arrow built or validated already passed the rollout checks.
         full = self.validate and not is_validated(table)
         spec = validate_rollouts(table, require_routes=True) if full else route_spec(table)
-        # The global layer of each route row present: a projected table (layer projection) holds
-        # a subset, which must include this collator's layers, as router layers.
         projected = ROUTE_LAYERS_KEY in (table.schema.metadata or {})
-        if projected:
+        if projected:  # holds a subset of the layers, which must include ours, as routers
             present = route_layers(table)
             layer_index = layer_positions(present, self.layers)
             local = set(spec.router_layers)
@@ -295,34 +297,23 @@ class MegatronCollator:
             )
         else:
             layer_index = np.asarray(self.layers, dtype=np.int64)
-        if (
-            None not in (self.spec.num_experts, spec.num_experts)
-            and self.spec.num_experts != spec.num_experts
+        if None not in (self.spec.num_experts, spec.num_experts) and (
+            self.spec.num_experts != spec.num_experts
         ):
             raise SchemaError(
                 f"num_experts: expected {self.spec.num_experts}, found {spec.num_experts}"
             )
-        if projected:
-            # The microbatch describes this collator's routers: the full spec, not the slice.
+        if projected:  # the microbatch describes this collator's routers, not the slice
             experts = spec.num_experts if spec.num_experts is not None else self.spec.num_experts
             spec = dataclasses.replace(self.spec, num_experts=experts)
         return batches, spec, layer_index
 
-    def _check_lengths(
-        self, batches: list[pa.RecordBatch], rlen: np.ndarray, n: np.ndarray, cap: np.ndarray
-    ) -> None:
-        mlen = np.concatenate([list_lengths(b.column("loss_mask")) for b in batches])
-        bad = np.flatnonzero((mlen != rlen) | (cap > n) | (n < 1))
-        if bad.size:
-            i = int(bad[0])
-            raise SchemaError(
-                f"row {i}: expected at least one token, a loss_mask over the {rlen[i]} response "
-                f"tokens and at most {n[i]} route rows; found {n[i]} tokens, loss_mask of "
-                f"{mlen[i]}, {cap[i]} route rows",
-                row=i,
-            )
+    def _blank(self, out: _Tokens) -> None:
+        out.input_ids.fill(self.pad_token_id)
+        out.labels.fill(self.pad_token_id)
+        out.loss_mask.fill(0)
+        out.label_mask.fill(0)
 
-    # ------------------------------------------------------------------ fill
     def _fill(
         self,
         batches: list[pa.RecordBatch],
@@ -336,99 +327,57 @@ class MegatronCollator:
     ) -> Microbatch:
         # R3 off: an empty replay buffer, never exposed (Microbatch.layer_major is None).
         k, n_local = (spec.topk, len(self.layers)) if spec is not None else (1, 0)
-        tok_shape = (lay.columns, lay.positions)  # packed: columns == 1
         cp = self.parallel.cp_size > 1
         if spec is not None and spec.num_experts is None and self.spec is not None:
             spec = dataclasses.replace(spec, num_experts=self.spec.num_experts)
-        # With a device the replay buffer stays compact (the routes' dtype) on the host; it is
-        # shipped as is (from pinned memory for CUDA) and widened to int32 on the device.
-        compact = np.dtype(spec.dtype) if spec is not None else np.dtype(np.int32)
         lm_shape = (n_local, lay.positions, lay.columns, k)
-        stage = self._pinned is not None and self.device is not None and self.device.type != "cpu"
+        # With a device the replay buffer is not the pool's: it stays compact on the host
+        # (pinned for CUDA), is shipped as is and widened to int32 on the device.
         parts: list[tuple[tuple[int, ...], Any]] = [
-            ((0 if stage else n_local, lay.positions, lay.columns, k), np.int32),
-            (tok_shape, np.int64),
-            (tok_shape, np.int64),
-            (tok_shape, np.int64),
-            (tok_shape, np.float32),
-            (tok_shape, np.float32),
-            (tok_shape, np.bool_),
+            ((n_local if self.device is None else 0, *lm_shape[1:]), np.int32),
+            *(((lay.columns, lay.positions), dt) for dt in _TOKEN_DTYPES),
         ]
         if cp:
             parts.append(((lay.positions,), np.int64))
         nbytes = _Arena.size(parts)
-        buf = (
-            self._pool.take(nbytes) if self._pool is not None else np.empty(nbytes, dtype=np.uint8)
+        arena = _Arena(
+            self._pool.take(nbytes) if self._pool is not None else np.empty(nbytes, np.uint8)
         )
-        arena = _Arena(buf)
-        lm = arena.take(*parts[0])
+        lm, *arrays = (arena.take(*p) for p in parts)
+        out = _Tokens(*arrays[:6])
+        tok_index = arrays[6] if cp else None
         if self.device is not None and spec is not None:
-            lm = (
-                self._pinned.take(lm_shape, compact)
-                if stage and self._pinned is not None
-                else np.empty(lm_shape, dtype=compact)
-            )
-        ids, pos, labels = arena.take(*parts[1]), arena.take(*parts[2]), arena.take(*parts[3])
-        loss, lab_mask, pad = arena.take(*parts[4]), arena.take(*parts[5]), arena.take(*parts[6])
-        tok_index = arena.take(*parts[7]) if cp else None
-        ids.fill(self.pad_token_id)
-        labels.fill(self.pad_token_id)
-        loss.fill(0)
-        lab_mask.fill(0)
+            compact = np.dtype(spec.dtype)
+            if self._pinned is not None and self.device.type != "cpu":
+                lm = self._pinned.take(lm_shape, compact)
+            else:
+                lm = np.empty(lm_shape, dtype=compact)
+        self._blank(out)
         need = lay.max_seqlen if not cp else int(lay.seg_global.max() + lay.seg_len.max())
         if self._arange.shape[0] < need:
             self._arange = np.arange(max(need, 2 * self._arange.shape[0]), dtype=np.int64)
         experts = spec.num_experts if spec is not None else None
-        self._write(
-            batches,
-            (layer_index, experts),
-            lay,
-            plen,
-            n,
-            cap,
-            lm,
-            ids,
-            pos,
-            labels,
-            loss,
-            lab_mask,
-            pad,
-            tok_index,
-        )
+        self._write(batches, layer_index, experts, lay, plen, n, cap, lm, out, tok_index)
         if padding:  # no real token in a padding microbatch
-            ids.fill(self.pad_token_id)
-            labels.fill(self.pad_token_id)
-            loss.fill(0)
-            lab_mask.fill(0)
-
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a)
+            self._blank(out)
 
         def t32(a: np.ndarray | None) -> torch.Tensor | None:
             return None if a is None else torch.from_numpy(a.astype(np.int32))
 
         replay = self._widen(lm) if spec is not None else None
+        tensors: dict[str, Any] = {f: torch.from_numpy(a) for f, a in out._asdict().items()}
         mb = Microbatch(
             spec=spec,
             layers=self.layers,
             packed=self.packed,
-            input_ids=t(ids),
-            position_ids=t(pos),
-            labels=t(labels),
-            loss_mask=t(loss),
-            label_mask=t(lab_mask),
-            padding_mask=t(pad),
+            **tensors,
             cu_seqlens=t32(lay.cu_seqlens),
             cu_seqlens_padded=t32(lay.cu_seqlens_padded),
             max_seqlen=lay.max_seqlen,
             seq_lens=n,
             captured=cap,
-            token_index=None if tok_index is None else t(tok_index),
-            tp_size=self.parallel.tp_size,
-            tp_rank=self.parallel.tp_rank,
-            cp_size=self.parallel.cp_size,
-            cp_rank=self.parallel.cp_rank,
-            sequence_parallel=self.parallel.sequence_parallel,
+            token_index=None if tok_index is None else torch.from_numpy(tok_index),
+            **dataclasses.asdict(self.parallel),
             layer_major=replay,
             is_padding=padding,
             validated_version=(
@@ -438,16 +387,16 @@ class MegatronCollator:
         return mb if self.device is None else mb.to(self.device, non_blocking=True)
 
     def _widen(self, lm: np.ndarray) -> torch.Tensor:
-        """The replay buffer as an int32 tensor: the host's own buffer without a device; with
-        one, the compact ids shipped there (``non_blocking``) and widened there."""
+        """The replay buffer as int32: itself on the host, else shipped compact and widened."""
         if self.device is None:
             return torch.from_numpy(lm)
         host = torch.from_numpy(lm.view(_SHIP_DTYPE[lm.dtype.itemsize]))
-        if self._pinned is not None and self.device.type != "cpu":
-            host = self._pinned.tensor(lm.nbytes).view(host.dtype)  # the same bytes, pinned
+        pinned = self._pinned if self.device.type != "cpu" else None
+        if pinned is not None:
+            host = pinned.tensor(lm.nbytes).view(host.dtype)  # the same bytes, pinned
         shipped = host.to(self.device, non_blocking=True)
-        if self._pinned is not None and self.device.type != "cpu":
-            self._pinned.shipped(self.device)
+        if pinned is not None:
+            pinned.shipped(self.device)
         if lm.dtype == np.dtype(np.int32):
             return shipped
         wide = shipped.to(torch.int32)
@@ -457,27 +406,22 @@ class MegatronCollator:
     def _write(
         self,
         batches: list[pa.RecordBatch],
-        layers: tuple[np.ndarray, int | None],
+        layer_index: np.ndarray,
+        num_experts: int | None,
         lay: _Layout,
         plen: np.ndarray,
         n: np.ndarray,
         cap: np.ndarray,
         lm: np.ndarray,
-        ids: np.ndarray,
-        pos: np.ndarray,
-        labels: np.ndarray,
-        loss: np.ndarray,
-        lab_mask: np.ndarray,
-        pad: np.ndarray,
+        out: _Tokens,
         tok_index: np.ndarray | None,
     ) -> None:
-        """One pass over the segments (≤ 2 per trajectory): slices only, no per-token work.
-        Routes only when the collator replays them and the table has some (not padding)."""
+        """One pass over the segments (≤ 2 per trajectory): slices, no per-token work."""
         ar = self._arange
+        ids, pos, labels, loss, lab_mask, pad = out
         r3 = self.spec is not None and lm.shape[0] > 0
         # Per-segment clipped counts, vectorised: tokens, next tokens, captured route rows.
-        st, ln = lay.seg_start, lay.seg_len
-        tr = lay.seg_traj
+        st, ln, tr = lay.seg_start, lay.seg_len, lay.seg_traj
         cnt_tok = np.clip(n[tr] - st, 0, ln)
         cnt_lab = np.clip(n[tr] - 1 - st, 0, ln)
         cnt_rt = np.clip(cap[tr] - st, 0, ln)
@@ -488,7 +432,7 @@ class MegatronCollator:
         seg_cols = lay.seg_col.tolist()
         row0 = 0
         # Routes: the source row of every output position (-1: dummy row), one route source
-        # per record batch (a chunk of the routes column: never joined, chunked routes).
+        # per record batch (a chunk of the routes column, never joined).
         pos_row = np.empty((lay.positions, lay.columns), dtype=np.int64) if r3 else None
         sources: list[_RouteSource] = []
         for batch, segs in zip(batches, seg_rows, strict=True):
@@ -529,14 +473,7 @@ class MegatronCollator:
                     tok_index[at : at + length] = ar[g0 : g0 + length]
             row0 += batch.num_rows
         if pos_row is not None:
-            self._gather_routes(sources, pos_row, lm, *layers)
-
-    def _threads(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                max_workers=self.num_threads, thread_name_prefix="r3arrow-collate"
-            )
-        return self._executor
+            self._gather_routes(sources, pos_row, lm, layer_index, num_experts)
 
     def _gather_routes(
         self,
@@ -546,10 +483,8 @@ class MegatronCollator:
         layer_index: np.ndarray,
         num_experts: int | None,
     ) -> None:
-        """The fused pass (`r3arrow.ids.gather_router_ids`) per route source, over its span of
-        positions (packed) or columns (unpacked); split over worker threads when large."""
-        total = lm.shape[0] * lm.shape[1] * lm.shape[2] * lm.shape[3] * 4
-        workers = self.num_threads if total >= _PARALLEL_BYTES else 1
+        """The fused pass per route source, split over worker threads when large."""
+        workers = self.num_threads if lm.size * 4 >= _PARALLEL_BYTES else 1
         positions = int(pos_row.shape[0])
         pieces = [
             piece
@@ -560,7 +495,12 @@ class MegatronCollator:
         if workers <= 1:
             _run_gathers(pieces, *args)
             return
-        executor = self._threads()
-        futures = [executor.submit(_run_gathers, pieces[w::workers], *args) for w in range(workers)]
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.num_threads, thread_name_prefix="r3arrow-collate"
+            )
+        futures = [
+            self._executor.submit(_run_gathers, pieces[w::workers], *args) for w in range(workers)
+        ]
         for f in futures:
             f.result()

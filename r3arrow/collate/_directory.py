@@ -1,13 +1,7 @@
-"""Collate a rollout directory for one (DP rank, PP stage), streamed by row group.
+"""`collate_directory`: a rollout directory collated for one (DP rank, PP stage).
 
-`collate_directory` is the local path (one process per rank). It is built from the
-torch-free planner and share reader of the core, `r3arrow._plan` (`plan_steps`,
-`read_share`, `plan_contiguous`; re-exported here), shared with
-`r3arrow.ray.shard_microbatches`. Per step the plan is computed from the token columns,
-the rank's share is read in waves (only its row groups, only the collator's layers) and
-each microbatch table is collated; the next wave is read on a background thread while
-the current one is collated (Arrow's Parquet reader and the collator's copies release
-the GIL), so two waves of half the budget are in flight (``docs/ray.md``).
+Built from the torch-free planner and share reader of `r3arrow._plan` (shared with
+`r3arrow.ray.shard_microbatches`); ``docs/ray.md``, "Local: collate_directory".
 """
 
 from __future__ import annotations
@@ -18,16 +12,11 @@ from r3arrow._checks import check_int, check_positive_int
 from r3arrow._plan import (
     COLLATE_COLUMNS,
     DEFAULT_MAX_MEMORY,
-    DP_ASSIGNMENTS,
-    RowGroupRef,
-    StepPlan,
     _per_token,
     _Wave,
     _wave_loaders,
-    plan_contiguous,
     plan_steps,
     read_ahead,
-    read_share,
 )
 from r3arrow._typing import PathLike
 from r3arrow.collate._collator import MegatronCollator
@@ -49,23 +38,20 @@ def collate_directory(
 ) -> Iterator[tuple[int | None, Microbatch]]:
     """Yield ``(step, microbatch)`` of DP rank ``dp_rank`` over a rollout file or step root.
 
-    Steps in numeric order (``steps`` selects; each must exist); per step the
-    microbatches of `r3arrow.microbatch.split_microbatches` with these ``dp_size``,
-    ``max_tokens``, ``num_microbatches`` and the collator's ``multiple``/``packed``, in
-    that order: the same count on every DP rank, padding microbatches
-    (``Microbatch.is_padding``) last. Only the rows of this rank and only
-    ``collator.layers`` (a layer-projected read, ``docs/storage.md``) are read, row group by
-    row group, with at most ``max_memory`` bytes (default 1 GiB) of taken rows plus one
-    row group resident; see the module docstring for the waves. Equal to collating
-    ``split_microbatches`` of each step read whole with `r3arrow.read_rollouts`;
-    ``dp_assign="contiguous"`` plans with `plan_contiguous` instead (each DP rank a
-    contiguous row range that reads only its row groups; see `plan_steps`).
+    Steps in numeric order (``steps`` selects; each must exist). Equal to collating
+    `r3arrow.microbatch.split_microbatches` (these ``dp_size``, ``max_tokens``,
+    ``num_microbatches``; the collator's ``multiple``/``packed``) of each step read whole:
+    the same count on every DP rank, padding microbatches last. Only this rank's rows and
+    ``collator.layers`` are read, with at most ``max_memory`` bytes (default 1 GiB) of
+    taken rows plus one row group resident; the next wave is read while this one is
+    collated when both fit. ``dp_assign="contiguous"`` gives each DP rank a contiguous row
+    range instead, so it reads only its row groups (not the plan of ``split_microbatches``).
 
-    Raises ``TypeError``/``ValueError`` for argument misuse (at call time: a collator
+    Raises ``TypeError``/``ValueError`` at call time for argument misuse (a collator
     without a spec, sizes not positive ints, ``dp_rank`` outside ``[0, dp_size)``, neither
     ``max_tokens`` nor ``num_microbatches``), `SchemaError` (``path`` set) for missing,
-    foreign or corrupt files or mixed specs, and while iterating the readers' validation
-    errors and the collator's errors.
+    foreign or corrupt files or mixed specs, and while iterating the readers' and the
+    collator's errors.
     """
     if not isinstance(collator, MegatronCollator):
         raise TypeError(f"collator: expected a MegatronCollator, found {type(collator).__name__}")
@@ -88,7 +74,6 @@ def collate_directory(
         dp_assign=dp_assign,
         validate=validate,
     )
-
     per_token = _per_token(spec, collator.layers)
     columns = [*COLLATE_COLUMNS, "routes"]
     layers = list(collator.layers)
@@ -98,10 +83,8 @@ def collate_directory(
             yield from _wave_loaders(plan, rank, layers, columns, budget, per_token, validate)
 
     def run() -> Iterator[tuple[int | None, Microbatch]]:
-        # Waves of the whole budget (a step that fits is read once); the next one is read
-        # while this one is collated when both fit the budget (`read_ahead`).
         for wave in read_ahead(loaders(), budget):
-            step, tables = wave.step, wave.tables()
+            step, tables = wave.step, iter(wave.tables)
             del wave  # nothing but ``tables`` holds the pieces: dropped once it is done
             for _, table in tables:
                 microbatch = collator(table)
@@ -110,16 +93,3 @@ def collate_directory(
             del tables
 
     return run()
-
-
-__all__ = [
-    "COLLATE_COLUMNS",
-    "DEFAULT_MAX_MEMORY",
-    "DP_ASSIGNMENTS",
-    "RowGroupRef",
-    "StepPlan",
-    "collate_directory",
-    "plan_contiguous",
-    "plan_steps",
-    "read_share",
-]

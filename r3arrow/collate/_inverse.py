@@ -1,19 +1,7 @@
 """Inverse collation: what the trainer's routers saw → a routes column aligned to trajectories.
 
-See ``docs/train-routes.md``. `uncollate_routes` takes a `Microbatch` and the top-k indices
-its routers produced (``r3arrow.megatron.record_schedule``), one ``[tokens, K]`` array per
-router layer in Megatron's router token order, and returns a ``large_list`` routes column
-with one row per trajectory of the microbatch and exactly the captured rows of the table's
-``routes`` column (rows ``0 .. captured - 1``, docs/design.md "Ragged routes and the
-terminal gap"), of the same Arrow type, so it can sit beside ``routes`` as
-``"train_routes"``. Everything is index arithmetic over all captured tokens at once: one
-gather per microbatch, no loop per token.
-
-Token order (docs/design.md, "Layouts for Megatron"): a router sees the flat ``s * b + b_idx``
-order of the ``[s, b]`` hidden states (packed ``[1, T]``: T order). With context
-parallelism CP rank r holds chunks r and ``2 cp - 1 - r`` of every sequence (unpacked: of
-every row) cut into ``2 cp`` chunks; with sequence parallelism TP rank t holds the t-th
-contiguous slice of that flat order.
+Contract and the layout rules it inverts: ``docs/train-routes.md``. Index arithmetic over all
+captured tokens at once: one gather per microbatch, no loop per token.
 """
 
 from __future__ import annotations
@@ -105,23 +93,16 @@ def _source(pieces: list[Mapping[int, Any]], need: list[int], tokens: int, k: in
         missing = sorted(set(need) - set(keys))
         extra = sorted(set(keys) - set(need))
         if missing or extra:
-            raise RouteShapeError(
-                f"per_layer_routes[{r}]: expected routes of router layers {need} (the spec's "
-                f"router rows), found layers {sorted(keys)}"
-                + (
-                    f"; missing {missing} (gather them from every pipeline stage, or project "
-                    f"the table to the recorded layers)"
-                    if missing
-                    else ""
-                )
-                + (f"; unexpected {extra}" if extra else "")
-                + (
-                    " (a layer-projected table: pass layers=r3arrow.table.route_layers(table))"
-                    if missing and extra
-                    else ""
-                ),
-                layer=(missing or extra)[0],
-            )
+            why = f"per_layer_routes[{r}]: expected routes of router layers {need} (the spec's "
+            why += f"router rows), found layers {sorted(keys)}"
+            if missing:
+                why += f"; missing {missing} (gather them from every pipeline stage, or "
+                why += "project the table to the recorded layers)"
+            if extra:
+                why += f"; unexpected {extra}"
+            if missing and extra:
+                why += " (a layer-projected table: pass layers=r3arrow.table.route_layers(table))"
+            raise RouteShapeError(why, layer=(missing or extra)[0])
         row: list[np.ndarray] = []
         for g in need:
             a = _as_numpy(piece[g])
@@ -147,10 +128,7 @@ def _source(pieces: list[Mapping[int, Any]], need: list[int], tokens: int, k: in
 
 
 def _source_index(mb: Microbatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(trajectory, token, source index) of every captured token, in table order.
-
-    The source index points into `_source`'s rank-after-rank token axis.
-    """
+    """(trajectory, token, index into `_source`'s token axis) of every captured token."""
     cap = np.asarray(mb.captured, dtype=np.int64)
     n = np.asarray(mb.seq_lens, dtype=np.int64)
     if cap.shape != n.shape or cap.ndim != 1 or bool((cap > n).any()) or bool((cap < 0).any()):
@@ -212,43 +190,21 @@ def uncollate_routes(
     spec: RouteSpec | None = None,
     layers: Sequence[int] | None = None,
 ) -> pa.LargeListArray[Any]:
-    """The trainer routers' routes as a routes column aligned to ``microbatch``'s trajectories.
+    """The trainer routers' routes as a ``spec.routes_type`` column aligned to ``microbatch``.
 
-    Parameters
-    ----------
-    microbatch:
-        The `Microbatch` the routers ran on (any layout: packed or unpacked, CP, SP).
-    per_layer_routes:
-        What the routers recorded (``RouteRecorder.take()``): ``{global layer id: [tokens,
-        K] integer tensor or array}`` with ``tokens = microbatch.num_router_tokens``, in
-        Megatron's router token order. With context parallelism (``cp_size > 1``) or
-        sequence parallelism (``sequence_parallel`` and ``tp_size > 1``) every rank holds a
-        piece: pass the list of all ranks' mappings, CP-major then TP (index ``cp_rank *
-        tp_size + tp_rank`` under SP, ``cp_rank`` without; gather them, e.g. with
-        ``torch.distributed.all_gather_object`` over the CP x TP group). Without SP the TP
-        ranks see the same tokens: pass one (any) TP rank's piece per CP rank.
-    spec:
-        The `RouteSpec` of the table the column goes into (default: ``microbatch.spec``);
-        the column has its storage dtype and ``[L, K]`` rows.
-    layers:
-        The global layer id of each route row (default ``range(spec.num_layers)``; a
-        layer-projected table: ``r3arrow.table.route_layers(table)``).
+    ``per_layer_routes``: ``RouteRecorder.take()``, ``{global layer id: [tokens, K] integer
+    tensor or array}`` (``tokens = microbatch.num_router_tokens``), or with CP or SP the
+    list of every rank's, CP-major then TP. ``spec``: the table's (default
+    ``microbatch.spec``); ``layers``: the global layer of each route row (default
+    ``range(spec.num_layers)``). Row i holds ``microbatch.captured[i]`` route rows; dense
+    rows are zeros.
 
-    Every router row of the spec needs its global layer in every piece, and no other layer
-    may be there: routes of other pipeline stages are gathered first (or the table is
-    projected to the recorded layers). Dense rows (``spec.dense_layers``) are zeros, as
-    engines report them. Returns ``large_list<fixed_size_list<fixed_size_list<dtype, K>,
-    L>>`` (``spec.routes_type``) with ``microbatch.captured[i]`` rows for trajectory i (rows
-    ``0 .. captured - 1``, the table's ``routes`` lengths; a DP padding microbatch gives
-    one empty row).
-
-    Raises `TypeError`/`ValueError` for misuse (wrong argument types, a wrong number of
-    rank pieces, ``layers`` of the wrong length); `RouteShapeError` for missing or extra
-    layers, a tensor of the wrong shape or an inconsistent microbatch; `RouteDTypeError`
-    for non-integer ids; `ExpertRangeError`/`DuplicateExpertError` (``row``, ``token``,
-    ``layer`` set) when a captured token's ids are out of ``[0, num_experts)``, do not fit
-    the spec's storage dtype or repeat an expert. All checks run before the output is
-    allocated.
+    Raises, before allocating the output, `TypeError`/`ValueError` for misuse (argument
+    types, the number of rank pieces, ``layers`` of the wrong length), `RouteShapeError`
+    for missing or extra layers, a wrong shape or an inconsistent microbatch,
+    `RouteDTypeError` for non-integer ids, and `ExpertRangeError`/`DuplicateExpertError`
+    (``row``, ``token``, ``layer`` set) for ids out of range or repeated. The contract in
+    full: ``docs/train-routes.md``.
     """
     if not isinstance(microbatch, Microbatch):
         raise TypeError(f"microbatch: expected a Microbatch, found {type(microbatch).__name__}")
@@ -273,7 +229,7 @@ def uncollate_routes(
 def _check_ids(
     picked: np.ndarray, spec: RouteSpec, need: list[int], traj: np.ndarray, tok: np.ndarray
 ) -> None:
-    """The id rules (r3arrow.ids) on the captured tokens, errors located in the table."""
+    """The id rules on the captured tokens, errors located in the table."""
     cap = int(np.iinfo(spec.dtype).max)
     bound = spec.num_experts if spec.num_experts is not None else cap + 1
     try:
@@ -284,17 +240,11 @@ def _check_ids(
         at = exc.token
         if at is None:
             raise
-        hint = (
-            ""
-            if spec.num_experts is not None
-            else f" (spec storage {spec.dtype}, num_experts unknown)"
-        )
+        unknown = f" (spec storage {spec.dtype}, num_experts unknown)"
+        hint = "" if spec.num_experts is not None else unknown
         raise type(exc)(
             f"{exc.message}{hint}; trajectory row {int(traj[at])}, token {int(tok[at])}",
             row=int(traj[at]),
             token=int(tok[at]),
             layer=exc.layer,
         ) from None
-
-
-__all__ = ["uncollate_routes"]

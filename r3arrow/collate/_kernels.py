@@ -1,10 +1,7 @@
-"""Copy kernels: token slices, and compact Arrow route rows → the layer-major replay buffer.
+"""Copy kernels: token slices, and compact route rows → the layer-major replay buffer.
 
-Routes go through the fused pass of `r3arrow.ids.gather_router_ids` (one cache-blocked
-pass: gather the local layers, check the ids while compact, widen; ``docs/collation.md``),
-once per chunk of the routes column (`_RouteSource`: a record batch's routes, never joined
-with the others) over the output positions its trajectories fill. Python loops run per
-chunk or per piece, never per token or per layer.
+Routes go through the fused pass of `r3arrow.ids.gather_router_ids` (``docs/collation.md``)
+once per chunk of the routes column (`_RouteSource`), never per token or per layer.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from r3arrow._schema import trajectory_id_at
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, R3ArrowError
 from r3arrow.ids import check_routes, gather_router_ids
 
@@ -40,9 +38,7 @@ def _put(
 
 
 class _RouteSource:
-    """One chunk of the routes column (a record batch's): compact ids ``[T, L, K]``, its
-    route offsets ``[rows + 1]``, the table row of its first trajectory, and the span of
-    output positions (packed) or columns (unpacked) its trajectories fill."""
+    """A record batch's compact routes ``[T, L, K]``, offsets, first row and output span."""
 
     def __init__(
         self, routes: np.ndarray, offsets: np.ndarray, row0: int, batch: pa.RecordBatch
@@ -59,8 +55,8 @@ class _RouteSource:
     def pieces(
         self, positions: int, *, packed: bool, split: int
     ) -> list[tuple[_RouteSource, tuple[int, int, int, int]]]:
-        """``(self, span)`` over this source's positions (packed) or columns (unpacked) in
-        ``split`` pieces of positions; ``span`` as `r3arrow.ids.gather_router_ids` takes it."""
+        """``(self, span)`` in ``split`` pieces of positions; ``span`` as
+        `r3arrow.ids.gather_router_ids` takes it."""
         if self.hi < 0:
             return []
         if packed:
@@ -77,15 +73,13 @@ class _RouteSource:
         num_experts: int | None,
         layers: Sequence[int],
     ) -> R3ArrowError:
-        """``exc`` (naming a row of this source as its token) restated for the trajectory:
-        ``row`` (table row), ``trajectory_id``, ``token`` within the trajectory."""
+        """``exc`` (its token: a route row of this source) restated with ``row`` (table row),
+        ``trajectory_id`` and ``token`` within the trajectory."""
         if exc.token is None:
             return exc
         i = int(np.searchsorted(self.offsets, exc.token, side="right")) - 1
         g = self.row0 + i
-        tid = None
-        if "trajectory_id" in self.batch.schema.names:
-            tid = self.batch.column("trajectory_id")[i].as_py()
+        tid = trajectory_id_at(self.batch, i)
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         try:  # the reference check on this trajectory: its token positions and layers
             check_routes(
@@ -110,7 +104,7 @@ def _run_gathers(
     layers: Sequence[int],
     check: bool,
 ) -> None:
-    """One worker's share of the fused pass (`r3arrow.ids.gather_router_ids`) into ``lm``."""
+    """One worker's share of the fused pass into ``lm``."""
     for src, span in pieces:
         try:
             gather_router_ids(

@@ -1,15 +1,11 @@
 """Where each trajectory's tokens go in a microbatch: alignment, padding, CP chunks.
 
-See ``docs/design.md``, "Layouts for Megatron": sequences start at position 0 of their row
-(unpacked) or segment (packed); alignment and batch padding follow them. Context-parallel
-rank r keeps chunks r and 2·cp−1−r of every sequence (unpacked: of every row) split into
-2·cp chunks. Everything here is vectorised over trajectories.
+``docs/design.md``, §5 Layouts for Megatron. Vectorised over trajectories.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 
@@ -37,10 +33,6 @@ def alignment_multiple(
     return math.lcm(align, base)
 
 
-def _round_up(x: np.ndarray, m: int) -> np.ndarray:
-    return np.asarray(-(-x // m) * m, dtype=np.int64)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """Where each trajectory's chunks go on this rank (vectorised over segments)."""
@@ -62,71 +54,49 @@ def _layout(n: np.ndarray, *, packed: bool, multiple: int, cp_size: int, cp_rank
     """The layout of sequences of lengths ``n`` ``[B]`` on CP rank ``cp_rank``."""
     b = n.shape[0]
     traj = np.arange(b, dtype=np.int64)
+    zeros = np.zeros(b, dtype=np.int64)
+    cu: np.ndarray | None = None
+    cu_pad: np.ndarray | None = None
     if packed:
-        padded = _round_up(n, multiple)
-        cu_pad = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(padded, out=cu_pad[1:])
-        cu = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(n, out=cu[1:])
-        positions, columns = int(cu_pad[-1]) // cp_size, 1
-        col = np.zeros(b, dtype=np.int64)
-        full, base, gbase = padded, cu_pad[:-1] // cp_size, cu_pad[:-1]
-        cu_out, cu_pad_out, max_len = cu, cu_pad, int(padded.max())
+        full = -(-n // multiple) * multiple
+        cu_pad = np.concatenate(([0], np.cumsum(full))).astype(np.int64)
+        cu = np.concatenate(([0], np.cumsum(n))).astype(np.int64)
+        positions, columns, col, gbase = int(cu_pad[-1]) // cp_size, 1, zeros, cu_pad[:-1]
+        max_len = int(full.max())
     else:
-        width = int(_round_up(n.max(keepdims=True), multiple)[0])
-        positions, columns = width // cp_size, b
-        col = traj
-        full = np.full(b, width, dtype=np.int64)
-        base, gbase = np.zeros(b, dtype=np.int64), np.zeros(b, dtype=np.int64)
-        cu_out, cu_pad_out, max_len = None, None, width
+        max_len = -(-int(n.max()) // multiple) * multiple
+        positions, columns, col, gbase = max_len // cp_size, b, traj, zeros
+        full = np.full(b, max_len, dtype=np.int64)
+    base = gbase // cp_size
     if cp_size == 1:
-        return _Layout(
-            positions,
-            columns,
-            traj,
-            np.zeros(b, np.int64),
-            full,
-            base,
-            col,
-            gbase,
-            cu_out,
-            cu_pad_out,
-            max_len,
-        )
+        return _Layout(positions, columns, traj, zeros, full, base, col, gbase, cu, cu_pad, max_len)
     # Chunk r then chunk 2cp-1-r of each sequence (row), back to back; lengths divide by 2cp.
     chunk = full // (2 * cp_size)
     first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
+
+    def pairs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return np.stack([x, y], axis=1).reshape(-1)
+
     return _Layout(
         positions,
         columns,
         np.repeat(traj, 2),
-        np.stack([first, second], axis=1).reshape(-1),
+        pairs(first, second),
         np.repeat(chunk, 2),
-        np.stack([base, base + chunk], axis=1).reshape(-1),
+        pairs(base, base + chunk),
         np.repeat(col, 2),
-        np.stack([gbase + first, gbase + second], axis=1).reshape(-1),
-        cu_out,
-        cu_pad_out,
+        pairs(gbase + first, gbase + second),
+        cu,
+        cu_pad,
         max_len,
     )
-
-
-def _layer_selector(layers: Sequence[int]) -> slice | np.ndarray:
-    """A basic slice when the layers are an arithmetic progression (a view), else an index array."""
-    if len(layers) == 1:
-        return slice(layers[0], layers[0] + 1)
-    step = layers[1] - layers[0]
-    if step > 0 and all(b - a == step for a, b in itertools.pairwise(layers)):
-        return slice(layers[0], layers[-1] + 1, step)
-    return np.asarray(layers, dtype=np.intp)
 
 
 def layer_positions(present: Sequence[int], layers: Sequence[int]) -> np.ndarray:
     """int64 index into a routes column's layer axis of each global layer in ``layers``.
 
-    ``present``: the global layer id of each route row present (`r3arrow.table.route_layers`;
-    a projected table holds a subset, layer projection). Raises `RouteShapeError` naming the
-    layers that are missing.
+    ``present``: the global layer of each route row present (`r3arrow.table.route_layers`).
+    Raises `RouteShapeError` naming the missing layers.
     """
     where = {g: i for i, g in enumerate(present)}
     missing = [g for g in layers if g not in where]

@@ -1,10 +1,5 @@
-"""`Microbatch`, the collator's output, and the scatter of per-position model outputs.
-
-A microbatch holds Megatron's model inputs and one layer-major int32 replay buffer whose
-per-layer slices are the replay targets (views, no copy). `next_token_shift`,
-`packed_to_batch` and `unpacked_to_batch` bring per-position outputs (e.g. logprobs)
-from the packed or padded layout back to batch order.
-"""
+"""`Microbatch`, the collator's output, and the scatter of per-position model outputs
+back to batch order (``docs/design.md`` §5, *Labels and outputs*)."""
 
 from __future__ import annotations
 
@@ -28,13 +23,9 @@ class Microbatch:
     ``loss_mask`` is aligned with the input tokens (0 on the prompt); ``labels[t]`` is
     token t+1 of the same sequence and ``label_mask[t] = loss_mask[t+1]`` (0 where there is
     no next token). ``cu_seqlens``/``cu_seqlens_padded`` (int32, packed only) describe the
-    whole packed row before context-parallel slicing, as Megatron's ``PackedSeqParams`` wants.
-
-    R3 off (collated by ``MegatronCollator(spec=None)`` from a table without routes):
-    ``spec``, ``routes`` and ``layer_major`` are None, ``layers`` is empty, ``captured``
-    equals ``seq_lens`` (routers route every real token freely) and ``padding_mask`` is True
-    at alignment and batch padding only; `replay_tensor`/`replay_targets` raise `ReplayError`.
-    Padding microbatches (see `is_padding`) hold only dummy rows and loss mask 0.
+    whole packed row before context-parallel slicing (Megatron's ``PackedSeqParams``).
+    R3 off: ``spec``, ``routes`` and ``layer_major`` are None, ``layers`` is empty and
+    ``captured`` equals ``seq_lens``; `replay_tensor`/`replay_targets` raise `ReplayError`.
     """
 
     spec: RouteSpec | None
@@ -59,26 +50,20 @@ class Microbatch:
     cp_size: int
     cp_rank: int
     sequence_parallel: bool
-    #: int32 ``[L_local, P, C, K]``: P positions per column, C = b columns (unpacked) or 1.
-    #: Flattened over (P, C) this is Megatron's token order (sequence-major for ``[s, b]``).
-    #: None with R3 off.
+    #: int32 ``[L_local, P, C, K]`` (C = b unpacked, 1 packed); flattened over (P, C) it is
+    #: Megatron's token order. None with R3 off.
     layer_major: torch.Tensor | None
-    #: True for a DP padding microbatch (`r3arrow.microbatch.padding_table`): every
-    #: position is padding, the loss mask is 0; it only keeps DP ranks' schedules in step.
+    #: A DP padding microbatch (`r3arrow.microbatch.padding_table`): all padding, loss mask 0.
     is_padding: bool = False
-    #: Set by the collator when its fused pass checked the router-id rules on `layer_major`
-    #: (ids in ``[0, spec.num_experts)``, no expert twice per row; ``docs/collation.md``):
-    #: `layer_major`'s torch version counter at that time (None: not checked). See
-    #: `ids_validated`.
+    #: `layer_major`'s torch version counter when the collator's fused pass checked its ids
+    #: (None: not checked); see `ids_validated`.
     validated_version: int | None = None
 
-    # -------------------------------------------------------------- derived
     @property
     def ids_validated(self) -> bool:
-        """Whether `layer_major` still holds the ids the collator checked: `install_replay`
-        then skips its own id scan for ``spec.num_experts``. Any in-place torch write into
-        `layer_major` (or a view of it) bumps its version counter and voids this; writes that
-        bypass torch (through ``.numpy()``) are not seen: build a new microbatch instead."""
+        """Whether `layer_major` still holds the ids the collator checked (`install_replay`
+        then skips its scan for ``spec.num_experts``). In-place torch writes void it; writes
+        through ``.numpy()`` are not seen."""
         lm = self.layer_major
         return (
             lm is not None
@@ -93,8 +78,7 @@ class Microbatch:
 
     @property
     def routes(self) -> torch.Tensor | None:
-        """int32 ``[b, S, L_local, K]`` (packed: ``[1, T, L_local, K]``), a view of the targets;
-        None with R3 off."""
+        """int32 ``[b, S, L_local, K]`` (packed ``[1, T, ...]``), a view; None with R3 off."""
         if self.layer_major is None:
             return None
         return self.layer_major.permute(2, 1, 0, 3)  # [C, P, L, K]; packed C == 1
@@ -117,12 +101,9 @@ class Microbatch:
         return int(positions * columns)
 
     def replay_tensor(self) -> torch.Tensor:
-        """int32 ``[L_local, num_router_tokens, K]`` view of `layer_major`: this rank's targets.
-
-        Token order is Megatron's: flat index ``s * b + b_idx`` of the ``[s, b]`` hidden
-        states (packed ``[1, T]``: T order), sliced to this TP rank under sequence
-        parallelism. Raises `ReplayError` with R3 off (no routes were collated).
-        """
+        """int32 ``[L_local, num_router_tokens, K]`` view of `layer_major` in Megatron's token
+        order (flat ``s * b + b_idx``), this TP rank's slice under sequence parallelism.
+        Raises `ReplayError` with R3 off."""
         if self.layer_major is None:
             raise ReplayError(
                 "replay targets: expected a microbatch collated with routes, found one collated "
@@ -137,13 +118,12 @@ class Microbatch:
         return flat
 
     def replay_targets(self) -> list[torch.Tensor]:
-        """One contiguous int32 ``[num_router_tokens, K]`` tensor per local router, in layer
-        order: the rows of `replay_tensor` (views, no copy). Raises `ReplayError` with R3 off."""
+        """The rows of `replay_tensor`, one contiguous int32 ``[num_router_tokens, K]`` view per
+        local router. Raises `ReplayError` with R3 off."""
         return list(self.replay_tensor().unbind(0))
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Microbatch:
         """This microbatch with every tensor on ``device``."""
-
         moved: dict[str, Any] = {
             f.name: v.to(device, non_blocking=non_blocking)
             for f in dataclasses.fields(self)
@@ -156,13 +136,9 @@ class Microbatch:
         return dataclasses.replace(self, **moved)
 
     def to_batch(self, values: torch.Tensor, *, fill: float = 0.0) -> torch.Tensor:
-        """Per-position model outputs (e.g. next-token logprobs) → ``[B, max(seq_lens) - 1]``.
-
-        ``values`` covers the full (pre-CP) layout: ``[1, T]``/``[T]`` packed or ``[b, S]``
-        unpacked; position t of a sequence predicts token t+1, so each row keeps its first
-        ``len - 1`` values and ``fill`` after. With context parallelism, gather the ranks'
-        outputs first and place them with `token_index`.
-        """
+        """Per-position outputs over the full (pre-CP) layout → ``[B, max(seq_lens) - 1]``
+        (`packed_to_batch` / `unpacked_to_batch`). With CP, gather the ranks' outputs first
+        and place them with `token_index`."""
         if self.packed:
             assert self.cu_seqlens is not None and self.cu_seqlens_padded is not None
             return packed_to_batch(values, self.cu_seqlens, self.cu_seqlens_padded, fill=fill)
@@ -204,12 +180,8 @@ def next_token_shift(
     *,
     fill: float | int = 0,
 ) -> torch.Tensor:
-    """Shift every packed segment left by one: ``out[t] = values[t+1]`` within a sequence.
-
-    ``values``: ``[T]`` or ``[1, T, ...]`` in the full packed layout. The last real
-    position of each sequence and all padding get ``fill``. Same shape and dtype as
-    ``values``.
-    """
+    """``out[t] = values[t+1]`` within each packed sequence (``[T]`` or ``[1, T, ...]``, full
+    layout); the last real position and all padding get ``fill``."""
     cu, cup = _as_index(cu_seqlens), _as_index(cu_seqlens_padded)
     flat = (
         values.reshape(-1, *values.shape[2:])
@@ -232,11 +204,8 @@ def packed_to_batch(
     fill: float | int = 0,
     width: int | None = None,
 ) -> torch.Tensor:
-    """Scatter per-position packed outputs ``[1, T]``/``[T]`` back to batch order ``[B, width]``.
-
-    Row i holds positions ``0 .. len_i - 2`` of sequence i (position t predicts token t+1),
-    then ``fill``; ``width`` defaults to ``max(len) - 1``.
-    """
+    """Packed outputs ``[1, T]``/``[T]`` → ``[B, width]``: row i holds positions
+    ``0 .. len_i - 2`` of sequence i, then ``fill``; ``width`` defaults to ``max(len) - 1``."""
     cu, cup = _as_index(cu_seqlens), _as_index(cu_seqlens_padded)
     flat = values.reshape(-1) if values.dim() == 2 and values.shape[0] == 1 else values
     if flat.dim() != 1 or flat.shape[0] != int(cup[-1]):

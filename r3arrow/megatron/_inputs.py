@@ -1,27 +1,17 @@
-"""Keyword arguments for ``GPTModel.forward`` from a `Microbatch`.
-
-The router padding mask travels with the model inputs (``docs/design.md``, "Router
-padding mask and dummy rows"), and packed microbatches carry ``PackedSeqParams`` (THD).
-
-Sequence parallelism and pipeline stages: megatron-core (0.16.1) scatters the padding mask
-to the TP rank's sequence-parallel slice in ``GPTModel._preprocess`` only on the stage that
-embeds tokens (``pre_process``, the first model chunk of the first pipeline rank, and only
-when ``decoder_input`` is None). Every later stage passes the mask through unchanged, while
-its routers see the ``S/tp`` hidden states received from the previous stage; a whole
-``[b, S]`` mask then fails in the routers' padding-aware aux-loss and z-loss arithmetic.
-`model_inputs` hands those stages the slice Megatron's scatter would have produced.
-"""
+"""Keyword arguments for ``GPTModel.forward`` from a `Microbatch`: the router padding mask
+each pipeline stage needs and, packed, ``PackedSeqParams`` (``docs/design.md`` §5,
+*Sequence parallelism*)."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from r3arrow.collate import Microbatch
+from r3arrow.megatron._routers import _parallel_state
 
 
 def _packed_seq_params(mb: Microbatch) -> Any:
-    """``PackedSeqParams`` (THD) of a packed microbatch: real and padded cu_seqlens, max length."""
+    """``PackedSeqParams`` (THD) of a packed microbatch."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if not mb.packed or mb.cu_seqlens is None or mb.cu_seqlens_padded is None:
@@ -38,9 +28,7 @@ def _packed_seq_params(mb: Microbatch) -> Any:
 
 
 def _unwrapped_model(model: Any) -> Any:
-    """The module under DDP / ``Float16Module`` wrappers (``.module`` chains) with a
-    ``pre_process`` attribute. Raises `TypeError` for a list of model chunks or a model
-    without ``pre_process``."""
+    """The module with ``pre_process`` under ``.module`` wrappers, else `TypeError`."""
     if isinstance(model, list | tuple):
         raise TypeError(
             f"model: expected one model chunk (the one this microbatch enters), found a "
@@ -73,12 +61,9 @@ def _check_model_parallel(mb: Microbatch, model: Any) -> None:
 
 
 def _is_first_stage(vp_stage: int | None) -> bool:
-    """Megatron's ``pre_process`` of this rank's model chunk ``vp_stage``, from parallel_state
-    (True when megatron-core is not imported or model parallelism is not initialised)."""
-    # Model parallelism cannot be initialised before megatron-core is imported: never import
-    # it (heavy, warns on import) only to learn that.
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
+    """Megatron's ``pre_process`` of model chunk ``vp_stage``; True before model parallelism."""
+    parallel_state = _parallel_state()
+    if parallel_state is None:
         return True
     if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:
         if vp_stage is None:
@@ -92,22 +77,11 @@ def _is_first_stage(vp_stage: int | None) -> bool:
 
 
 def _stage_padding_mask(mb: Microbatch, *, pre_process: bool) -> Any:
-    """The router padding mask a stage passes to ``GPTModel.forward``.
-
-    ``pre_process=True`` (the stage embeds tokens and scatters the mask itself): the whole
-    ``mb.padding_mask`` ``[b, S]`` (packed ``[1, T]``). Otherwise, under sequence parallelism
-    with ``tp_size > 1``: this TP rank's slice ``[b, S/tp]`` of the local positions,
-    ``[tp_rank*S/tp, (tp_rank+1)*S/tp)``, contiguous (a copy of ``b*S/tp`` bools), which
-    is exactly ``scatter_to_sequence_parallel_region`` of the ``[S, b]`` mask transposed
-    back, so the routers' flat token order matches `Microbatch.replay_targets`. Without
-    sequence parallelism every stage gets the whole mask.
-    """
+    """The whole mask, or this TP rank's ``[b, S/tp]`` slice where Megatron scatters none."""
     pad = mb.padding_mask
     if pre_process or not mb.sequence_parallel or mb.tp_size == 1:
         return pad
-    positions = int(pad.shape[1])
-    # The collator aligns local positions to a multiple of tp (alignment_multiple).
-    per = positions // mb.tp_size
+    per = int(pad.shape[1]) // mb.tp_size  # the collator aligns positions to tp
     return pad[:, mb.tp_rank * per : (mb.tp_rank + 1) * per].contiguous()
 
 
@@ -120,30 +94,23 @@ def model_inputs(
     vp_stage: int | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``GPTModel.forward``: tokens, positions, the router padding mask
-    (True = padding), labels and ``PackedSeqParams`` when packed.
+    (True = padding) this stage's routers need, labels and, packed, ``PackedSeqParams``.
 
-    The padding mask is what this pipeline stage's routers need (`_stage_padding_mask`):
-    the whole ``[b, S]`` on the stage that embeds tokens, which scatters it itself; this TP
-    rank's sequence-parallel slice ``[b, S/tp]`` on every later stage. The stage is, first
-    found: ``pre_process`` as given; ``model.pre_process`` (``model``: the ``GPTModel`` chunk
-    the microbatch enters, wrappers with ``.module`` unwrapped; its config's TP size and
-    sequence parallelism are checked against the microbatch); Megatron's ``parallel_state``
-    when imported and initialised (pipeline rank 0, and model chunk ``vp_stage == 0`` under
-    virtual pipelining); else the first stage (no pipeline).
+    The stage embeds tokens (whole mask) or not (this TP rank's sequence-parallel slice)
+    according to, first found: ``pre_process``; ``model.pre_process`` (``model``: the chunk
+    the microbatch enters, its TP size and sequence parallelism checked against the
+    microbatch's); Megatron's ``parallel_state`` (pipeline rank 0 and, virtual pipelining,
+    ``vp_stage == 0``); else the first stage.
 
     Raises `TypeError` for a ``model`` that is a list of chunks or has no ``pre_process``,
     `ValueError` for a model whose TP size or sequence parallelism differ from the
     microbatch's, or for virtual pipelining without ``vp_stage`` or ``pre_process``.
     """
+    chunk = None if model is None else _unwrapped_model(model)
+    if chunk is not None:
+        _check_model_parallel(mb, chunk)
     if pre_process is None:
-        if model is not None:
-            chunk = _unwrapped_model(model)
-            _check_model_parallel(mb, chunk)
-            pre_process = bool(chunk.pre_process)
-        else:
-            pre_process = _is_first_stage(vp_stage)
-    elif model is not None:
-        _check_model_parallel(mb, _unwrapped_model(model))
+        pre_process = bool(chunk.pre_process) if chunk is not None else _is_first_stage(vp_stage)
     out: dict[str, Any] = {
         "input_ids": mb.input_ids,
         "position_ids": mb.position_ids,

@@ -1,8 +1,7 @@
 """Replay targets checked, then handed to ``RouterReplay.set_replay_data``.
 
-Megatron itself accepts wrong targets silently; this is the replay trust boundary, where
-every target's shape, dtype and ids are checked once (the id rules are `r3arrow.ids`;
-``docs/design.md``, "Expert ids").
+Megatron accepts wrong targets silently; this is the replay trust boundary, where every
+target's shape, dtype and ids are checked once (``docs/design.md`` §4 Expert ids, §7).
 """
 
 from __future__ import annotations
@@ -40,39 +39,23 @@ def _check_target_ids(arr: torch.Tensor, num_experts: int | None, layer_ids: Seq
 
 
 def _check_targets(
-    targets: Sequence[torch.Tensor],
-    names: Sequence[int],
-    num_tokens: int,
-    topk: int | None,
-    num_experts: int | None,
-    check_ids: bool,
+    targets: Sequence[torch.Tensor], names: Sequence[int], num_tokens: int, topk: int | None
 ) -> None:
-    """Each target an int32/int64 ``[num_tokens, topk]`` tensor (top-k: the first target's when
-    None), else `ReplayError` with ``layer`` set; with ``check_ids`` also ids in
-    ``[0, num_experts)`` and no expert twice in a row (`ReplayRangeError`/
-    `ReplayDuplicateError`, ``token`` and ``layer`` set). ``names``: global layer ids."""
+    """Each target an int32/int64 ``[num_tokens, topk]`` tensor, else `ReplayError`."""
     for name, t in zip(names, targets, strict=True):
+        what = f"replay target of layer {name}: expected"
         if not isinstance(t, torch.Tensor):
-            raise ReplayError(
-                f"replay target of layer {name}: expected a torch.Tensor, found {type(t).__name__}",
-                layer=name,
-            )
+            raise ReplayError(f"{what} a torch.Tensor, found {type(t).__name__}", layer=name)
         if t.dtype not in (torch.int32, torch.int64):
-            raise ReplayError(
-                f"replay target of layer {name}: expected int32 or int64, found {t.dtype}",
-                layer=name,
-            )
+            raise ReplayError(f"{what} int32 or int64, found {t.dtype}", layer=name)
         if topk is None and t.dim() == 2:
             topk = int(t.shape[1])
         if t.dim() != 2 or t.shape[0] != num_tokens or t.shape[1] != topk:
             raise ReplayError(
-                f"replay target of layer {name}: expected [{num_tokens}, {topk}] (tokens this "
-                f"rank's router sees, top-k), found {list(t.shape)}",
+                f"{what} [{num_tokens}, {topk}] (tokens this rank's router sees, top-k), "
+                f"found {list(t.shape)}",
                 layer=name,
             )
-    if check_ids:
-        for name, t in zip(names, targets, strict=True):
-            _check_target_ids(t.unsqueeze(0), num_experts, [name])
 
 
 MtpPolicy = Literal["exclude", "replay", "error"]
@@ -95,36 +78,22 @@ def install_replay(
 ) -> list[torch.Tensor]:
     """Validate replay targets, then hand them to Megatron's ``RouterReplay``; return them.
 
-    ``mb``: a `Microbatch` (targets, token count, layers and ``num_experts`` from it; one
-    collated with R3 off raises `ReplayError`) or a list
-    of ``[tokens, K]`` tensors in router-instance order (then ``num_tokens`` is required).
-    ``routers`` (a model, modules or routers): targets go to routers by ``layer_number``
-    (1-based global), which must match the microbatch's layers; ``num_experts`` and top-k are
-    checked against each router. Without ``routers`` targets follow instance order and their
-    number must equal the router instances of this process. ``check=False`` skips the id
-    scan (shapes are always checked).
+    ``mb``: a `Microbatch` (targets, token count, layers and ``num_experts`` from it; R3 off
+    raises `ReplayError`) or ``[tokens, K]`` tensors in router-instance order (then
+    ``num_tokens`` is required). ``routers`` (a model, modules or routers): targets go to
+    routers by ``layer_number`` and ``num_experts``/top-k are checked against each router;
+    without it targets follow instance order, one per instance of this process.
+    ``check=False`` skips the id scan (shapes are always checked).
 
-    MTP policy (``docs/design.md``, "PP-local layers"). Megatron registers the routers of
-    multi-token-prediction layers as ``RouterReplay`` instances too (Megatron-LM #7404) and
-    ``set_replay_data`` wants one tensor per instance; an MTP router is one whose
-    ``layer_number`` exceeds ``config.num_layers`` (megatron-core numbers the router of MTP
-    depth ``d`` as ``num_layers + d``). Engines report decoder layers only, so:
+    MTP routers (``layer_number > config.num_layers``; Megatron registers them as replay
+    instances too, Megatron-LM #7404): ``mtp="exclude"`` (default) leaves them routing
+    natively for the schedule, the return value holding one target per replayed instance;
+    ``"replay"`` replays them from routes of global layer ``layer_number - 1``; ``"error"``
+    refuses them. Without ``routers`` a count mismatch raises `ReplayError` naming MTP.
 
-    * ``mtp="exclude"`` (default): MTP routers among ``routers`` get no target; their
-      instances are marked native for the schedule (action None, skipped by
-      the replay actions and `replay_backward`), so they route with their own weights while
-      the decoder replays. The return value has one target per replayed instance.
-    * ``mtp="replay"``: MTP routers are replayed like decoder routers, by global layer
-      ``layer_number - 1``; the microbatch must carry routes for those layers.
-    * ``mtp="error"``: MTP routers among ``routers`` raise `ReplayError`.
-
-    Without ``routers`` MTP routers cannot be told apart: a target count that does not match
-    the instance count raises `ReplayError` naming MTP as a likely cause and the options.
-
-    Raises `TypeError`/`ValueError` for argument misuse (raw targets without ``num_tokens``,
-    ``layers`` not one per target, an unknown ``mtp``) and `ReplayError` (subclasses
-    `ReplayRangeError`, `ReplayDuplicateError`) for targets that do not fit, before anything
-    reaches Megatron.
+    Raises `TypeError`/`ValueError` for argument misuse (raw targets without
+    ``num_tokens``, ``layers`` not one per target, an unknown ``mtp``) and `ReplayError`
+    (`ReplayRangeError`, `ReplayDuplicateError` for ids) before anything reaches Megatron.
     """
     mtp = check_choice(mtp, "mtp", get_args(MtpPolicy))  # type: ignore[assignment]
     if isinstance(mb, Microbatch) and (mb.spec is None or not mb.r3):
@@ -153,8 +122,7 @@ def install_replay(
         ids = list(layers) if layers is not None else list(range(len(targets)))
     if len(ids) != len(targets):
         raise ValueError(f"layers: expected one layer id per target ({len(targets)}), found {ids}")
-    ordered = targets
-    receivers = instances
+    ordered, receivers = targets, instances
     native: list[Any] = []
     if routers is not None:
         plan = _order_by_routers(targets, ids, _routers(routers), instances, experts, topk, mtp)
@@ -166,20 +134,19 @@ def install_replay(
             f"are MTP routers (Megatron registers them too, Megatron-LM #7404), pass "
             f"routers=<the model> so install_replay can tell them apart, with {_MTP_OPTIONS}"
         )
-    # A microbatch's targets share one buffer: scan all its layers in one blockwise pass.
-    fast = isinstance(mb, Microbatch)
-    _check_targets(targets, ids, tokens, topk, experts, check and not fast)
-    # The collator's fused pass already checked these ids against the same bound: once per
-    # trust boundary (docs/collation.md). Another bound (routers' or the caller's) re-checks.
-    if (
-        check
-        and isinstance(mb, Microbatch)
-        and not (mb.ids_validated and mb.spec is not None and experts == mb.spec.num_experts)
-    ):
-        _check_target_ids(mb.replay_tensor(), experts, mb.layers)
+    _check_targets(targets, ids, tokens, topk)
+    if check and isinstance(mb, Microbatch):
+        # A microbatch's targets share one buffer: one blockwise scan of all its layers,
+        # skipped when the collator's fused pass checked the same bound (docs/collation.md).
+        assert mb.spec is not None
+        if not (mb.ids_validated and experts == mb.spec.num_experts):
+            _check_target_ids(mb.replay_tensor(), experts, mb.layers)
+    elif check:
+        for name, t in zip(ids, targets, strict=True):
+            _check_target_ids(t.unsqueeze(0), experts, [name])
     if native:
-        # Megatron's set_replay_data wants a tensor for every instance: hand the replayed
-        # ones theirs the way it does (set_target_indices) and leave the native ones free.
+        # set_replay_data wants a tensor for every instance: hand the replayed ones theirs
+        # the way it does (set_target_indices) and leave the native ones free.
         _mark_native(native)
         for inst, t in zip(receivers, ordered, strict=True):
             inst.set_target_indices(t)
@@ -193,6 +160,18 @@ def _mtp_numbers(routers: list[Any]) -> list[int]:
     return sorted(_global_layer(r) + 1 for r in routers)
 
 
+def _agreeing(router: Any, attr: str, want: int | None, layer: int, label: str) -> int | None:
+    """``want``, or the router's ``attr`` when ``want`` is None; `ReplayError` if they differ."""
+    got = getattr(router, attr, None)
+    if got is None:
+        return want
+    if want is not None and int(got) != int(want):
+        raise ReplayError(
+            f"router of layer {layer}: expected {label}{want} (routes), found {got}", layer=layer
+        )
+    return int(got) if want is None else want
+
+
 def _order_by_routers(
     targets: list[torch.Tensor],
     ids: list[int],
@@ -202,8 +181,7 @@ def _order_by_routers(
     topk: int | None,
     mtp: MtpPolicy,
 ) -> tuple[list[torch.Tensor], list[Any], list[Any], int | None, int | None]:
-    """(targets in instance order, the instances that receive them, native MTP instances,
-    experts, top-k), mapped through each router's ``layer_number`` under the MTP policy."""
+    """(targets, their instances, native MTP instances, experts, top-k) by ``layer_number``."""
     mtp_routers = [r for r in routers if _is_mtp(r)]
     if mtp_routers and mtp == "error":
         raise ReplayError(
@@ -236,11 +214,9 @@ def _order_by_routers(
         )
     target_of = {id(_replay_of(by_layer[g])): t for g, t in zip(ids, targets, strict=True)}
     native = [] if mtp == "replay" else [_replay_of(r) for r in mtp_routers]
-    native_ids = {id(inst) for inst in native}
+    known = target_of.keys() | {id(inst) for inst in native}
     covered = [i for i, inst in enumerate(instances) if id(inst) in target_of]
-    missing = [
-        i for i, inst in enumerate(instances) if id(inst) not in target_of.keys() | native_ids
-    ]
+    missing = [i for i, inst in enumerate(instances) if id(inst) not in known]
     if missing or len(covered) != len(target_of):
         raise ReplayError(
             f"expected targets for every RouterReplay instance of this process "
@@ -250,19 +226,7 @@ def _order_by_routers(
             f"pass the whole model)"
         )
     for g in ids:
-        r = by_layer[g]
-        e = getattr(r, "num_experts", None)
-        if e is not None and experts is not None and int(e) != int(experts):
-            raise ReplayError(
-                f"router of layer {g}: expected num_experts={experts} (routes), found {e}",
-                layer=g,
-            )
-        experts = int(e) if e is not None and experts is None else experts
-        k = getattr(r, "topk", None)
-        if k is not None and topk is not None and int(k) != int(topk):
-            raise ReplayError(
-                f"router of layer {g}: expected top-k {topk} (routes), found {k}", layer=g
-            )
-        topk = int(k) if k is not None and topk is None else topk
-    receivers = [inst for inst in instances if id(inst) in target_of]
+        experts = _agreeing(by_layer[g], "num_experts", experts, g, "num_experts=")
+        topk = _agreeing(by_layer[g], "topk", topk, g, "top-k ")
+    receivers = [instances[i] for i in covered]
     return [target_of[id(inst)] for inst in receivers], receivers, native, experts, topk

@@ -1,29 +1,8 @@
 """Agreement during replay: the routers' own top-k vs the replayed targets, no second pass.
 
-``docs/replay-probe.md`` states the contract; in short: inside
-``replay_schedule(measure_agreement=True)`` every ``REPLAY_FORWARD`` router call also takes
-the router's native top-k on the scores megatron-core computes anyway (the ``scores`` that
-``RouterReplay.get_replay_topk`` receives, expert bias and group-limited selection included:
-its ``default_compute_topk``) and compares it with the replayed target per token, order within
-top-k ignored, on tokens the router padding mask does not mark as padding (True = padding, the
-mask `r3arrow.megatron.model_inputs` passes; megatron-core flattens it like the logits).
-``REPLAY_BACKWARD`` (activation recompute) calls are not observed, so each token counts once.
-
-Hook points (megatron-core 0.16.1 and 0.19.x have both): ``RouterReplay.get_replay_topk``
-(scores, top-k, groups, the native top-k function) and ``TopKRouter.routing`` (the padding
-mask and the router, for its global layer). Both are patched on the classes only while a
-probing schedule is open (reference counted, restored when the last one closes) and pass
-straight through when the calling thread has no probe: the replayed indices and probabilities
-are the unpatched function's own return values, untouched.
-
-Device work per observed call: on the CPU with numba (the ``fast`` extra; `_compiled_row`,
-`r3arrow._kernels._numba`) one read of the scores per row decides ``|N ∩ R|`` and megatron's
-top-k runs only on rows with a tie across the K-th place (or a NaN); without numba, for
-float16, on the GPU or with group-limited routing `_native_overlap` (torch): on the CPU the
-native top-k of the rows whose target is not provably the unique top-k set, elsewhere of every
-row and a ``[T, K, K]`` comparison. Counts accumulate in device tensors; one host sync when the
-schedule ends (on the CPU, the reductions run in numpy). A measurement that fails never
-fails the forward: `ReplayProbe.agreement` raises `ReplayError` with the reason instead.
+Contract, hook points (``RouterReplay.get_replay_topk`` and ``TopKRouter.routing``, patched
+on the classes only while a probing schedule is open) and the three exact paths (numba on
+the CPU, torch on the CPU, the full top-k elsewhere): ``docs/replay-probe.md``.
 """
 
 from __future__ import annotations
@@ -49,8 +28,7 @@ _local = threading.local()  # .probe: the open ReplayProbe; .frame: (instance, r
 
 
 class _Layer:
-    """One ``RouterReplay`` instance's observed calls: an int8 ``[T]`` row per call holding
-    ``|native ∩ target|`` per token, -1 on padding (reduced once, when the schedule ends)."""
+    """A ``RouterReplay`` instance's calls: int8 ``[T]`` ``|native ∩ target|`` rows, -1 = pad."""
 
     __slots__ = ("layer", "rows", "topk")
 
@@ -63,9 +41,8 @@ class ReplayProbe:
     """Agreement of the routers' native top-k with the replayed targets over one schedule.
 
     Yielded by ``replay_schedule(measure_agreement=True)``; read `agreement` after the
-    ``with`` block. Counts are local to this process (its routers and tokens): add the
-    `RouteAgreement`s of data-parallel (and context/sequence-parallel) ranks for a step;
-    pipeline stages hold different layers (compare them per stage).
+    ``with`` block. Counts are this process's routers and tokens (add the ranks'
+    `RouteAgreement`s; compare pipeline stages per stage).
     """
 
     def __init__(self) -> None:
@@ -84,24 +61,18 @@ class ReplayProbe:
     def agreement(self) -> RouteAgreement:
         """`r3arrow.stats.RouteAgreement` of the schedule (needs the ``stats`` extra).
 
-        ``layers``: the global ids of the routers that replayed (ascending); ``tokens``: the
-        non-padding tokens of every observed call; ``identical``/``overlap`` per layer;
-        ``all_identical``: tokens identical on every layer. No replayed router call: no
-        layers, ``tokens == 0``. Raises `ReplayError` while the schedule is open, after it
-        raised, or when the calls could not be aligned (the message says why).
+        ``layers``: the routers that replayed (ascending global ids); ``tokens``: the
+        non-padding tokens of every observed call. Raises `ReplayError` while the schedule
+        is open, after it raised, or when the calls could not be aligned (saying why).
         """
-        if self._state == "open":
-            raise ReplayError(
-                "ReplayProbe.agreement: expected a finished schedule, found it still open "
-                "(read it after the replay_schedule block)"
-            )
-        if self._state == "failed":
-            raise ReplayError(
-                "ReplayProbe.agreement: expected a schedule that completed, found one that "
-                "raised (its partial counts were dropped)"
-            )
-        if self._problem is not None:
-            raise ReplayError(f"ReplayProbe.agreement: {self._problem}")
+        problem = {
+            "open": "expected a finished schedule, found it still open (read it after the "
+            "replay_schedule block)",
+            "failed": "expected a schedule that completed, found one that raised (its partial "
+            "counts were dropped)",
+        }.get(self._state, self._problem)
+        if problem is not None:
+            raise ReplayError(f"ReplayProbe.agreement: {problem}")
         if self._agreement is None:
             from r3arrow.stats import RouteAgreement  # the stats extra, only when read
 
@@ -109,22 +80,9 @@ class ReplayProbe:
             self._agreement = RouteAgreement(*self._counts)
         return self._agreement
 
-    # ------------------------------------------------------------------ observation
     def _fail(self, problem: str) -> None:
         if self._problem is None:
             self._problem = problem
-
-    def _layer_of(self, inst: Any, router: Any, topk: int) -> _Layer:
-        acc = self._layers.get(id(inst))
-        if acc is None:
-            acc = _Layer(_layer_id(inst, router), topk)
-            self._layers[id(inst)] = acc
-            if acc.layer < 0:
-                self._fail(
-                    "expected routers with a layer_number or registered RouterReplay "
-                    "instances, found a router with neither"
-                )
-        return acc
 
     def _observe(
         self,
@@ -135,14 +93,21 @@ class ReplayProbe:
         groups: tuple[int | None, int | None],
         default_compute_topk: Any,
     ) -> None:
-        """Record one replayed call of ``inst``: ``scores`` ``[T, E]``, ``replayed`` (gathered
-        scores, ids ``[T, K]``) as ``REPLAY_FORWARD`` returned them."""
+        """Record one replayed call: ``scores`` ``[T, E]``, ``replayed`` (probs, ids ``[T, K]``)."""
         frame = getattr(_local, "frame", None)
         router, pad = (None, None)
         if frame is not None and frame[0] is inst:  # called from this router's routing()
             router, pad = frame[1], frame[2]
         tokens, k = int(scores.shape[0]), int(replayed[1].shape[-1])
-        acc = self._layer_of(inst, router, k)
+        acc = self._layers.get(id(inst))
+        if acc is None:
+            acc = _Layer(_layer_id(inst, router), k)
+            self._layers[id(inst)] = acc
+            if acc.layer < 0:
+                self._fail(
+                    "expected routers with a layer_number or registered RouterReplay "
+                    "instances, found a router with neither"
+                )
         if self._problem is not None:
             return
         if acc.topk != k or k > 127:
@@ -167,17 +132,12 @@ class ReplayProbe:
                 row.masked_fill_(pad, -1)
         acc.rows.append(row)
 
-    # ------------------------------------------------------------------ end of schedule
     def _finish(self, ok: bool) -> None:
-        """Close: on success one host sync turns the recorded rows into `agreement`'s
-        counts; on an error they are dropped. Device tensors are released either way."""
+        """Close: the rows become `agreement`'s counts (one host sync), or are dropped."""
         layers = sorted(self._layers.values(), key=lambda a: a.layer)
         self._layers = {}
-        if not ok:
-            self._state = "failed"
-            return
-        self._state = "done"
-        if self._problem is None:
+        self._state = "done" if ok else "failed"
+        if ok and self._problem is None:
             try:
                 self._counts = _summed(layers, self._fail)
             except Exception as exc:  # the schedule itself succeeded: report on read
@@ -185,11 +145,9 @@ class ReplayProbe:
 
 
 def _summed(layers: list[_Layer], fail: Any) -> tuple[Any, ...] | None:
-    """`RouteAgreement` fields of the recorded rows (a few reductions over all of them, one
-    device-to-host copy), or None after ``fail(reason)`` when the calls cannot be combined.
-
-    Call n of every layer is the same microbatch (Megatron runs a model chunk's microbatches
-    in order), so the layers' rows stack into ``[layers, tokens]``."""
+    """`RouteAgreement` fields of the recorded rows, or None after ``fail(reason)`` when the
+    calls cannot be combined. Call n of every layer is the same microbatch (Megatron runs a
+    model chunk's microbatches in order), so the rows stack into ``[layers, tokens]``."""
     ids = [a.layer for a in layers]
     if not layers:
         return ((), 0, 0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
@@ -213,10 +171,8 @@ def _summed(layers: list[_Layer], fail: Any) -> tuple[Any, ...] | None:
                 )
                 return None
     k = layers[0].topk
-    n = len(layers)
     if all(r.device.type == "cpu" for a in layers for r in a.rows):
-        # the host already holds the rows: numpy's reductions over small int8 arrays cost
-        # a fraction of torch's per-op dispatch (this runs once per schedule, on its clock)
+        # numpy's reductions over small int8 arrays cost a fraction of torch's dispatch
         grid = np.stack([np.concatenate([r.numpy() for r in a.rows]) for a in layers])
         same = grid == k
         host = np.concatenate(
@@ -240,27 +196,18 @@ def _summed(layers: list[_Layer], fail: Any) -> tuple[Any, ...] | None:
             ]
         )
         host = counts.cpu().numpy().astype(np.int64)  # the schedule's one host sync
-    n = len(layers)
-    identical, overlap, tokens, all_identical = (
-        host[:n],
-        host[n : 2 * n],
-        host[2 * n : 3 * n],
-        host[-1],
-    )
+    identical, overlap, tokens = host[:-1].reshape(3, len(layers))
     if (tokens != tokens[0]).any():
         fail(
             f"expected every layer to see the same non-padding tokens, found {tokens.tolist()} "
             f"for layers {ids}"
         )
         return None
-    return (tuple(ids), k, int(tokens[0]), identical, overlap, int(all_identical))
+    return (tuple(ids), k, int(tokens[0]), identical, overlap, int(host[-1]))
 
 
 def _layer_id(inst: Any, router: Any) -> int:
-    """Global layer id of a router: ``_global_layer`` (``layer_number - 1``, MTP mapped) when
-    the router (or, 0.19, its ``RouterReplay``) has a ``layer_number``; otherwise the
-    instance's position in ``RouterReplay.global_router_replay_instances`` (build order);
-    -1 for an instance that is not registered there (`ReplayProbe.agreement` then raises)."""
+    """Global layer by ``layer_number`` (router or instance), else build position, else -1."""
     if router is not None and getattr(router, "layer_number", None) is not None:
         return _global_layer(router)
     number = getattr(inst, "layer_number", None)
@@ -278,20 +225,10 @@ def _native_overlap(
     default_compute_topk: Any,
     pad: torch.Tensor | None,
 ) -> torch.Tensor:
-    """int64 ``[T]``: ``|N ∩ R|`` per row, N = the router's own top-k of ``scores``
-    (``default_compute_topk`` with ``groups`` = (num_groups, group_topk)), R = the replayed
-    ids ``replayed[1]`` (``replayed[0]`` = ``scores.gather(1, R)``, what ``REPLAY_FORWARD``
-    returns). Rows ``pad`` marks (bool ``[T]``, True = padding) may hold anything.
-
-    Exact either way. On the GPU (or with group-limited routing): N on every row, then a
-    ``[T, K, K]`` comparison; no host sync. On the CPU, where ``torch.topk`` costs about a
-    third of a router forward, N is needed only on non-padding rows R may not be the top-k
-    of: R is the unique top-k set when its ids are distinct and every other expert scores
-    below ``min(scores[R])`` (one scatter, one max and one gather per row; a NaN, which
-    torch.topk ranks first, leaves the row unsure). Only the remaining rows (ties or
-    disagreement) run the native top-k; that row selection would sync a GPU, not a CPU.
-    The torch path: on the CPU `_compiled_row` (numba) runs instead where it applies.
-    """
+    """int64 ``[T]``: ``|N ∩ R|`` per row, N the router's own top-k of ``scores``, R the
+    replayed ids ``replayed[1]``; rows ``pad`` marks may hold anything. Off the CPU (or with
+    group-limited routing) N on every row; on the CPU only on the rows R may not be the
+    unique top-k set of (the torch path of ``docs/replay-probe.md``, "Cost")."""
     probs, target = replayed
     num_groups, group_topk = groups
     k = int(target.shape[-1])
@@ -333,14 +270,8 @@ def _compiled_row(
     default_compute_topk: Any,
     pad: torch.Tensor | None,
 ) -> torch.Tensor | None:
-    """int8 ``[T]`` row of `_Layer` (``|N ∩ R|``, -1 on padding) by the numba kernel, or None
-    where it does not apply (no numba, not the CPU, group-limited routing, a dtype other
-    than float32/float64/bfloat16, ``E <= K``): then `_native_overlap` runs.
-
-    One read of the scores, one int8 written per row (`r3arrow._kernels._numba.overlap_rows`);
-    only rows the kernel leaves undecided (a tie across the K-th place, a NaN) run
-    ``default_compute_topk``."""
-    kern = compiled()  # the numba kernels (`r3arrow._kernels`), None: the torch path
+    """The int8 row of `_Layer` by the numba kernel (ties, NaN: the native top-k), or None."""
+    kern = compiled()
     target = replayed[1]
     k = int(target.shape[-1])
     if (
@@ -355,10 +286,8 @@ def _compiled_row(
         or scores.dtype not in (torch.float32, torch.float64, torch.bfloat16)
     ):
         return None
-    s = scores.detach()
-    if not s.is_contiguous():
-        s = s.contiguous()
-    ids = target if target.is_contiguous() else target.contiguous()
+    s = scores.detach().contiguous()
+    ids = target.contiguous()
     mask = _NO_PAD if pad is None else pad.contiguous().view(torch.uint8).numpy()
     out = torch.empty(int(scores.shape[0]), dtype=torch.int8)
     if s.dtype == torch.bfloat16:
@@ -380,8 +309,7 @@ def _rows_overlap(
     groups: tuple[int | None, int | None],
     default_compute_topk: Any,
 ) -> torch.Tensor:
-    """int64 ``[len(rest)]``: ``|N ∩ R|`` of rows ``rest`` only, N by the router's own
-    ``default_compute_topk`` (``groups`` = (num_groups, group_topk)), R = ``target``."""
+    """int64 ``|N ∩ R|`` of rows ``rest`` only, N by ``default_compute_topk``."""
     native = default_compute_topk(
         scores.index_select(0, rest), topk, num_groups=groups[0], group_topk=groups[1]
     )
@@ -404,7 +332,6 @@ def _set_overlap(native: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (native.unsqueeze(-1) == target.unsqueeze(-2)).any(-1).sum(-1)
 
 
-# ---------------------------------------------------------------------- class patches
 def _get_replay_topk(
     self: Any,
     scores: torch.Tensor,
@@ -414,16 +341,16 @@ def _get_replay_topk(
     default_compute_topk: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``RouterReplay.get_replay_topk``, observed by the thread's probe on ``REPLAY_FORWARD``."""
-    original = _originals["get_replay_topk"]
     probe: ReplayProbe | None = getattr(_local, "probe", None)
     action = getattr(self, "router_replay_action", None)
-    observe = (
+    out = _originals["get_replay_topk"](
+        self, scores, topk, num_groups, group_topk, default_compute_topk
+    )
+    if (
         probe is not None
         and default_compute_topk is not None
         and getattr(action, "value", None) == "replay_forward"
-    )
-    out = original(self, scores, topk, num_groups, group_topk, default_compute_topk)
-    if observe and probe is not None:
+    ):
         try:
             with torch.no_grad():
                 groups = (num_groups, group_topk)
@@ -452,7 +379,8 @@ _get_replay_topk._r3arrow_probe = True  # type: ignore[attr-defined]
 _routing._r3arrow_probe = True  # type: ignore[attr-defined]
 
 
-def _patch() -> None:
+def _patch(users: int) -> None:
+    """Add ``users`` (1 or -1) to the open probes; patch on the first, restore after the last."""
     global _users
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -463,16 +391,7 @@ def _patch() -> None:
             _originals["routing"] = TopKRouter.__dict__["routing"]
             rr.get_replay_topk = _get_replay_topk
             TopKRouter.routing = _routing
-        _users += 1
-
-
-def _unpatch() -> None:
-    global _users
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    rr = _router_replay().RouterReplay
-    with _lock:
-        _users -= 1
+        _users += users
         if _users == 0:
             rr.get_replay_topk = _originals.pop("get_replay_topk")
             TopKRouter.routing = _originals.pop("routing")
@@ -480,7 +399,7 @@ def _unpatch() -> None:
 
 def open_probe() -> ReplayProbe:
     """Start observing this thread's replayed router calls (class patches in place)."""
-    _patch()
+    _patch(1)
     probe = ReplayProbe()
     _local.probe = probe
     _local.frame = None
@@ -494,7 +413,4 @@ def close_probe(probe: ReplayProbe, *, ok: bool) -> None:
     try:
         probe._finish(ok)
     finally:
-        _unpatch()
-
-
-__all__ = ["ReplayProbe", "close_probe", "open_probe"]
+        _patch(-1)

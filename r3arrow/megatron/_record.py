@@ -1,13 +1,5 @@
-"""Record schedule: the trainer routers' own top-k, collected per microbatch.
-
-See ``docs/train-routes.md``: inside `record_schedule` every router of the given model (or
-router list) runs megatron-core's ``RECORD`` action, i.e. it routes natively with its own
-weights and keeps the top-k indices of its last forward pass. megatron-core overwrites them
-on every forward, so `RouteRecorder.take` is called once per microbatch, after that
-microbatch's forward and before the next one; it returns the indices keyed by global layer
-id, ready for `r3arrow.collate.uncollate_routes`. Replay state is cleared on entry and in
-``finally`` (docs/design.md, "Schedule scope"), errors included.
-"""
+"""Record schedule: the trainer routers' own top-k, collected per microbatch
+(``docs/train-routes.md``, "Contract of record_schedule")."""
 
 from __future__ import annotations
 
@@ -38,14 +30,10 @@ class RouteRecorder:
         self._open = True
 
     def take(self) -> dict[int, torch.Tensor]:
-        """The top-k indices each router recorded in its last forward, keyed by global layer id.
-
-        Each value is an int64 ``[tokens, K]`` tensor in Megatron's router token order (the
-        flat ``s * b + b_idx`` order of the ``[s, b]`` hidden states, after context- and
-        sequence-parallel slicing), on the router's device. The recorded state is then
-        dropped, so the next `take` needs another forward. Raises `ReplayError` when a
-        router recorded nothing since the last `take` (no forward ran, or the router was
-        not called) and after the schedule has ended.
+        """The top-k each router recorded in its last forward, ``{global layer id: int64
+        [tokens, K]}`` in Megatron's router token order, on the router's device; the state
+        is then dropped. Raises `ReplayError` when a router recorded nothing since the last
+        `take`, and after the schedule has ended.
         """
         if not self._open:
             raise ReplayError("take: expected an open record_schedule, found it ended")
@@ -93,22 +81,15 @@ def record_schedule(
 ) -> Iterator[RouteRecorder]:
     """Scope in which the routers of ``model_or_routers`` record their own top-k.
 
-    ``model_or_routers``: a model (``torch.nn.Module``, its MoE routers found among its
-    modules), a router, or a list of either, as built with ``moe_enable_routing_replay``.
-    ``layers``: the routers' global layer ids in router order (default: from each router's
-    ``layer_number``; megatron-core 0.16 routers built outside a ``TransformerLayer`` have
-    none). ``mtp``: also record multi-token-prediction routers (global ids past the
-    decoder); by default they are left routing natively and unrecorded.
+    ``model_or_routers``: a model, a router or a list of either, built with
+    ``moe_enable_routing_replay``. ``layers``: their global ids in router order (default:
+    ``layer_number``). ``mtp``: record multi-token-prediction routers too (default: they
+    route natively, unrecorded). Replay state is cleared on entry and on exit, errors
+    included. Yields a `RouteRecorder`: ``take()`` after each microbatch's forward.
 
-    On entry every router's replay state is cleared and ``RECORD`` set on the selected
-    routers (every other router routes freely); on exit, errors included, the replay state
-    of every router is cleared. Yields a `RouteRecorder`: call ``take()`` after each
-    microbatch's forward. Record passes do not replay, so a recompute in backward routes
-    natively again (megatron-core's ``RECORD`` overwrites the indices; ``take`` before it).
-
-    Raises `ReplayError` if a record or replay schedule is already in progress in this
-    thread (a router has an action set), if no router is found, or a router has no
-    ``RouterReplay``/``layer_number``; `TypeError`/`ValueError` for misuse of ``layers``.
+    Raises `ReplayError` if a record or replay schedule is in progress (a router has an
+    action set), no router is found, or a router has no ``RouterReplay``/``layer_number``;
+    `TypeError`/`ValueError` for misuse of ``layers``.
     """
     if getattr(_scope, "active", False):
         raise ReplayError("record_schedule: expected no record schedule in progress, found one")

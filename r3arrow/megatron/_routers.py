@@ -1,11 +1,9 @@
-"""Access to megatron-core's ``RouterReplay`` and to the MoE routers of a model.
-
-megatron-core is imported inside the functions only, so importing r3arrow.megatron never
-needs it.
-"""
+"""Access to megatron-core's ``RouterReplay`` (imported in the functions only) and to the
+MoE routers of a model."""
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -25,6 +23,12 @@ def _router_replay() -> types.ModuleType:
         ) from exc
     mod: types.ModuleType = router_replay
     return mod
+
+
+def _parallel_state() -> Any:
+    """Megatron's ``parallel_state`` once initialised (so imported already), else None."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    return ps if ps is not None and ps.model_parallel_is_initialized() else None
 
 
 def _instances() -> list[Any]:
@@ -47,8 +51,7 @@ def _replay_of(router: Any) -> Any:
 
 
 def _routers(obj: Any) -> list[Any]:
-    """Routers (modules with a ``router_replay``) of a model, module list or sequence, in module
-    order. Raises `TypeError` for an item that is neither a module nor a router."""
+    """Routers (with a ``router_replay``) of a model or a list, in order; else `TypeError`."""
     items = obj if isinstance(obj, list | tuple) else [obj]
     out: list[Any] = []
     for item in items:
@@ -64,11 +67,7 @@ def _routers(obj: Any) -> list[Any]:
 
 
 def _is_mtp(router: Any) -> bool:
-    """Whether a router belongs to a multi-token-prediction (MTP) layer.
-
-    megatron-core 0.19 flags such routers (``is_mtp_layer``); 0.16 numbers them past the
-    decoder (``layer_number > config.num_layers``).
-    """
+    """Whether a router is MTP: ``is_mtp_layer`` (0.19) or numbered past the decoder (0.16)."""
     if getattr(router, "is_mtp_layer", False):
         return True
     number, cfg = getattr(router, "layer_number", None), getattr(router, "config", None)
@@ -76,11 +75,8 @@ def _is_mtp(router: Any) -> bool:
 
 
 def _global_layer(router: Any) -> int:
-    """0-based global layer id of a router: ``layer_number - 1``, MTP depth d -> ``L + d - 1``.
-
-    megatron-core 0.16 numbers the router at MTP depth d ``num_layers + d``; 0.19 numbers it
-    within the MTP block (``d``) and flags it ``is_mtp_layer``: both map to ``num_layers + d - 1``.
-    """
+    """0-based global layer id of a router: ``layer_number - 1``; MTP depth d (numbered
+    ``num_layers + d`` by 0.16, ``d`` with ``is_mtp_layer`` by 0.19) -> ``num_layers + d - 1``."""
     number = int(router.layer_number)
     cfg = getattr(router, "config", None)
     decoder_layers = int(cfg.num_layers) if cfg is not None else None
@@ -91,16 +87,12 @@ def _global_layer(router: Any) -> int:
 
 
 def _model_router_layers(model_or_routers: Any) -> list[int]:
-    """Global 0-based layer ids of a model's routers (``layer_number - 1``), MTP excluded;
-    `ReplayError` if a router has no ``layer_number``."""
-    out = []
-    for r in _routers(model_or_routers):
-        number = getattr(r, "layer_number", None)
-        if number is None:
+    """``layer_number - 1`` of a model's routers, MTP excluded; `ReplayError` without one."""
+    routers = _routers(model_or_routers)
+    for r in routers:
+        if getattr(r, "layer_number", None) is None:
             raise ReplayError(
                 "expected routers with a layer_number (1-based, global), found None on "
                 f"{type(r).__name__}"
             )
-        if not _is_mtp(r):
-            out.append(int(number) - 1)
-    return out
+    return [int(r.layer_number) - 1 for r in routers if not _is_mtp(r)]

@@ -1,13 +1,8 @@
-"""Schedule-scoped replay state: cleared before a pipeline schedule and in ``finally``.
+"""Schedule-scoped replay state: cleared before a pipeline schedule and in ``finally``
+(``docs/design.md`` §7 Schedule scope).
 
-See ``docs/design.md``, "Schedule scope": Megatron keeps replay targets in global
-``RouterReplay`` state; a schedule that raises must not leave them for the next one.
-
-Native routers: `install_replay` with ``mtp="exclude"`` marks the ``RouterReplay`` instances
-of MTP routers native for the rest of the schedule (action None: they route with their own
-weights). `_set_replay_action` on every instance and `replay_backward` skip native instances
-for the replay actions (they hold no targets: Megatron would fail on them);
-`_clear_replay_state` drops the marks.
+Instances `install_replay` marks native (MTP routers under ``mtp="exclude"``) hold no
+targets: the replay actions skip them until `_clear_replay_state` drops the marks.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ _ACTIONS: tuple[ReplayAction, ...] = ("replay_forward", "replay_backward", "reco
 
 
 def _as_action(action: ReplayAction | None) -> Any:
-    """The ``RouterReplayAction`` (or None) of an action name; `ValueError` naming the choices."""
+    """The ``RouterReplayAction`` (or None) of a name; `ValueError` naming the choices."""
     if action is None:
         return None
     return _router_replay().RouterReplayAction(check_choice(action, "action", _ACTIONS))
@@ -59,11 +54,7 @@ def _clear_replay_state() -> None:
 
 
 def _set_replay_action(action: ReplayAction | None, routers: Iterable[Any] | None = None) -> None:
-    """Set ``action`` (or clear it: None) on every router instance, or on the
-    ``RouterReplay`` instances of ``routers`` only.
-
-    With ``routers=None`` the replay actions skip instances marked native (MTP routers
-    excluded by `install_replay`); naming routers sets them regardless."""
+    """Set ``action`` (None: clear) on ``routers``, else on all but native replaying ones."""
     act = _as_action(action)
     if routers is None:
         replaying = act is not None and act.value.startswith("replay")
@@ -85,16 +76,9 @@ def replay_schedule(
 
     ``action`` is set on every router after the clear: ``"replay_forward"`` (default),
     ``"replay_backward"``, ``"record"`` or None (routers free); another value raises
-    `ValueError` naming the choices. Install
-    each microbatch's targets inside, in schedule order; never clear between microbatches
-    (``REPLAY_BACKWARD`` consumes them first-in first-out). Not reentrant.
-
-    ``measure_agreement=True`` yields a `ReplayProbe`: every ``REPLAY_FORWARD`` router call
-    inside also compares the router's own top-k (on the scores it computes anyway) with the
-    replayed target on non-padding tokens; after the block ``probe.agreement`` is the
-    schedule's `r3arrow.stats.RouteAgreement` (``docs/replay-probe.md``). Replay itself is
-    unchanged. If the block raises, the probe's counts are dropped with the replay state.
-    Without the flag (default) nothing is patched and the block gets None.
+    `ValueError`. Install each microbatch's targets inside, in schedule order. Not
+    reentrant (`ReplayError`). ``measure_agreement=True`` yields a `ReplayProbe`
+    (``docs/replay-probe.md``); otherwise nothing is patched and the block gets None.
     """
     if not isinstance(measure_agreement, bool):
         raise TypeError(
@@ -125,9 +109,8 @@ def replay_schedule(
 
 @contextlib.contextmanager
 def replay_backward() -> Iterator[None]:
-    """Switch every router to ``REPLAY_BACKWARD`` (recompute pops targets in install order),
-    restoring each router's previous action on exit. Native (MTP-excluded) routers keep
-    routing natively."""
+    """Switch every router but the native ones to ``REPLAY_BACKWARD`` (recompute pops targets
+    in install order), restoring each router's previous action on exit."""
     insts = _instances()
     before = [inst.router_replay_action for inst in insts]
     _set_replay_action("replay_backward")

@@ -1,13 +1,5 @@
-"""Padding-mask shims for megatron-core's routers: `apply_shims` / `remove_shims`.
-
-* ``"padding_mask"`` (Megatron-LM #6114): releases without the fix broadcast a ``[tokens]``
-  padding mask wrongly in expert-bias accounting; the shim patches
-  ``TopKRouter._apply_expert_bias`` unless the installed release already counts masks right
-  (decided by behaviour, `_padding_mask_fix_present`).
-* ``"all_padding_aux_loss"``: the load-balancing loss divides by the unpadded-token count,
-  0 on a DP padding microbatch; the shim clamps it to 1 (loss 0) unless the release already
-  returns a finite loss (`_all_padding_aux_loss_fix_present`).
-"""
+"""Padding shims for megatron-core's routers, each decided by behaviour: `apply_shims` /
+`remove_shims` (``docs/design.md`` §3 *The shim*, §5 *All-padding aux loss*)."""
 
 from __future__ import annotations
 
@@ -36,9 +28,7 @@ def _unwrapped(fn: Any) -> Callable[..., Any]:
 
 
 def _masked_count_is_right(fn: Callable[..., Any]) -> bool | None:
-    """Run ``fn`` (an ``_apply_expert_bias`` body) on 3 tokens × 4 experts with a ``[tokens]``
-    mask; True if it counts the 2 unpadded tokens per expert, False if wrong or raises,
-    None if it needs more of a router than the probe has."""
+    """Whether ``fn`` counts 2 of 3 tokens per expert, one padded (None: needs a router)."""
     probe = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(4))
     routing_map = torch.ones(3, 4, dtype=torch.bool)
     padding = torch.tensor([True, False, False])
@@ -53,13 +43,8 @@ def _masked_count_is_right(fn: Callable[..., Any]) -> bool | None:
 
 
 def _padding_mask_fix_present() -> bool:
-    """Whether the installed ``TopKRouter`` counts a ``[tokens]`` padding mask correctly.
-
-    By behaviour: the uncompiled body of ``TopKRouter._apply_expert_bias`` runs on a probe
-    (3 tokens × 4 experts, one padded); 0.16.1–0.19.2 raise a broadcast error there. If the
-    body needs more than the probe offers, fall back to the source: a ``[tokens, 1]``
-    broadcast (``unsqueeze(-1)``, ``[:, None]``, ``view/reshape(-1, 1)``) counts as fixed.
-    """
+    """Whether ``TopKRouter._apply_expert_bias`` counts a ``[tokens]`` mask right (by running
+    it on a probe, else by its source's ``[tokens, 1]`` broadcast)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     fn = getattr(TopKRouter, "_apply_expert_bias", None)
@@ -97,11 +82,7 @@ def _at_least_one(x: Any) -> Any:
 
 
 def _guard_token_count(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``switch_load_balancing_loss_func`` with ``total_num_tokens`` clamped to at least 1.
-
-    With a padding mask the count is the number of unpadded tokens (an integer), so the
-    clamp changes nothing but 0, where the probabilities and counts are all zero and the
-    loss becomes 0 instead of ``0 / 0``; megatron's own z-loss clamps the same way."""
+    """``original`` with ``total_num_tokens`` (a count) clamped to 1: 0 gives loss 0, not NaN."""
 
     @functools.wraps(original)
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -116,9 +97,7 @@ def _guard_token_count(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _all_padding_aux_loss_fix_present() -> bool:
-    """Whether the installed router's load-balancing loss is finite on a microbatch whose
-    tokens are all padding (by behaviour: 2 masked tokens, 4 experts). megatron-core 0.16.1
-    divides by the zero unpadded-token count there: NaN loss and NaN router gradients."""
+    """Whether the load-balancing loss is finite on all-padding tokens (0.16.1: 0 / 0)."""
     from megatron.core.transformer.moe import router
 
     fn = router.switch_load_balancing_loss_func
@@ -138,21 +117,13 @@ def _all_padding_aux_loss_fix_present() -> bool:
 def apply_shims() -> dict[str, bool]:
     """Install the padding shims the installed megatron-core needs; which are in place.
 
-    Idempotent and thread-safe. Each shim is decided by behaviour, not version, and skipped
-    (False) when the release already behaves:
-
-    * ``"padding_mask"``: ``TopKRouter._apply_expert_bias`` counts a ``[tokens]`` padding
-      mask broadcast as ``[tokens, 1]`` (releases without Megatron-LM #6114, 0.16.1–0.19.2,
-      raise a broadcast error or miscount). The replacement is eager: two tensor ops under
-      ``no_grad``.
-    * ``"all_padding_aux_loss"``: the router module's ``switch_load_balancing_loss_func``
-      (aux, sequence and global aux losses) gets its token count clamped to at least 1, so a
-      microbatch whose tokens are all padding (DP padding, `r3arrow.microbatch.padding_table`)
-      has loss 0 instead of ``0 / 0`` NaN (and NaN router gradients) on megatron-core
-      0.16.1; every other microbatch's loss is unchanged.
-
-    Returns ``{"padding_mask": bool, "all_padding_aux_loss": bool}``: True where the shim is
-    in place (now or from an earlier call), False where the release needs none.
+    Idempotent and thread-safe; each decided by behaviour, not version:
+    ``"padding_mask"``, ``TopKRouter._apply_expert_bias`` broadcasting a ``[tokens]`` mask
+    as ``[tokens, 1]`` (Megatron-LM #6114); ``"all_padding_aux_loss"``, the router module's
+    ``switch_load_balancing_loss_func`` with its token count clamped to at least 1, so an
+    all-padding (DP padding) microbatch has loss 0, not NaN. Returns ``{"padding_mask":
+    bool, "all_padding_aux_loss": bool}``: True where the shim is in place (now or
+    earlier), False where the release needs none.
     """
     from megatron.core.transformer.moe import router
 

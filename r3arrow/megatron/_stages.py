@@ -1,9 +1,5 @@
-"""Which routers a pipeline rank builds, and this rank's `MegatronCollator`.
-
-See ``docs/design.md``, "PP-local layers": a stage replays its own routers only, in
-Megatron's build order (dense layers have no router; MTP layers are not counted).
-`collator_for` is the one way to build a collator from a Megatron config or model.
-"""
+"""Which routers a pipeline rank builds (``docs/design.md`` §6 PP-local layers), and
+`collator_for`, the one way to build a collator from a Megatron config or model."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import torch
 from r3arrow._checks import check_int
 from r3arrow.collate import MegatronCollator, Parallelism
 from r3arrow.errors import ReplayError
-from r3arrow.megatron._routers import _model_router_layers
+from r3arrow.megatron._routers import _model_router_layers, _parallel_state
 from r3arrow.spec import RouteSpec
 
 _UNEVEN = (
@@ -98,22 +94,18 @@ def router_layers(
 ) -> list[int]:
     """Global 0-based ids of the routers a pipeline rank builds, in build (RouterReplay) order.
 
-    ``source``, one of:
+    ``source``: a model, a router or a list of either (``layer_number - 1`` of its routers,
+    MTP excluded; the keywords raise `TypeError`), or a Megatron ``TransformerConfig``: the
+    MoE layers (``moe_layer_freq``) of rank ``pp_rank``'s split (default: Megatron's current
+    rank, 0 without pipelining), every model chunk in order when ``vp_stage`` is None under
+    virtual pipelining; by megatron-core's own layer split when ``use_megatron`` (default:
+    when importable), else uniform-split arithmetic.
 
-    * a model (``torch.nn.Module``), a router or a list of either: the ids of its routers,
-      ``layer_number - 1``, MTP routers excluded; `ReplayError` if a router has no
-      ``layer_number``. The keywords do not apply (`TypeError`).
-    * a Megatron ``TransformerConfig`` (or any object with its fields): the ids from the
-      layer split. Dense layers (``moe_layer_freq``) have no router; MTP layers are not
-      counted. With virtual pipelining and ``vp_stage=None``, every model chunk of the rank,
-      chunk by chunk. ``pp_rank`` defaults to Megatron's current rank (0 without
-      pipelining). Uses ``get_transformer_layer_offset``/``get_num_layers_to_build`` when
-      megatron-core is importable (``use_megatron=None``), else the uniform-split arithmetic.
-
-    Raises `TypeError`/`ValueError` for a ``pp_rank`` that is not an int in ``[0, pp)``
-    (or missing under pipelining without megatron-core) and `ReplayError` for config values
-    that cannot be split (``moe_layer_freq`` not a positive int or one 0/1 per layer,
-    non-divisible sizes, uneven settings without megatron-core).
+    Raises `TypeError`/`ValueError` for a ``pp_rank`` not an int in ``[0, pp)`` (or missing
+    under pipelining without megatron-core) and `ReplayError` for a router without
+    ``layer_number`` or config values that cannot be split (``moe_layer_freq`` not a
+    positive int or one 0/1 per layer, non-divisible sizes, uneven settings without
+    megatron-core).
     """
     if (
         isinstance(source, torch.nn.Module | list | tuple)
@@ -145,10 +137,7 @@ def router_layers(
         [vp_stage] if vp_stage is not None or vp is None or pp == 1 else list(range(int(vp)))
     )
     moe = _moe_layer_pattern(config)
-    out: list[int] = []
-    for stage in stages:
-        out.extend(i for i in _stage_range(config, pp_rank, stage, mega) if moe[i])
-    return out
+    return [i for stage in stages for i in _stage_range(config, pp_rank, stage, mega) if moe[i]]
 
 
 def collator_for(
@@ -162,23 +151,18 @@ def collator_for(
     cp_rank: int | None = None,
     **kwargs: Any,
 ) -> MegatronCollator:
-    """A `MegatronCollator` for this rank: layers from ``model``'s routers (``layer_number``) or
-    from ``config`` and the PP/VPP rank; TP/CP sizes, sequence parallelism and FP8 from
-    ``config``; ranks from Megatron's ``parallel_state`` when initialised (else 0), all but
-    FP8 as the collator's `Parallelism`. Extra keywords go to the collator and win over the
-    config (``parallel=`` replaces the whole `Parallelism`). ``spec=None``: an R3-off collator
-    (no layers; sizes and ranks as above)."""
-    layers: list[int] | None
+    """A `MegatronCollator` for this rank: layers from ``model``'s routers or from ``config``
+    and the PP/VPP rank; TP/CP sizes, sequence parallelism and FP8 from ``config``; ranks
+    from Megatron's ``parallel_state`` when initialised (else 0). Extra keywords go to the
+    collator and win (``parallel=`` replaces the whole `Parallelism`). ``spec=None``: R3 off
+    (no layers). `TypeError` without a config or a model."""
     if config is None and model is None:
         raise TypeError("collator_for: expected a config or a model, found neither")
-    if spec is None:
-        layers = None
-    else:
-        layers = (
-            router_layers(model)
-            if model is not None
-            else router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
-        )
+    layers = None
+    if spec is not None and model is not None:
+        layers = router_layers(model)
+    elif spec is not None:
+        layers = router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
     params: dict[str, Any] = {}
     sizes: dict[str, Any] = {}
     if config is not None:
@@ -188,24 +172,10 @@ def collator_for(
             "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
         }
         params["fp8"] = bool(getattr(config, "fp8", None))
-    ranks = _parallel_ranks()
-    params["parallel"] = Parallelism(
-        tp_rank=tp_rank if tp_rank is not None else ranks[0],
-        cp_rank=cp_rank if cp_rank is not None else ranks[1],
-        **sizes,
-    )
-    params.update(kwargs)
-    return MegatronCollator(spec, layers=layers, **params)
-
-
-def _parallel_ranks() -> tuple[int, int]:
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return 0, 0
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 0
-    return (
-        int(parallel_state.get_tensor_model_parallel_rank()),
-        int(parallel_state.get_context_parallel_rank()),
-    )
+    ps = _parallel_state()
+    if tp_rank is None:
+        tp_rank = 0 if ps is None else int(ps.get_tensor_model_parallel_rank())
+    if cp_rank is None:
+        cp_rank = 0 if ps is None else int(ps.get_context_parallel_rank())
+    params["parallel"] = Parallelism(tp_rank=tp_rank, cp_rank=cp_rank, **sizes)
+    return MegatronCollator(spec, layers=layers, **(params | kwargs))

@@ -311,9 +311,8 @@ def test_waves_hold_at_most_the_budget(root: Path, budget: int) -> None:
     shared = 0  # waves of several microbatches seen
     for plan in plans:
         for rank in range(2):
-            waves = list(
-                _plan._load_waves(plan, rank, list(STAGE), columns, budget, per_token, True)
-            )
+            loaders = _plan._wave_loaders(plan, rank, list(STAGE), columns, budget, per_token, True)
+            waves = [load() for _, load in loaders]
             assert [j for w in waves for j in w.js] == list(range(plan.num_microbatches))
             for wave in waves:
                 held = sum(p.nbytes for p in wave.pieces)
