@@ -362,7 +362,6 @@ def read_ahead(loaders: Iterator[tuple[int, Callable[[], T]]], budget: int) -> I
 
 __all__ = [
     "COLLATE_COLUMNS",
-    "DEFAULT_MAX_MEMORY",
     "DP_ASSIGNMENTS",
     "RowGroupRef",
     "StepPlan",

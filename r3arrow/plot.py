@@ -1,13 +1,7 @@
 """PNG plots of routing statistics (matplotlib, headless: Agg canvas, no pyplot state).
 
-- `plot_expert_load`: layer × expert heatmap of load relative to the layer mean.
-- `plot_imbalance`: load imbalance per layer over training steps.
-- `plot_agreement`: route agreement (rollout vs trainer router) over steps.
-- `plot_disagreement`: the R3 paper's disagreement per layer (one step: bars; several
-  steps: lines over steps and a layer × step heatmap), what ``r3arrow diagnose`` draws.
-
-Inputs are the Polars frames of `r3arrow.stats`; each function writes one PNG
-and returns its path. Needs the ``plot`` extra (matplotlib).
+Inputs are the frames and agreements of `r3arrow.stats`; each function writes one PNG and
+returns its path (a non-``.png`` path raises ``ValueError``). Needs the ``plot`` extra.
 """
 
 from __future__ import annotations
@@ -119,11 +113,11 @@ def _matrix(
 
 
 def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = None) -> Path:
-    """Heatmap (layer × expert) of each expert's load ÷ its layer's mean, log2 scale, colour bar.
+    """Heatmap (layer × expert) of each expert's load ÷ its layer's mean, log2 scale.
 
-    ``load``: an `r3arrow.stats.expert_load` frame (a ``step`` column is summed
-    over). Blue = under-used, white = balanced (1×), red = hot; black = dead
-    (0 tokens); grey = a layer that routed nothing.
+    ``load``: an `r3arrow.stats.expert_load` frame (a ``step`` column is summed over).
+    Blue under-used, white balanced, red hot; black dead (0 tokens); grey a layer that
+    routed nothing.
     """
     out = _png(path)
     if not {"layer", "expert", "tokens"} <= set(load.columns):
@@ -181,19 +175,19 @@ def _cmap(name: str, under: str | None = None) -> Any:
 
 
 def _lines_and_heatmap(
+    path: Path,
     steps: list[int],
     layers: list[int],
     values: np.ndarray,
     lines: Mapping[str, np.ndarray],
     *,
+    title: str,
     ylabel: str,
     bar_label: str,
-    title: str,
     cmap: str,
-    vmin: float | None,
-    vmax: float | None,
-    ylim: tuple[float, float] | None,
-    path: Path,
+    vmin: float | None = None,
+    vmax: float | None = None,
+    ylim: tuple[float, float] | None = None,
     reference: tuple[float, str] | None = None,
 ) -> Path:
     """Top: summary lines over steps; bottom: layer × step heatmap of ``values``, colour bar."""
@@ -232,9 +226,8 @@ def plot_imbalance(
 ) -> Path:
     """Load imbalance over steps: mean / worst / best layer lines and a layer × step heatmap.
 
-    ``frame``: a by-step `expert_load` frame (``expert_load(..., by_step=True)``)
-    or its `load_summary`. ``metric``: a summary column (max_over_mean, cv,
-    entropy_norm, dead, hot).
+    ``frame``: a by-step `expert_load` frame or its `load_summary`; ``metric``: a summary
+    column (max_over_mean, cv, entropy_norm, dead, hot).
     """
     out = _png(path)
     if "step" not in frame.columns:
@@ -253,18 +246,15 @@ def plot_imbalance(
         }
     label = _METRICS.get(metric, metric)
     return _lines_and_heatmap(
+        out,
         steps,
         layers,
         values,
         lines,
+        title=title or f"Load imbalance over {len(steps)} steps ({len(layers)} MoE layers)",
         ylabel=label,
         bar_label=label,
-        title=title or f"Load imbalance over {len(steps)} steps ({len(layers)} MoE layers)",
         cmap="magma_r" if metric != "entropy_norm" else "magma",
-        vmin=None,
-        vmax=None,
-        ylim=None,
-        path=out,
         reference=_REFERENCE.get(metric),
     )
 
@@ -281,11 +271,8 @@ def plot_agreement(
     *,
     title: str | None = None,
 ) -> Path:
-    """Route agreement over steps: identical-set and overlap fractions, tokens differing anywhere.
-
-    ``agreement``: `r3arrow.stats.agreement_over_steps` frame or the mapping
-    ``route_agreement_by_step`` returns. Bottom panel: per-layer identical fraction.
-    """
+    """Route agreement over steps (identical-set and overlap fractions, tokens differing
+    anywhere) and per layer: an `agreement_over_steps` frame or ``route_agreement_by_step``."""
     out = _png(path)
     frame = agreement if isinstance(agreement, pl.DataFrame) else agreement_over_steps(agreement)
     need = {"step", "layer", "tokens", "identical", "overlap", "differing"}
@@ -304,18 +291,18 @@ def plot_agreement(
             "tokens differing on ≥ 1 layer": per_step["differing"].to_numpy(),
         }
     return _lines_and_heatmap(
+        out,
         steps,
         layers,
         ident,
         lines,
+        title=title or f"Rollout vs trainer routes over {len(steps)} steps",
         ylabel="fraction of tokens",
         bar_label="fraction of tokens with an identical top-k set",
-        title=title or f"Rollout vs trainer routes over {len(steps)} steps",
         cmap="viridis",
         vmin=_floor_tenth(ident),
         vmax=1.0,
         ylim=(-0.02, 1.02),
-        path=out,
     )
 
 
@@ -325,15 +312,12 @@ def plot_disagreement(
     *,
     title: str | None = None,
 ) -> Path:
-    """Disagreement per router layer: the R3 paper's quantities, ``r3arrow diagnose``'s PNG.
+    """Disagreement per router layer (the R3 paper's quantities), ``r3arrow diagnose``'s PNG.
 
-    ``agreement``: step -> `RouteAgreement` (one entry at least). One step: bars per layer
-    of the fraction of router decisions that differ (``1 - overlap / (tokens * K)``) and of
-    tokens whose top-k set differs (``1 - identical / tokens``), with the fraction of
-    tokens differing on at least one layer in the title. Several steps: those fractions
-    over steps (mean over layers, worst layer, tokens differing anywhere) and a layer ×
-    step heatmap of decision disagreement. Raises ``ValueError`` for an empty mapping or
-    a non-``.png`` path.
+    ``agreement``: step -> `RouteAgreement`. One step: bars per layer of the router
+    decisions that differ (``1 - overlap / (tokens * K)``) and the tokens whose top-k set
+    differs; several: those over steps and a layer × step heatmap. Raises ``ValueError``
+    for an empty mapping.
     """
     out = _png(path)
     if not agreement:
@@ -354,18 +338,17 @@ def plot_disagreement(
             }
         top = np.nanmax(np.concatenate([decisions.ravel(), anywhere, [0.01]]))
         return _lines_and_heatmap(
+            out,
             steps,
             layers,
             decisions,
             lines,
+            title=title or f"Routing disagreement over {len(steps)} steps",
             ylabel="fraction",
             bar_label="fraction of router decisions that differ",
-            title=title or f"Routing disagreement over {len(steps)} steps",
             cmap="magma_r",
             vmin=0.0,
-            vmax=None,
             ylim=(0.0, float(min(1.02, top * 1.1 + 0.01))),
-            path=out,
         )
     fig = _figure(_clamp(3.5 + 0.3 * len(layers), 6.0, 16), 4.2)
     ax = fig.subplots()

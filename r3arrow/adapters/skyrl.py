@@ -1,36 +1,9 @@
 """SkyRL adapter: ``GeneratorOutput`` -> rollout table -> SkyRL's trainer inputs.
 
-SkyRL (``skyrl`` 0.3.0) hands the trainer a ``GeneratorOutput`` TypedDict
-(``skyrl/train/generators/base.py``): per trajectory ``prompt_token_ids``,
-``response_ids``, ``loss_masks`` (over the response), ``rewards`` (a scalar or one
-value per response token), optional ``rollout_logprobs``, ``trajectory_ids``
-(``TrajectoryID(instance_id, repetition_id)``) and ``rollout_expert_indices``.
-The routes come in one of two layouts, both accepted here:
-
-* **nested lists** (the released 0.3.0 type): ``[batch][seq][layers][topk]`` Python
-  ints, each trajectory's rows starting at token 0;
-* **compact arrays** (SkyRL PR #1912, ``RoutedExpertTrace.finalize``): one integer
-  numpy array (or torch tensor) ``[N, L, K]`` per trajectory, where ``N`` is prompt +
-  response and the terminal gap (the rows the engine never computed) has been
-  **padded with dummy rows** ``[0, 1, ..., K-1]``.
-
-**A padded terminal gap cannot be undone without the captured count.** Without
-``captured``, padded dummy rows are indistinguishable from real routes, so r3arrow
-treats every given row as captured: those trajectories keep ``N`` rows and the router
-padding mask is False on the dummy rows (they are replayed and counted in
-expert-bias accounting as if the engine had routed them). Pass ``captured`` (one
-count per trajectory, e.g. ``RoutedExpertTrace.prompt_start`` read before
-``finalize``) to keep exactly the captured prefix (``docs/design.md``, "Ragged routes
-and the terminal gap" and "Router padding mask and dummy rows").
-
-`to_training_inputs` produces what SkyRL's ``convert_prompts_responses_to_batch_tensors``
-(``skyrl/train/dataset/preprocess.py``) gives ``RayPPOTrainer.convert_to_training_input``
-(``skyrl/train/trainer.py``): sequences left-padded to the longest prompt + response,
-per-action fields right-aligned in ``[B, max_response]``, and ``rollout_expert_indices``
-``[B, S, L, K]`` aligned with ``sequences``.
-
-Integration module: numpy and pyarrow only at module level; torch is imported only
-for ``tensors="torch"`` (and torch inputs are duck-typed).
+SkyRL's formats (``skyrl`` 0.3.0 nested lists; PR #1912 compact ``[N, L, K]`` arrays whose
+terminal gap is padded with dummy rows, undone only with ``captured=``) and where each
+call goes: ``docs/frameworks/skyrl.md``. numpy and pyarrow only at module level; torch is
+imported only for ``tensors="torch"`` (torch inputs are duck-typed).
 """
 
 from __future__ import annotations
@@ -40,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from r3arrow._checks import check_choice, check_int
 from r3arrow._routes import dummy_route_row
 from r3arrow._schema import list_lengths
+from r3arrow.adapters._arrays import flat_values, host, scatter
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import captured_lengths, flat_routes, input_ids, rollout_table, route_spec
@@ -57,14 +30,9 @@ TOKEN_REWARDS_COLUMN = "token_rewards"
 STOP_REASON_COLUMN = "stop_reason"
 
 
-def _host(x: Any) -> Any:
-    """A torch tensor as numpy (duck-typed: no torch import); anything else unchanged."""
-    return x.detach().cpu().numpy() if hasattr(x, "detach") else x
-
-
 def _routes_array(entry: Any, spec: RouteSpec, row: int) -> np.ndarray:
     """One trajectory's routes as an integer ``[rows, L, K]`` array (one ``np.asarray``)."""
-    entry = _host(entry)
+    entry = host(entry)
     if entry is None or (isinstance(entry, list) and len(entry) == 0):
         return np.empty((0, *spec.row_shape), dtype=spec.dtype)
     try:
@@ -111,9 +79,9 @@ def _rewards(rewards: Any, response_lengths: np.ndarray) -> tuple[np.ndarray, li
     if rewards is None or len(rewards) != rows:
         found = "None" if rewards is None else f"{len(rewards)} entries"
         raise SchemaError(f"rewards: expected {rows} entries, found {found}")
-    if rows == 0 or np.ndim(_host(rewards[0])) == 0:
-        return np.asarray([float(_host(r)) for r in rewards], dtype=np.float64), None
-    per_token = [np.asarray(_host(r), dtype=np.float64).reshape(-1) for r in rewards]
+    if rows == 0 or np.ndim(host(rewards[0])) == 0:
+        return np.asarray([float(host(r)) for r in rewards], dtype=np.float64), None
+    per_token = [np.asarray(host(r), dtype=np.float64).reshape(-1) for r in rewards]
     lens = np.fromiter((len(r) for r in per_token), dtype=np.int64, count=rows)
     bad = np.flatnonzero(lens != response_lengths)
     if bad.size:
@@ -134,33 +102,21 @@ def from_generator_output(
     captured: Sequence[int] | np.ndarray | None = None,
     uids: Sequence[str] | None = None,
 ) -> pa.Table:
-    """Build a validated rollout table from a SkyRL ``GeneratorOutput``.
+    """Build a validated rollout table from a SkyRL ``GeneratorOutput`` (any mapping).
 
-    Parameters
-    ----------
-    out:
-        A ``GeneratorOutput`` (any mapping with its keys). ``rollout_expert_indices`` is
-        required: per trajectory nested lists ``[seq][L][K]`` (0.3.0) or an integer
-        numpy array / torch tensor ``[seq, L, K]`` (#1912), rows starting at token 0.
-        An empty entry means no captured rows.
-    spec:
-        The model's `RouteSpec`.
-    captured:
-        Captured rows per trajectory. Rows past it are dropped (they are the dummy rows
-        a #1912 ``finalize`` appended). **Without it, every given row is treated as
-        captured**: a finalize that padded the terminal gap cannot be undone, padded
-        dummy rows are indistinguishable from routes, and the padding mask will be
-        False on them.
-    uids:
-        Group ids (SkyRL's ``uids``); default: ``trajectory_ids[i].instance_id``.
+    ``rollout_expert_indices`` is required: per trajectory nested lists ``[seq][L][K]``
+    (0.3.0) or an integer numpy array / torch tensor ``[seq, L, K]`` (#1912), rows from
+    token 0 (an empty entry: no captured rows). ``captured``: rows kept per trajectory
+    (the rest are a #1912 ``finalize``'s dummy rows); **without it every given row is
+    treated as captured**, so the padding mask is False on padded dummy rows. ``uids``:
+    group ids (default ``trajectory_ids[i].instance_id``).
 
     Columns: the rollout schema (``trajectory_id`` = ``TrajectoryID.to_string()``,
     ``reward`` = the scalar reward or the sum of per-token rewards), plus
-    ``rollout_logprobs``, ``token_rewards`` and ``stop_reason`` when given.
-    Raises `ValueError` (no group ids, bad ``captured``), `SchemaError` (field lengths),
+    ``rollout_logprobs``, ``token_rewards`` and ``stop_reason`` when given. Raises
+    `ValueError` (no group ids, bad ``captured``), `SchemaError` (field lengths),
     `RouteShapeError` (shape, more rows than tokens or than ``captured`` allows),
-    `ExpertRangeError`, `DuplicateExpertError`, `TerminalGapError` (a trained token
-    whose row is missing), each with ``row`` set.
+    `ExpertRangeError`, `DuplicateExpertError`, `TerminalGapError`, each with ``row`` set.
     """
     if not isinstance(spec, RouteSpec):
         raise TypeError(f"spec: expected a RouteSpec, found {type(spec).__name__}")
@@ -199,7 +155,7 @@ def from_generator_output(
     extra: dict[str, Any] = {}
     if out.get("rollout_logprobs") is not None:
         logprobs = pa.array(
-            [np.asarray(_host(x), dtype=np.float32).reshape(-1) for x in out["rollout_logprobs"]],
+            [np.asarray(host(x), dtype=np.float32).reshape(-1) for x in out["rollout_logprobs"]],
             type=pa.large_list(pa.float32()),
         )
         bad = np.flatnonzero(list_lengths(logprobs) != rlen) if len(logprobs) == rows else [0]
@@ -237,51 +193,22 @@ def _compact_dtype(max_id: int) -> np.dtype[Any]:
     return np.dtype(np.int32)
 
 
-def _flat(col: Any) -> np.ndarray:
-    return np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
-
-
-def _right_aligned(
-    table: pa.Table, name: str, lengths: np.ndarray, width: int, dtype: Any
-) -> np.ndarray:
-    """A per-response-token list column as ``[B, width]``, right-aligned, zeros before."""
-    out = np.zeros((len(lengths), width), dtype=dtype)
-    rows = np.repeat(np.arange(len(lengths)), lengths)
-    starts = np.cumsum(lengths) - lengths
-    cols = (
-        np.arange(int(lengths.sum()))
-        - np.repeat(starts, lengths)
-        + np.repeat(width - lengths, lengths)
-    )
-    out[rows, cols] = _flat(table.column(name))
-    return out
-
-
 def to_training_inputs(
     table: pa.Table, *, pad_token_id: int = 0, tensors: str = "numpy"
 ) -> dict[str, Any]:
     """The batch SkyRL's trainer builds from a ``GeneratorOutput``, from a rollout table.
 
-    With ``B`` trajectories, ``S = max(prompt + response)`` and ``R = max(response)``
-    (the layout of ``convert_prompts_responses_to_batch_tensors``):
-
-    * ``sequences`` int64 ``[B, S]``: left-padded with ``pad_token_id``, then prompt, response;
-    * ``attention_mask`` int64 ``[B, S]``: 1 on real tokens;
-    * ``response_mask`` int64 ``[B, R]``: 1 on the last ``response_i`` positions (right-aligned);
-    * ``loss_mask`` float32 ``[B, R]``, right-aligned;
-    * ``rewards`` float32 ``[B, R]``, right-aligned: the ``token_rewards`` column if present,
-      else the scalar reward on the last response token (SkyRL's own placement);
-    * ``rollout_logprobs`` float32 ``[B, R]`` right-aligned, or None without that column;
-    * ``rollout_expert_indices`` ``[B, S, L, K]`` aligned with ``sequences``; positions without
-      a captured row (left padding, the uncaptured suffix) carry the dummy row
-      ``[0, ..., K-1]``; dtype uint8 / int16 / int32, the smallest that holds the largest id
-      (SkyRL's compaction rule);
-    * ``router_padding_mask`` bool ``[B, S]``: True on left padding and the uncaptured suffix
-      (SkyRL #1912's ``make_router_padding_mask``);
-    * ``uids`` list[str]: the group ids, for ``convert_to_training_input(..., uids)``.
-
-    ``tensors="torch"`` returns torch tensors (``torch.from_numpy``, no copy). Raises
-    `ValueError` on an empty table or a bad option, `SchemaError` off the rollout schema.
+    With ``S = max(prompt + response)`` and ``R = max(response)`` (SkyRL's
+    ``convert_prompts_responses_to_batch_tensors``): ``sequences`` int64 ``[B, S]``
+    left-padded with ``pad_token_id``; ``attention_mask`` int64 ``[B, S]``; right-aligned
+    ``[B, R]`` ``response_mask`` (int64), ``loss_mask``, ``rewards`` (the ``token_rewards``
+    column, else the reward at the last response token) and ``rollout_logprobs`` (None
+    without the column), float32; ``rollout_expert_indices`` ``[B, S, L, K]`` aligned with
+    ``sequences``, the dummy row ``[0, ..., K-1]`` where no row was captured, uint8 / int16
+    / int32 (the smallest holding the largest id); ``router_padding_mask`` bool ``[B, S]``
+    (True on left padding and the uncaptured suffix); ``uids``, the group ids.
+    ``tensors="torch"``: torch tensors (no copy). Raises `ValueError` on an empty table or
+    a bad option, `SchemaError` off the rollout schema.
     """
     check_choice(tensors, "tensors", ("numpy", "torch"))
     pad = check_int(pad_token_id, "pad_token_id")
@@ -295,19 +222,17 @@ def to_training_inputs(
     n = plen + rlen
     b, s, r = table.num_rows, int(n.max()), int(rlen.max())
     left = s - n
-    # Column of every flat token of `input_ids`: its left padding plus its index in the row.
-    starts = np.cumsum(n) - n
-    tok_rows = np.repeat(np.arange(b), n)
-    tok_cols = np.arange(int(n.sum())) - np.repeat(starts, n) + np.repeat(left, n)
-    sequences = np.full((b, s), pad, dtype=np.int64)
-    sequences[tok_rows, tok_cols] = _flat(input_ids(table))
-    attention = np.zeros((b, s), dtype=np.int64)
-    attention[tok_rows, tok_cols] = 1
+    sequences = scatter(flat_values(input_ids(table)), n, left, (b, s), pad, np.int64)
+    attention = (np.arange(s)[None, :] >= left[:, None]).astype(np.int64)
 
     response_mask = (np.arange(r)[None, :] >= (r - rlen)[:, None]).astype(np.int64)
-    loss_mask = _right_aligned(table, "loss_mask", rlen, r, np.float32)
+
+    def right_aligned(name: str) -> np.ndarray:
+        return scatter(flat_values(table.column(name)), rlen, r - rlen, (b, r), 0, np.float32)
+
+    loss_mask = right_aligned("loss_mask")
     if TOKEN_REWARDS_COLUMN in table.column_names:
-        rewards = _right_aligned(table, TOKEN_REWARDS_COLUMN, rlen, r, np.float32)
+        rewards = right_aligned(TOKEN_REWARDS_COLUMN)
     else:
         rewards = np.zeros((b, r), dtype=np.float32)
         has = rlen > 0
@@ -315,17 +240,14 @@ def to_training_inputs(
             rewards[np.flatnonzero(has), r - 1] = table.column("reward").to_numpy()[has]
     logprobs = None
     if LOGPROBS_COLUMN in table.column_names:
-        logprobs = _right_aligned(table, LOGPROBS_COLUMN, rlen, r, np.float32)
+        logprobs = right_aligned(LOGPROBS_COLUMN)
 
     values, offsets = flat_routes(table)
     cap = np.diff(offsets)
     max_id = int(values.max()) if values.size else 0
     dtype = _compact_dtype(max(max_id, spec.topk - 1))
-    routes = np.empty((b, s, *spec.row_shape), dtype=dtype)
-    routes[...] = dummy_route_row(spec).astype(dtype)
-    route_rows = np.repeat(np.arange(b), cap)
-    route_cols = np.arange(int(cap.sum())) - np.repeat(offsets[:-1], cap) + np.repeat(left, cap)
-    routes[route_rows, route_cols] = values
+    dummy = dummy_route_row(spec).astype(dtype)
+    routes = scatter(values, cap, left, (b, s, *spec.row_shape), dummy, dtype)
     positions = np.arange(s)[None, :]
     padding = (positions < left[:, None]) | (positions >= (left + cap)[:, None])
 
@@ -352,13 +274,11 @@ def to_generator_output(
 ) -> tuple[dict[str, Any], np.ndarray, list[str]]:
     """A ``GeneratorOutput``-shaped dict, the captured counts and the uids of a rollout table.
 
-    ``layout="compact"`` gives one numpy ``[rows, L, K]`` array per trajectory (#1912);
-    ``"nested"`` gives nested lists (0.3.0; ``.tolist()`` per trajectory). With
-    ``pad_terminal_gap`` every trajectory gets ``N`` rows, the gap filled with dummy rows
-    the way #1912's ``RoutedExpertTrace.finalize`` does; the returned captured counts
-    (int64 ``[B]``) are what `from_generator_output` needs to undo it.
-    ``trajectory_ids`` is None (SkyRL's ``TrajectoryID`` is not imported): the group ids
-    come back as the third value, SkyRL's ``uids``. Raises `ValueError` on a bad option.
+    ``layout="compact"``: one numpy ``[rows, L, K]`` array per trajectory (#1912);
+    ``"nested"``: nested lists (0.3.0). ``pad_terminal_gap``: every trajectory gets ``N``
+    rows, the gap filled with dummy rows like #1912's ``finalize``; the captured counts
+    (int64 ``[B]``) undo it in `from_generator_output`. ``trajectory_ids`` is None (the
+    group ids come back as the uids). Raises `ValueError` on a bad option.
     """
     check_choice(layout, "layout", ("compact", "nested"))
     spec = route_spec(table)

@@ -1,30 +1,8 @@
 """slime adapter: ``Sample`` objects <-> rollout table.
 
-slime (THUDM/slime, ``slime/utils/types.py``) keeps one ``Sample`` dataclass per
-trajectory. The fields this adapter reads and writes:
-
-* ``tokens``: prompt + response token ids; ``response_length``: the response is the
-  last ``response_length`` of them;
-* ``loss_mask``: over the response (``None`` means all ones, as
-  ``RolloutManager._convert_samples_to_train_data`` in ``slime/ray/rollout.py`` fills it);
-* ``reward``: a float (a dict reward needs ``reward_key=``);
-* ``index`` (the trajectory) and ``group_index`` (its GRPO group);
-* ``rollout_log_probs``: over the response (optional);
-* ``rollout_routed_experts``: ``[len(tokens) - 1, L, K]`` (int32 from SGLang's
-  ``meta_info["routed_experts"]``; a tensor, numpy array or nested lists). slime's
-  trainer (``prepare_routed_experts_for_routing_replay`` in
-  ``slime/backends/megatron_utils/cp_utils.py``) asserts exactly ``len(tokens) - 1`` rows:
-  every token but the last sampled one has a row, and slime has no captured count.
-
-So a slime sample's route rows are all captured rows (``docs/design.md``, "Ragged routes
-and the terminal gap"). A table trajectory with fewer rows (a terminal gap, for example a
-final observation appended after the last generation) does not fit slime's contract:
-`to_samples` refuses it unless ``fill_gap=True``, which fills the gap with the dummy row
-``[0, ..., K-1]`` (the rows are never a trained target, but slime has no padding mask, so
-its routers count them in load-balancing statistics).
-
-Integration module: numpy and pyarrow only at module level; slime (and torch, which it
-needs) are imported only by `to_samples` when ``as_dataclass`` asks for slime's own type.
+slime's ``Sample`` fields and its strict ``len(tokens) - 1`` route rows (no captured
+count, no padding mask): ``docs/frameworks/slime.md``. numpy and pyarrow only at module
+level; slime (and torch) are imported only by `to_samples` for slime's own type.
 """
 
 from __future__ import annotations
@@ -39,6 +17,7 @@ import pyarrow as pa
 from r3arrow._checks import check_choice
 from r3arrow._routes import dummy_route_row
 from r3arrow._schema import list_lengths
+from r3arrow.adapters._arrays import host
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import captured_lengths, flat_routes, rollout_table, route_spec
@@ -56,11 +35,6 @@ def _get(sample: Any, name: str) -> Any:
     return getattr(sample, name, None)
 
 
-def _host(x: Any) -> Any:
-    """A torch tensor as numpy (duck-typed: no torch import)."""
-    return x.detach().cpu().numpy() if hasattr(x, "detach") else x
-
-
 def _reward(value: Any, key: str | None, row: int) -> float:
     if isinstance(value, Mapping):
         if key is None or key not in value:
@@ -72,7 +46,7 @@ def _reward(value: Any, key: str | None, row: int) -> float:
         value = value[key]
     if value is None:
         raise SchemaError(f"samples[{row}].reward: expected a float, found None", row=row)
-    return float(_host(value))
+    return float(host(value))
 
 
 def from_samples(
@@ -102,7 +76,7 @@ def from_samples(
     routes: list[np.ndarray] = []
     logprobs: list[np.ndarray] = []
     for i, s in enumerate(samples):  # one iteration per trajectory; tokens stay vectorised
-        tokens = np.asarray(_host(_get(s, "tokens")), dtype=np.int64).reshape(-1)
+        tokens = np.asarray(host(_get(s, "tokens")), dtype=np.int64).reshape(-1)
         rlen = int(_get(s, "response_length") or 0)
         if not 0 <= rlen <= len(tokens):
             raise SchemaError(
@@ -131,13 +105,13 @@ def from_samples(
                 f"{spec.num_layers}, {spec.topk}] routes, found None",
                 row=i,
             )
-        arr = np.asarray(_host(experts))
+        arr = np.asarray(host(experts))
         if arr.size == 0:
             arr = arr.reshape(0, *spec.row_shape).astype(spec.dtype)
         routes.append(arr)
         lp = _get(s, "rollout_log_probs")
         if lp is not None:
-            logprobs.append(np.asarray(_host(lp), dtype=np.float32).reshape(-1))
+            logprobs.append(np.asarray(host(lp), dtype=np.float32).reshape(-1))
     extra: dict[str, Any] = {}
     if rows and len(logprobs) == rows:
         extra[LOGPROBS_COLUMN] = pa.array(logprobs, type=pa.large_list(pa.float32()))
@@ -203,8 +177,7 @@ def to_samples(table: pa.Table, *, fill_gap: bool = False, as_dataclass: str = "
     # One int32 buffer [sum(N - 1), L, K]: captured rows, then dummy rows for any gap.
     out_offsets = np.zeros(len(n) + 1, dtype=np.int64)
     np.cumsum(want, out=out_offsets[1:])
-    full = np.empty((int(want.sum()), *spec.row_shape), dtype=np.int32)
-    full[...] = dummy_route_row(spec)
+    full = np.full((int(want.sum()), *spec.row_shape), dummy_route_row(spec), dtype=np.int32)
     dst = (
         np.repeat(out_offsets[:-1], cap) + np.arange(int(cap.sum())) - np.repeat(offsets[:-1], cap)
     )

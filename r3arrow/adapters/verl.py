@@ -1,32 +1,14 @@
 """verl 0.9.1 ``DataProto`` <-> r3arrow rollout table.
 
-verl's agent loop hands the trainer one padded ``DataProto`` per step
-(``verl/experimental/agent_loop/agent_loop.py``, ``AgentLoopWorker._postprocess``); its
-``batch`` (a ``TensorDict``, batch size ``[b]``) holds, with ``S = P + R``:
-
-* ``prompts`` ``[b, P]`` int64, left-padded with the pad id; ``responses`` ``[b, R]`` int64,
-  right-padded; ``input_ids`` ``[b, S]`` their concatenation;
-* ``attention_mask`` ``[b, S]`` int64 (1 = token); ``response_mask`` ``[b, R]`` int64
-  (1 = generated, 0 = tool/observation tokens and padding); ``position_ids`` ``[b, S]`` int64
-  ``= clip(cumsum(attention_mask) - 1, 0)``;
-* ``rm_scores`` ``[b, R]`` float32, the trajectory's score at its last response token;
-* ``routed_experts`` ``[b, S, L, K]`` int16 aligned with ``input_ids``: the engine's rows
-  from the first attended token on, zeros elsewhere.
-
-``non_tensor_batch["uid"]`` is the GRPO group. verl keeps no captured-row count: its Megatron
-actor replays every attended row but the last (``build_r3_replay_mask`` in
-``verl/utils/megatron/router_replay_utils.py``). See ``docs/frameworks/verl.md``.
-
-`from_dataproto` reads that layout into a rollout table (``docs/design.md``, "The Arrow data
-model"); `to_dataproto` writes a table back in exactly that layout, plus two non-tensor keys
-(``trajectory_id`` and `CAPTURED_KEY`) and the table's Arrow schema in ``meta_info``
-(`SCHEMA_KEY`), which verl carries through ``concat``/``chunk``/``select`` untouched, so
-both round trips are exact. Everything is vectorised over tokens;
-only trajectory ids and per-trajectory route views are built per row. verl and tensordict are
-imported inside the functions (``ImportError`` names what to install); torch is required.
-Argument misuse raises ``ValueError``/``TypeError``; bad data in a ``DataProto`` raises
-`SchemaError` / `RouteShapeError` (with ``row`` set when a trajectory is at fault), and the
-table's own checks (`ExpertRangeError`, `TerminalGapError`, ...) apply as in `rollout_table`.
+verl's padded layout (``prompts``, ``responses``, ``attention_mask``, ``response_mask``,
+``rm_scores``, int16 ``routed_experts`` ``[b, S, L, K]`` aligned with ``input_ids``; the
+``uid`` group; no captured count) and how each key maps: ``docs/frameworks/verl.md``.
+`to_dataproto` writes exactly that layout plus ``trajectory_id``, `CAPTURED_KEY` and the
+table's schema in ``meta_info`` (`SCHEMA_KEY`), so both round trips are exact. Vectorised
+over tokens; verl and tensordict are imported inside the functions; torch is required.
+Argument misuse raises ``ValueError`` / ``TypeError``; bad data in a ``DataProto`` raises
+`SchemaError` / `RouteShapeError` (``row`` set where a trajectory is at fault), plus the
+checks of `rollout_table`.
 """
 
 from __future__ import annotations
@@ -39,11 +21,11 @@ from typing import Any
 import numpy as np
 import orjson
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from r3arrow._schema import ROLLOUT_COLUMNS, list_lengths
 from r3arrow._validated import is_validated, mark_validated
+from r3arrow.adapters._arrays import flat_values, scatter
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import (
@@ -54,10 +36,9 @@ from r3arrow.table import (
     validate_rollouts,
 )
 
-#: Non-tensor key holding each trajectory's captured route rows (int64), written by
-#: `to_dataproto` so that `from_dataproto` restores a table exactly; verl ignores it.
+#: Non-tensor key of each trajectory's captured route rows (int64), for exact round trips.
 CAPTURED_KEY = "r3_captured"
-#: ``meta_info`` key holding the table's Arrow schema (IPC bytes), written by `to_dataproto`.
+#: ``meta_info`` key of the table's Arrow schema (IPC bytes).
 SCHEMA_KEY = "r3arrow.schema"
 #: Non-tensor key of the trajectory ids written by `to_dataproto`.
 TRAJECTORY_KEY = "trajectory_id"
@@ -74,20 +55,12 @@ LAYOUT_KEYS: tuple[str, ...] = (
     "rm_scores",
     "routed_experts",
 )
-# Schema metadata: how each extra column travels in a DataProto (kind and dtype), so that
-# to_dataproto(from_dataproto(d)) rebuilds d's extra keys with their dtypes.
+# Schema metadata: each extra column's kind and dtype in a DataProto, for the way back.
 _META_KEY = b"r3arrow.verl.keys"
 _ROUTES_DTYPE = torch.int16
 _INSTALL = (
     "verl is not installed: pip install --no-deps verl==0.9.1 and -r ci/verl-requirements.txt"
 )
-
-
-def _verl_protocol() -> Any:
-    try:
-        return importlib.import_module("verl.protocol")
-    except ImportError as exc:
-        raise ImportError(_INSTALL) from exc
 
 
 def _np(value: Any, name: str) -> np.ndarray:
@@ -250,24 +223,18 @@ def from_dataproto(
     """Rollout table (one row per trajectory) from a ``DataProto`` in verl's layout.
 
     ``data.batch`` must hold ``prompts``, ``responses``, ``attention_mask``,
-    ``response_mask``, ``rm_scores`` and ``routed_experts`` (``[b, S, L, K]`` with
-    ``(L, K) == spec.row_shape``); ``input_ids`` and ``position_ids``, where present, must
-    match verl's rules. Columns: ``prompt_ids``/``response_ids`` are the attended tokens;
-    ``loss_mask`` is ``response_mask`` over the response; ``reward`` is ``rm_scores``
-    summed (verl puts the score at the last response token; a score anywhere else raises);
-    ``trajectory_id`` comes from ``non_tensor_batch[trajectory_key]`` (else the row index),
-    ``group_id`` from ``non_tensor_batch[group_key]`` (``uid``; ``None`` or absent: the
-    trajectory id). ``routes`` holds the first ``captured[i]`` attended rows of
-    ``routed_experts``: ``captured`` counts per trajectory, ``"nonzero"`` (up to the last
-    row the engine wrote, for multi-turn loops that end on observation tokens), or ``None``:
-    `CAPTURED_KEY` if present, else verl's rule (every attended row but the last). A
-    nonzero route row outside the captured rows raises `RouteShapeError` (nothing is
-    dropped silently). Other batch keys of shape ``[b]`` or ``[b, R]`` (kept over the
-    response tokens) and 1-d non-tensor keys become extra columns; anything else raises
-    ``ValueError`` unless named in ``ignore``. Of ``meta_info`` only `SCHEMA_KEY` is read
-    (written by `to_dataproto`): it restores extra column types, order and user schema
-    metadata; the rest of ``meta_info`` is not carried.
-    With ``pad_token_id``, the padding of ``prompts``/``responses`` is checked to hold it.
+    ``response_mask``, ``rm_scores`` and ``routed_experts`` (``(L, K) == spec.row_shape``);
+    ``input_ids`` / ``position_ids``, where present, must follow verl's rules; with
+    ``pad_token_id`` the padding must hold it. ``reward`` is ``rm_scores`` summed (a score
+    anywhere but the last response token raises); ``trajectory_id`` /  ``group_id`` come
+    from ``non_tensor_batch[trajectory_key]`` (else the row index) / ``[group_key]`` (else
+    the trajectory id). ``routes``: the first ``captured[i]`` attended rows, with
+    ``captured`` counts, ``"nonzero"`` (up to the last row the engine wrote) or ``None``
+    (`CAPTURED_KEY` if present, else every attended row but the last); a nonzero row
+    outside them raises `RouteShapeError`. Other batch keys ``[b]`` or ``[b, R]`` and 1-d
+    non-tensor keys become extra columns (anything else raises ``ValueError`` unless in
+    ``ignore``); `SCHEMA_KEY` in ``meta_info`` restores their types, order and user schema
+    metadata (the rest of ``meta_info`` is not carried).
     """
     batch = getattr(data, "batch", None)
     non_tensor = getattr(data, "non_tensor_batch", None)
@@ -445,18 +412,11 @@ def _restore(
     return ordered, user
 
 
-def _scatter(
-    col: pa.ChunkedArray[Any] | pa.Array[Any], shape: tuple[int, int], start: np.ndarray, fill: Any
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Ragged ``col`` into a ``shape`` array at row offsets ``start``: (dense, parent, pos)."""
-    values = np.asarray(pc.list_flatten(col).to_numpy(zero_copy_only=False))
-    parent = np.asarray(pc.list_parent_indices(col).to_numpy(zero_copy_only=False), np.int64)
-    lengths = list_lengths(col)
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    pos = np.arange(values.size, dtype=np.int64) - offsets[parent] + start[parent]
-    dense = np.full(shape, fill, dtype=values.dtype if values.size else np.int64)
-    dense[parent, pos] = values
-    return dense, parent, pos
+def _dense(
+    col: Any, shape: tuple[int, ...], start: np.ndarray, fill: Any, dtype: Any = None
+) -> np.ndarray:
+    """The ragged column ``col`` into a ``shape`` array, row ``i`` from ``start[i]`` on."""
+    return scatter(flat_values(col), list_lengths(col), start, shape, fill, dtype)
 
 
 def _width(lengths: np.ndarray, given: int | None, name: str) -> int:
@@ -480,21 +440,21 @@ def to_dataproto(
 ) -> Any:
     """A verl ``DataProto`` in the agent loop's layout (module docstring) from a rollout table.
 
-    Prompts are left-padded to ``max_prompt_length`` and responses right-padded to
-    ``max_response_length`` with ``pad_token_id`` (``None``: the longest; a longer row raises
-    ``ValueError``, never truncated). ``routed_experts`` is int16 ``[b, S, L, K]``, the
-    captured rows from the first attended token on, zeros elsewhere (ids must fit int16);
-    ``rm_scores`` float32 holds the reward (rounded to float32, verl's dtype) at the last
-    response token. ``non_tensor_batch`` holds ``uid`` (group ids), ``trajectory_id`` and
-    `CAPTURED_KEY`; extra columns return to the batch or non-tensor keys they came from
-    (`from_dataproto` records this), other extra columns become non-tensor arrays; an extra
-    column named like a key written here (``uid``, ...) raises ``ValueError``.
-    ``meta_info[SCHEMA_KEY]`` holds the table's schema (Arrow IPC bytes), so
-    ``from_dataproto(to_dataproto(t))`` equals ``t``; verl's ``DataProto.concat`` asserts
-    equal ``meta_info`` values, so concatenated batches must come from one schema.
-    Requires verl (and tensordict); the table is validated first unless r3arrow built it.
+    Prompts left-padded to ``max_prompt_length``, responses right-padded to
+    ``max_response_length`` with ``pad_token_id`` (``None``: the longest; a longer row
+    raises ``ValueError``, never truncated). ``routed_experts``: int16, the captured rows
+    from the first attended token on, zeros elsewhere; ``rm_scores``: the reward as float32
+    at the last response token. ``non_tensor_batch``: ``uid``, ``trajectory_id``,
+    `CAPTURED_KEY`, and the extra columns (back to the batch keys they came from, as
+    `from_dataproto` recorded; one named like a key written here raises ``ValueError``).
+    ``meta_info[SCHEMA_KEY]``: the table's schema, so ``from_dataproto(to_dataproto(t))``
+    equals ``t`` (verl's ``concat`` asserts equal ``meta_info``: one schema per batch).
+    Requires verl and tensordict; the table is validated first unless r3arrow built it.
     """
-    protocol = _verl_protocol()
+    try:
+        protocol = importlib.import_module("verl.protocol")
+    except ImportError as exc:
+        raise ImportError(_INSTALL) from exc
     tensordict = importlib.import_module("tensordict")
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
         raise TypeError(f"pad_token_id: expected an int, found {pad_token_id!r}")
@@ -512,28 +472,24 @@ def to_dataproto(
         raise ValueError("max_response_length: verl's rm_scores need at least one response column")
     start = (width_p - plen).astype(np.int64)
     zeros = np.zeros(rows, dtype=np.int64)
-    prompts, _, _ = _scatter(table.column("prompt_ids"), (rows, width_p), start, pad_token_id)
-    responses, _, _ = _scatter(table.column("response_ids"), (rows, width_r), zeros, pad_token_id)
-    rmask, _, _ = _scatter(table.column("loss_mask"), (rows, width_r), zeros, 0)
-    col = np.arange(width_r)
-    resp_att = col[None, :] < rlen[:, None]
+    prompts = _dense(table.column("prompt_ids"), (rows, width_p), start, pad_token_id, np.int64)
+    responses = _dense(table.column("response_ids"), (rows, width_r), zeros, pad_token_id, np.int64)
+    rmask = _dense(table.column("loss_mask"), (rows, width_r), zeros, 0, np.int64)
+    resp_att = np.arange(width_r)[None, :] < rlen[:, None]
     prompt_att = np.arange(width_p)[None, :] >= start[:, None]
     att = np.concatenate([prompt_att, resp_att], axis=1).astype(np.int64)
     flat, offsets = flat_routes(table)
-    counts = np.diff(offsets)
-    routes = np.zeros((rows, width_p + width_r, *spec.row_shape), dtype=np.int16)
-    parent = np.repeat(np.arange(rows, dtype=np.int64), counts)
-    pos = np.arange(flat.shape[0], dtype=np.int64) - offsets[:-1][parent] + start[parent]
-    routes[parent, pos] = flat
+    shape = (rows, width_p + width_r, *spec.row_shape)
+    routes = scatter(flat, np.diff(offsets), start, shape, 0, np.int16)
     scores = np.zeros((rows, width_r), dtype=np.float32)
     if rows:
         reward = table.column("reward").to_numpy().astype(np.float32)
         scores[np.arange(rows), (rlen - 1) % width_r] = reward
     tensors: dict[str, torch.Tensor] = {
-        "prompts": torch.from_numpy(prompts.astype(np.int64)),
-        "responses": torch.from_numpy(responses.astype(np.int64)),
-        "response_mask": torch.from_numpy(rmask.astype(np.int64)),
-        "input_ids": torch.from_numpy(np.concatenate([prompts, responses], 1).astype(np.int64)),
+        "prompts": torch.from_numpy(prompts),
+        "responses": torch.from_numpy(responses),
+        "response_mask": torch.from_numpy(rmask),
+        "input_ids": torch.from_numpy(np.concatenate([prompts, responses], 1)),
         "attention_mask": torch.from_numpy(att),
         "position_ids": torch.from_numpy(np.maximum(np.cumsum(att, axis=1) - 1, 0)),
         "routed_experts": torch.from_numpy(routes),
@@ -563,8 +519,7 @@ def to_dataproto(
             # a copy: Arrow's buffers are read-only and torch wants writable memory
             tensors[name] = torch.from_numpy(np.array(column.to_numpy())).to(dtype)
         else:
-            dense, _, _ = _scatter(column, (rows, width_r), zeros, 0)
-            tensors[name] = torch.from_numpy(dense).to(dtype)
+            tensors[name] = torch.from_numpy(_dense(column, (rows, width_r), zeros, 0)).to(dtype)
     batch = tensordict.TensorDict(tensors, batch_size=[rows])
     # The schema rides in meta_info so from_dataproto restores extra column types and user
     # metadata exactly (Arrow IPC schema bytes: no pickle).
@@ -592,8 +547,4 @@ def _non_tensor(column: pa.ChunkedArray[Any], dtype: str | None) -> np.ndarray:
     return np.array(column.to_numpy(), dtype=np.dtype(dtype))
 
 
-__all__ = [
-    "CAPTURED_KEY",
-    "from_dataproto",
-    "to_dataproto",
-]
+__all__ = ["CAPTURED_KEY", "from_dataproto", "to_dataproto"]

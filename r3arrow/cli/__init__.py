@@ -1,19 +1,10 @@
 """The ``r3arrow`` command line: demo, inspect, stats, diagnose, convert, export, gc.
 
-``demo`` runs on the embedded reference engine of the test tools (`r3arrow.testing.demo`);
-the benchmarks run from ``benchmarks/`` in a source checkout, not from this command.
-
-Exit codes a script can rely on: 0 success, 1 data or runtime error (one line on
-stderr, starting with ``r3arrow: error:``), 2 usage error (argparse's message,
-listing the choices where there are some), 130 interrupted, 141 stdout closed
-early (``r3arrow inspect f --json | head``; nothing is printed). No traceback
-reaches the user: `main` maps every r3arrow, OS, Arrow and argument error to
-one of these.
-
-Inputs are opened only if they are regular files (a FIFO would block the open,
-a device never ends) or directories; ``convert`` reads ``.npy`` files only
-inside the JSON-lines file's folder unless ``--allow-outside`` is given, and
-checks an ``.npy`` header's declared size before allocating.
+Exit codes: 0 success, 1 data or runtime error (one line on stderr starting with
+``r3arrow: error:``), 2 usage error (argparse's message), 130 interrupted, 141 stdout
+closed early (nothing printed). No traceback reaches the user. Inputs are opened only if
+they are regular files or directories (a FIFO would block, a device never ends).
+``demo`` runs the embedded reference engine of `r3arrow.testing.demo`.
 """
 
 from __future__ import annotations
@@ -26,6 +17,7 @@ from pathlib import Path
 
 import orjson
 import pyarrow as pa
+from pyarrow import ArrowException
 
 from r3arrow.cli._convert import convert_jsonl
 from r3arrow.cli._inspect import check_input, human_bytes, inspect_summary, is_ipc
@@ -35,25 +27,12 @@ from r3arrow.spec import RouteSpec
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
-def _check_input(path: Path) -> None:
-    check_input(path)
-
-
-def _is_ipc(path: Path) -> bool:
-    return is_ipc(path)
-
-
-def _read_any(path: Path, *, require_routes: bool = True) -> pa.Table:
-    """Read a rollout Parquet file, a ``step=N`` directory or an Arrow IPC file.
-
-    Raises `SchemaError` (``path`` set) for a non-regular file, an unreadable
-    file, or (with ``require_routes``) a rollout file without a ``routes`` column
-    (R3 off).
-    """
+def _read_any(path: Path) -> pa.Table:
+    """A rollout Parquet file, root or Arrow IPC file; `SchemaError` without ``routes``."""
     from r3arrow.io import read_rollouts
 
     table = read_rollouts(path)  # Parquet or Arrow IPC (by its magic bytes)
-    if require_routes and "routes" not in table.schema.names:
+    if "routes" not in table.schema.names:
         raise SchemaError(
             f"{path}: expected a 'routes' column in the rollout file (R3 on), found columns "
             f"{table.schema.names}",
@@ -62,12 +41,16 @@ def _read_any(path: Path, *, require_routes: bool = True) -> pa.Table:
     return table
 
 
+def _print_json(obj: object) -> int:
+    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------- inspect
 def _cmd_inspect(args: argparse.Namespace) -> int:
     info = inspect_summary(Path(args.path))
     if args.json:
-        sys.stdout.write(orjson.dumps(info, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return EXIT_OK
+        return _print_json(info)
     spec = info["spec"]
     print(f"{info['path']}")
     print(f"  rows (trajectories): {info['rows']}")
@@ -103,8 +86,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from r3arrow import stats
 
     path = Path(args.path)
-    _check_input(path)
-    load = stats.expert_load(_read_any(path) if _is_ipc(path) else path, tokens=args.tokens)
+    check_input(path)
+    load = stats.expert_load(_read_any(path) if is_ipc(path) else path, tokens=args.tokens)
     summary = stats.load_summary(load)
     if args.plot:
         from r3arrow.plot import plot_expert_load
@@ -112,8 +95,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         plot_expert_load(load, args.plot, title=f"expert load ({args.tokens} tokens): {path.name}")
     if args.json:
         out = {"tokens": args.tokens, "load": load.to_dicts(), "layers": summary.to_dicts()}
-        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return EXIT_OK
+        return _print_json(out)
     import polars as pl
 
     with pl.Config(tbl_rows=64, tbl_cols=16, float_precision=3):
@@ -129,14 +111,17 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     from r3arrow.cli import _diagnose as diag
 
     path = Path(args.path)
-    _check_input(path)
+    check_input(path)
     source, per_step = diag.load_agreements(path, args.source)
     info = diag.report(source, per_step)
-    png = diag.plot(path, per_step, args.png) if args.png else None
+    png = None
+    if args.png:
+        from r3arrow.plot import plot_disagreement
+
+        png = plot_disagreement(per_step, args.png, title=f"Routing disagreement: {path.name}")
     if args.json:
         out = {**info, "png": str(png) if png is not None else None}
-        sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
-        return EXIT_OK
+        return _print_json(out)
     diag.print_report(path, info)
     if png is not None:
         print(f"plot written to {png}")
@@ -199,7 +184,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     from r3arrow.io import find_temps, remove_stale_temps
 
     path = Path(args.path)
-    _check_input(path)
+    check_input(path)
     removed = remove_stale_temps(path, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for p, size in removed:
@@ -254,23 +239,12 @@ def _spec_int(value: str) -> int:
 
 
 def _spec_args(p: argparse.ArgumentParser, *, required: bool, moe_default: str = "all") -> None:
-    p.add_argument(
-        "--num-layers",
-        type=_spec_int,
-        required=required,
-        metavar="L",
-        help="layers the engine reports, dense ones included",
-    )
-    p.add_argument(
-        "--topk", type=_spec_int, required=required, metavar="K", help="experts per token"
-    )
-    p.add_argument(
-        "--num-experts",
-        type=_spec_int,
-        required=required,
-        metavar="E",
-        help="experts per MoE layer",
-    )
+    for flag, metavar, text in (
+        ("--num-layers", "L", "layers the engine reports, dense ones included"),
+        ("--topk", "K", "experts per token"),
+        ("--num-experts", "E", "experts per MoE layer"),
+    ):
+        p.add_argument(flag, type=_spec_int, required=required, metavar=metavar, help=text)
     p.add_argument(
         "--moe-layers",
         type=_spec_int,
@@ -285,10 +259,7 @@ _COMPRESSIONS = ("none", "snappy", "zstd", "lz4", "gzip", "brotli")
 
 def _compression_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--compression",
-        default="none",
-        choices=_COMPRESSIONS,
-        help="Parquet codec (default none)",
+        "--compression", default="none", choices=_COMPRESSIONS, help="Parquet codec (default none)"
     )
 
 
@@ -484,13 +455,21 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 EXIT_INTERRUPTED, EXIT_PIPE = 130, 141
+# ImportError: a missing extra; MemoryError: a table too large for this host;
+# ArrowException: ArrowIOError etc., none of the builtins
+_USER_ERRORS = (
+    R3ArrowError,
+    ArrowException,
+    OSError,
+    ValueError,
+    TypeError,
+    ImportError,
+    MemoryError,
+)
 
 
 def _quiet_stdout() -> None:
-    """Point stdout at devnull so the interpreter's final flush cannot raise again.
-
-    The recipe of Python's ``signal`` docs for a reader that closed the pipe early.
-    """
+    """Point stdout at devnull so the final flush cannot raise again (Python's ``signal`` docs)."""
     with_fd = getattr(sys.stdout, "fileno", None)
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -501,11 +480,8 @@ def _quiet_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit code (see the module docstring).
-
-    Usage errors raise ``SystemExit(2)`` from argparse, as ``--help`` raises
-    ``SystemExit(0)``.
-    """
+    """Run the command line; return the exit code (module docstring). Usage errors raise
+    argparse's ``SystemExit(2)``, ``--help`` ``SystemExit(0)``."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
@@ -517,19 +493,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("r3arrow: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    # ImportError: a missing extra; MemoryError: a table too large for this host
-    except (R3ArrowError, OSError, ValueError, TypeError, ImportError, MemoryError) as exc:
-        print(f"r3arrow: error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_ERROR
-    except pa.ArrowException as exc:  # ArrowIOError etc. not covered above
-        print(f"r3arrow: error: {_one_line(exc)}", file=sys.stderr)
+    except _USER_ERRORS as exc:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"r3arrow: error: {text}", file=sys.stderr)
         return EXIT_ERROR
     return code
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text
 
 
 __all__ = ["main"]

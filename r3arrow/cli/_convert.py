@@ -1,8 +1,7 @@
 """``r3arrow convert``: JSON-lines payload dumps (and the ``.npy`` files they name) to a table.
 
-Split from `r3arrow.cli` (one concern per module). Every error names the file
-and line; ``.npy`` files are read only inside the dump's folder unless allowed,
-only if regular, and only after their header's declared size was checked
+Every error names the file and line; ``.npy`` files are read only inside the dump's folder
+unless allowed, only if regular, and only after their header's declared size was checked
 against the file and `r3arrow.codec.DEFAULT_MAX_BYTES`.
 """
 
@@ -161,13 +160,11 @@ def convert_jsonl(
 ) -> pa.Table:
     """Build a rollout table from JSON-lines payload dumps (one trajectory per line).
 
-    Each record: ``prompt_ids``, ``response_ids``, and ``routed_experts`` (payload
-    in ``fmt``) or ``routes_npy`` (a ``.npy`` path relative to the file);
-    optional ``trajectory_id``, ``group_id``, ``loss_mask`` (default all 1), ``reward``.
-    Errors name the file and line. ``progress``: a byte progress bar on stderr.
-    ``allow_outside``: also read ``routes_npy`` files that are absolute or outside
-    the JSON-lines file's folder (refused by default, `SchemaError` naming them).
-    Inputs must be regular files (`SchemaError` for a FIFO or device).
+    Each record: ``prompt_ids``, ``response_ids``, and ``routed_experts`` (payload in
+    ``fmt``) or ``routes_npy`` (a ``.npy`` path relative to the file); optional
+    ``trajectory_id``, ``group_id``, ``loss_mask`` (default all 1), ``reward``. Errors name
+    the file and line. ``progress``: a byte progress bar on stderr. ``allow_outside``: also
+    read ``routes_npy`` files absolute or outside the dump's folder (else `SchemaError`).
     """
     from tqdm.auto import tqdm
 

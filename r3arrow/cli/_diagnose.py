@@ -1,23 +1,14 @@
 """``r3arrow diagnose``: the R3 paper's routing-disagreement quantities of a run.
 
-Where the numbers come from (``docs/diagnostics.md``):
-
-1. the diagnostics persisted beside the rollouts (`r3arrow.io.write_diagnostics`, e.g. by
-   a trainer's ``replay_schedule(measure_agreement=True)`` probe or the demo): read with
-   `r3arrow.io.read_diagnostics`, one `RouteAgreement` per step;
-2. otherwise, rollouts that carry a trainer-side routes column (``train_routes`` by
-   convention, the RECORD schedule's output): `r3arrow.stats.route_agreement_by_step`
-   computes the agreement of ``routes`` vs that column, streamed one step at a time.
-
-Printed (and in ``--json``): the fraction of router decisions that differ,
-``1 - overlap / (tokens * K)`` (mean over layers), the fraction of tokens whose top-k set
-differs on at least one layer, ``1 - all_identical / tokens``, both per step when there
-are several, and the per-layer table over all steps. ``--png`` draws them
-(`r3arrow.plot.plot_disagreement`).
+The numbers come from the diagnostics beside the rollouts (`r3arrow.io.read_diagnostics`)
+or else from a ``train_routes`` column (`r3arrow.stats.route_agreement_by_step`); see
+``docs/diagnostics.md`` for the quantities printed and drawn (`r3arrow.plot.plot_disagreement`).
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -101,14 +92,6 @@ def load_agreements(path: Path, source: str | None = None) -> tuple[str, dict[in
     return label, stats.route_agreement_by_step(path, TRAIN_ROUTES)
 
 
-def _total(per_step: Mapping[int, RouteAgreement]) -> RouteAgreement:
-    steps = sorted(per_step)
-    total = per_step[steps[0]]
-    for s in steps[1:]:
-        total = total + per_step[s]
-    return total
-
-
 def _quantities(a: RouteAgreement) -> dict[str, float]:
     s = a.summary()
     return {
@@ -121,7 +104,7 @@ def _quantities(a: RouteAgreement) -> dict[str, float]:
 
 def report(source: str, per_step: Mapping[int, RouteAgreement]) -> dict[str, Any]:
     """JSON-ready report: totals, per step, per layer (fractions as floats)."""
-    total = _total(per_step)
+    total = functools.reduce(operator.add, (per_step[s] for s in sorted(per_step)))
     with np.errstate(all="ignore"):
         decisions = 1.0 - total.mean_overlap
         sets = 1.0 - total.identical_fraction
@@ -165,18 +148,10 @@ def print_report(path: Path, info: Mapping[str, Any]) -> None:
         )
 
 
-def plot(path: Path, per_step: Mapping[int, RouteAgreement], png: str) -> Path:
-    """Write `r3arrow.plot.plot_disagreement` of ``per_step`` to ``png``."""
-    from r3arrow.plot import plot_disagreement
-
-    return plot_disagreement(dict(per_step), png, title=f"Routing disagreement: {path.name}")
-
-
 __all__ = [
     "TRAIN_ROUTES",
     "agreements_from_table",
     "load_agreements",
-    "plot",
     "print_report",
     "report",
 ]

@@ -1,13 +1,11 @@
-"""Ray Data reading and `RayExecutor`, the Ray executor of the `r3arrow.stats` partials.
-
-See the package docstring of `r3arrow.ray`.
-"""
+"""Ray Data reading and `RayExecutor`, the Ray executor of the `r3arrow.stats` partials."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import numpy as np
@@ -23,13 +21,12 @@ if TYPE_CHECKING:
     import ray.data
 
 _NO_STEP = -1  # partial rows of data without a step column
-#: A block of rollout rows (spec in its metadata) → ``{step or None: int64 partial vector}``.
+# As r3arrow.stats' BlockFn and CombineFn (stats is not imported: a structural protocol).
 _BlockFn = Callable[[pa.Table], Mapping[int | None, np.ndarray]]
-#: The exact sum of two partial vectors (an empty vector is zero).
 _CombineFn = Callable[[Any, Any], np.ndarray]
 #: Final combine of the partials: "driver" streams them to the driver and sums there
-#: (cheap: a few KB per block); "ray" uses a Ray ``AggregateFnV2`` (hash-shuffle
-#: aggregate; seconds of fixed overhead on a small cluster). Both are exact.
+#: (a few KB per block); "ray", a Ray ``AggregateFnV2`` hash aggregate (seconds of fixed
+#: overhead on a small cluster). Both are exact.
 Reduce = Literal["driver", "ray"]
 
 
@@ -50,36 +47,23 @@ def _units(path: PathLike, steps: Sequence[int] | None) -> tuple[RouteSpec, list
 def rollout_spec(path: PathLike, *, steps: Sequence[int] | None = None) -> RouteSpec:
     """The `RouteSpec` shared by every rollout file under ``path`` (footers only).
 
-    Raises `SchemaError` (``path`` set) if a file lacks the spec or two files
-    disagree on it; see `r3arrow.io.rollout_files`.
+    Raises `SchemaError` (``path`` set) for a file without the spec or mixed specs.
     """
     return _units(path, steps)[0]
 
 
-def _with_step(table: pa.Table, step: int | None) -> pa.Table:
-    """A row group's rows, without metadata, with the int64 ``step`` column of its partition."""
-    table = table.replace_schema_metadata(None)
-    if step is None:
-        return table
-    return table.append_column("step", pa.array(np.full(table.num_rows, step, dtype=np.int64)))
-
-
-class _ReadUnits:
+def _read_units(columns: list[str] | None, batch: pa.Table) -> pa.Table:
     """Batch of read units (path, row group, step) → rollout rows (routes restored, ``step``)."""
-
-    def __init__(self, columns: list[str] | None) -> None:
-        self.columns = columns
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        paths: list[Any] = batch.column("path").to_pylist()
-        groups: list[Any] = batch.column("row_group").to_pylist()
-        steps: list[Any] = batch.column("step").to_pylist()
-        units = zip(paths, groups, steps, strict=True)
-        parts = [  # one Parquet row group each: not a hot loop
-            _with_step(read_rollouts(path, row_groups=[group], columns=self.columns), step)
-            for path, group, step in units
-        ]
-        return pa.concat_tables(parts)
+    units = zip(*(batch.column(c).to_pylist() for c in ("path", "row_group", "step")), strict=True)
+    parts = []
+    for path, group, step in units:  # one Parquet row group each: not a hot loop
+        table = read_rollouts(path, row_groups=[group], columns=columns)
+        table = table.replace_schema_metadata(None)
+        if step is not None:
+            steps = pa.array(np.full(table.num_rows, step, dtype=np.int64))
+            table = table.append_column("step", steps)
+        parts.append(table)
+    return pa.concat_tables(parts)
 
 
 def rollout_dataset(
@@ -90,10 +74,9 @@ def rollout_dataset(
 ) -> ray.data.Dataset:
     """A lazy Ray Dataset over a rollout file or step root, routes restored, ``step`` int64.
 
-    One read task per Parquet row group, with r3arrow's reader (storage routes
-    restored to the nested type without a copy). ``columns`` projects (``step``
-    is added for a root); ``steps`` selects partitions (each must exist).
-    Blocks carry no schema metadata: keep ``rollout_spec(path)`` for the spec.
+    One read task per Parquet row group (r3arrow's reader). ``columns`` projects (``step``
+    is added for a root); ``steps`` selects partitions (each must exist). Blocks carry no
+    schema metadata: keep ``rollout_spec(path)`` for the spec.
     """
     return _read(path, columns, steps)[0]
 
@@ -111,27 +94,30 @@ def _read(
         raise SchemaError(f"{path}: expected rollout row groups, found none", path=path)
     cols = None if columns is None else list(dict.fromkeys(c for c in columns if c != "step"))
     ds = ray.data.from_items(units, override_num_blocks=len(units))
-    read: Any = _ReadUnits(cols)  # a callable instance (Ray's stubs expect a function or class)
+    read = functools.partial(_read_units, cols)
     return ds.map_batches(read, batch_format="pyarrow", batch_size=1), spec
 
 
 # =========================================================== aggregation
-class _Partials:
+def _partials(spec_json: bytes, block_fn: _BlockFn, batch: pa.Table) -> pa.Table:
     """Block → one row per step present: ``step`` int64, ``partial`` large_list<int64>."""
+    parts = block_fn(batch.replace_schema_metadata({SPEC_METADATA_KEY: spec_json}))
+    return pa.table(
+        {
+            "step": pa.array([_NO_STEP if s is None else s for s in parts], type=pa.int64()),
+            "partial": pa.array(list(parts.values()), type=pa.large_list(pa.int64())),
+        }
+    )
 
-    def __init__(self, spec_json: bytes, block_fn: _BlockFn) -> None:
-        self.spec_json = spec_json
-        self.block_fn = block_fn
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        table = batch.replace_schema_metadata({SPEC_METADATA_KEY: self.spec_json})
-        parts = self.block_fn(table)
-        return pa.table(
-            {
-                "step": pa.array([_NO_STEP if s is None else s for s in parts], type=pa.int64()),
-                "partial": pa.array(list(parts.values()), type=pa.large_list(pa.int64())),
-            }
-        )
+def _vectors(batch: pa.Table) -> Iterator[tuple[int, np.ndarray]]:
+    """(step, int64 vector) of each partial row (one per block and step: not a hot loop)."""
+    steps: Iterator[Any] = iter(batch.column("step").to_pylist())
+    for chunk in cast(Any, batch.column("partial")).chunks:  # large_list<int64> chunks
+        offsets = np.asarray(chunk.offsets, dtype=np.int64)
+        flat = np.asarray(chunk.values.to_numpy(zero_copy_only=False), dtype=np.int64)
+        for i in range(len(chunk)):
+            yield int(next(steps)), flat[offsets[i] : offsets[i + 1]]
 
 
 def _sum_aggregate(combine: _CombineFn) -> Any:
@@ -146,14 +132,8 @@ def _sum_aggregate(combine: _CombineFn) -> Any:
             )
 
         def aggregate_block(self, block: Any) -> np.ndarray:
-            col = BlockAccessor.for_block(block).to_arrow().column("partial")
-            acc = np.zeros(0, np.int64)
-            for chunk in cast(Any, col).chunks:  # large_list<int64> chunks
-                offsets = np.asarray(chunk.offsets, dtype=np.int64)
-                flat = np.asarray(chunk.values.to_numpy(zero_copy_only=False), dtype=np.int64)
-                for i in range(len(chunk)):  # one row per (block, step): not a hot loop
-                    acc = combine(acc, flat[offsets[i] : offsets[i + 1]])
-            return acc
+            rows = _vectors(BlockAccessor.for_block(block).to_arrow())
+            return functools.reduce(combine, (v for _, v in rows), np.zeros(0, np.int64))
 
         def combine(self, current_accumulator: Any, new: Any) -> np.ndarray:
             return combine(current_accumulator, new)
@@ -161,18 +141,13 @@ def _sum_aggregate(combine: _CombineFn) -> Any:
     return SumPartials()
 
 
-class _KeepSteps:
+def _keep_steps(steps: list[int], batch: pa.Table) -> pa.Table:
     """Block filter: rows whose ``step`` is in ``steps``."""
+    import pyarrow.compute as pc
 
-    def __init__(self, steps: list[int]) -> None:
-        self.steps = steps
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        import pyarrow.compute as pc
-
-        if "step" not in batch.schema.names:
-            raise SchemaError(f"steps= needs a 'step' column, found {batch.schema.names}")
-        return batch.filter(pc.is_in(batch.column("step"), pa.array(self.steps, type=pa.int64())))
+    if "step" not in batch.schema.names:
+        raise SchemaError(f"steps= needs a 'step' column, found {batch.schema.names}")
+    return batch.filter(pc.is_in(batch.column("step"), pa.array(steps, type=pa.int64())))
 
 
 def _as_dataset(
@@ -191,7 +166,7 @@ def _as_dataset(
         )
     if steps is not None:
         source = source.map_batches(
-            _KeepSteps([check_int(s, "steps") for s in steps]),
+            functools.partial(_keep_steps, [check_int(s, "steps") for s in steps]),
             batch_format="pyarrow",
             batch_size=None,
             zero_copy_batch=True,
@@ -203,11 +178,8 @@ def _drain(parts: Any, combine: _CombineFn) -> dict[int, np.ndarray]:
     """Sum partial rows per step on the driver as they stream in (each row is a few KB)."""
     acc: dict[int, np.ndarray] = {}
     for batch in parts.iter_batches(batch_format="pyarrow", batch_size=None):
-        steps = batch.column("step").to_pylist()
-        vectors = batch.column("partial")
-        for i, step in enumerate(steps):  # one row per (block, step): not a hot loop
-            vec = np.asarray(vectors[i].values.to_numpy(zero_copy_only=False), dtype=np.int64)
-            acc[int(step)] = combine(acc.get(int(step), np.zeros(0, np.int64)), vec)
+        for step, vec in _vectors(batch):
+            acc[step] = combine(acc.get(step, np.zeros(0, np.int64)), vec)
     return acc
 
 
@@ -215,12 +187,10 @@ def _drain(parts: Any, combine: _CombineFn) -> dict[int, np.ndarray]:
 class RayExecutor:
     """The Ray executor of `r3arrow.stats`: ``stats.expert_load(path, executor=RayExecutor())``.
 
-    Each block is reduced to the statistic's exact integer partials in ``map_batches``
-    (in parallel; only the small partials move), then combined as ``reduce`` says
-    (`Reduce`): streamed to the driver and summed (``"driver"``, default) or with a Ray
-    ``AggregateFnV2`` hash aggregate (``"ray"``, grouped by ``step`` for the by-step
-    statistics). Integer sums are order-independent, so every path equals the
-    single-process one exactly. Raises ``ValueError`` for another ``reduce``.
+    Each block is reduced to the statistic's exact integer partials in ``map_batches`` (in
+    parallel; only the small partials move), then combined as ``reduce`` says (`Reduce`;
+    ``"ray"`` groups by ``step`` for the by-step statistics): the same integers as the
+    single-process path. Raises ``ValueError`` for another ``reduce``.
     """
 
     reduce: Reduce = "driver"
@@ -239,35 +209,26 @@ class RayExecutor:
         steps: Sequence[int] | None = None,
         by_step: bool = False,
     ) -> tuple[dict[int | None, np.ndarray], RouteSpec]:
-        """Exact partial vectors of ``source`` computed on Ray (`r3arrow.stats.Executor`).
+        """`r3arrow.stats.Executor.map_reduce` on Ray.
 
         ``source``: a rollout path (read with `rollout_dataset`, only ``columns``) or a
-        `rollout_dataset` Dataset (``spec`` required; ``steps`` filters its rows).
-        ``block_fn`` (picklable) maps each block, spec restored in its metadata, to
-        ``{step or None: vector}``; ``combine_fn`` (picklable) adds two vectors. Returns
-        (``{None: total}``, spec), or with ``by_step`` (``{step: total}``, spec) with a
-        ``None`` key for rows without a step. Raises ``TypeError`` for an in-memory
-        table or a Dataset without ``spec``.
+        `rollout_dataset` Dataset (``spec`` required; ``steps`` filters its rows). Raises
+        ``TypeError`` for an in-memory table or a Dataset without ``spec``.
         """
         ds, spec = _as_dataset(source, spec, list(columns), steps)
-        fn = _Partials(spec.to_json(), block_fn)
+        fn = functools.partial(_partials, spec.to_json(), block_fn)
         parts = ds.map_batches(fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
-        if self.reduce == "ray":
-            if by_step:
-                rows = parts.groupby("step").aggregate(_sum_aggregate(combine_fn)).take_all()
-                per = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}
-            else:
-                result = parts.aggregate(_sum_aggregate(combine_fn))
-                vec = result["partial"] if isinstance(result, dict) else result
-                total = np.asarray(vec if vec is not None else np.zeros(0), dtype=np.int64)
-                return {None: total}, spec
-        else:
+        if self.reduce == "driver":
             per = _drain(parts, combine_fn)
+        elif by_step:
+            rows = parts.groupby("step").aggregate(_sum_aggregate(combine_fn)).take_all()
+            per = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}
+        else:
+            result = parts.aggregate(_sum_aggregate(combine_fn))
+            vec = result["partial"] if isinstance(result, dict) else result
+            per = {_NO_STEP: np.asarray(vec if vec is not None else np.zeros(0), dtype=np.int64)}
         if not by_step:
-            total = np.zeros(0, np.int64)
-            for vec in per.values():
-                total = combine_fn(total, vec)
-            return {None: total}, spec
+            return {None: functools.reduce(combine_fn, per.values(), np.zeros(0, np.int64))}, spec
         return {None if s == _NO_STEP else s: v for s, v in per.items()}, spec
 
 

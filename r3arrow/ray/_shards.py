@@ -1,32 +1,20 @@
 """Shard-aware delivery on Ray: each (DP rank, PP stage) gets its trajectories and its layers.
 
-`shard_microbatches` plans every step once on the driver (`r3arrow._plan.plan_steps`, the
-torch-free core planner: token columns only, the DP plan of `r3arrow.microbatch.split_microbatches`)
-and builds one lazy Ray Dataset per (DP rank, PP stage): one read task per step, which
-reads with `read_share` only the row groups holding the rank's rows, only the stage's
-layers (a layer-projected read, ``docs/storage.md``) and at most
-``max_memory`` of taken rows plus one row group at a time, and yields the rank's
-microbatch tables in plan order. A worker (an actor standing for a rank) iterates its
-`Shard` with `Shard.iter_tables`, which reassembles each microbatch from Ray blocks
-(Ray may split or merge blocks), restores its schema metadata and hands it to the
-rank's collator.
-
-Bounded object store: each shard's dataset runs Ray Data's streaming executor with
-order preserved, at most ``read_tasks`` read tasks at a time and, when given, a
-``object_store_memory`` limit on its own `DataContext` copy (the executor's
-backpressure: ``docs/ray.md``, "Knobs"). Nothing is materialised on the driver.
-
-Ray drops Arrow schema metadata, so every delivered row carries its microbatch's
-schema metadata (the spec, the projected layers, the padding marker) serialised as an
-Arrow IPC schema in a binary column, with the step, the microbatch index and its row
-count; `Shard.iter_tables` strips them again.
+The driver plans every step once (`r3arrow._plan.plan_steps`, token columns only); each
+shard's lazy Dataset has one read task per step (`r3arrow._plan.read_share`: only the
+rank's row groups and the stage's layers, within ``max_memory``), run in order by Ray
+Data's streaming executor under the shard's own limits (``docs/ray.md``, "Knobs").
+Ray drops schema metadata, so each delivered row carries its microbatch's metadata (an
+Arrow IPC schema), step, index and row count in the `_INTERNAL` columns, which
+`Shard.iter_tables` strips again while reassembling the microbatches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -40,7 +28,7 @@ from r3arrow.spec import RouteSpec
 if TYPE_CHECKING:
     from r3arrow._plan import StepPlan
 
-#: Columns `shard_microbatches` adds to every delivered row (`Shard.iter_tables` drops them).
+#: Columns added to every delivered row (`Shard.iter_tables` drops them).
 STEP_COLUMN = "_r3arrow_step"
 MICROBATCH_COLUMN = "_r3arrow_microbatch"
 ROWS_COLUMN = "_r3arrow_rows"
@@ -67,44 +55,35 @@ def _tagged(table: pa.Table, step: int | None, j: int) -> pa.Table:
     return out
 
 
-@dataclasses.dataclass(eq=False, repr=False)  # identity eq/hash/repr, as a plain class
-class _ReadShard:
+def _read_shard(
+    plans: list[StepPlan],
+    dp_rank: int,
+    layers: tuple[int, ...],
+    spec_json: bytes,
+    max_memory: int,
+    validate: bool,
+    batch: pa.Table,
+) -> Iterator[pa.Table]:
     """Read task: step units → the microbatch tables of one (DP rank, PP stage), in order."""
+    from r3arrow._plan import read_share  # torch-free: a read task never imports torch
 
-    plans: list[StepPlan]
-    dp_rank: int
-    layers: tuple[int, ...]
-    spec_json: bytes
-    max_memory: int
-    validate: bool
-
-    def __call__(self, batch: pa.Table) -> Iterator[pa.Table]:
-        from r3arrow._plan import read_share  # torch-free: a read task never imports torch
-
-        spec = RouteSpec.from_json(self.spec_json)
-        units: list[Any] = batch.column("unit").to_pylist()
-        for unit in units:  # one step each: not a hot loop
-            plan = self.plans[int(unit)]
-            share = read_share(
-                plan,
-                self.dp_rank,
-                layers=self.layers,
-                spec=spec,
-                max_memory=self.max_memory,
-                validate=self.validate,
-            )
-            for j, table in share:
-                yield _tagged(table, plan.step, j)
+    spec = RouteSpec.from_json(spec_json)
+    for unit in batch.column("unit").to_pylist():  # one step each: not a hot loop
+        plan = plans[int(cast(int, unit))]
+        share = read_share(
+            plan, dp_rank, layers=layers, spec=spec, max_memory=max_memory, validate=validate
+        )
+        for j, table in share:
+            yield _tagged(table, plan.step, j)
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """What one (DP rank, PP stage) consumes: a lazy Ray Dataset and its plan.
 
-    ``layers``: the stage's global layer ids; ``steps`` and ``num_microbatches``: the
-    steps in order and each one's microbatch count (the same on every DP rank);
-    ``dataset``: the streaming Ray Dataset of the shard's rows (pass the `Shard` to the
-    worker; iterate it there with `iter_tables`).
+    ``layers``: the stage's global layer ids; ``steps`` and ``num_microbatches``: the steps
+    in order and each one's microbatch count; ``dataset``: the streaming Ray Dataset of the
+    shard's rows (pass the `Shard` to the worker; iterate it there with `iter_tables`).
     """
 
     dp_rank: int
@@ -118,11 +97,9 @@ class Shard:
     def iter_tables(self) -> Iterator[tuple[int | None, int, pa.Table]]:
         """Yield ``(step, j, table)`` for every microbatch of the shard, in plan order.
 
-        ``table`` holds the microbatch's trajectories with only the stage's layers (a
-        projected table: `r3arrow.table.route_layers`), its schema metadata restored (the spec; the
-        padding marker on a DP padding microbatch), marked validated when the shard was
-        read validating; collate it with the rank's collator. Raises `SchemaError` if
-        the stream does not deliver the plan (a microbatch out of order or cut short).
+        ``table``: the microbatch's trajectories with only the stage's layers (a projected
+        table), its schema metadata restored, marked validated when read validating.
+        Raises `SchemaError` if the stream does not deliver the plan.
         """
         expected = [
             (step, j)
@@ -198,28 +175,23 @@ def shard_microbatches(
 ) -> dict[tuple[int, int], Shard]:
     """One `Shard` per ``(dp_rank, pp_stage)`` of a rollout file or step root.
 
-    Every step is planned on the driver (token columns only) with
-    `r3arrow.microbatch.plan_dp_microbatches` (``dp_size``, ``max_tokens`` and
-    ``num_microbatches`` per rank, the collator's ``multiple`` and ``packed``: pass
-    ``collator.multiple``/``collator.packed``), so the microbatches of shard
-    ``(d, p)`` are those of ``split_microbatches(step, dp_size=..., dp_rank=d)`` with the
-    layers ``pp_layers[p]`` (global ids, e.g. each stage's router layers), padding
-    microbatches last, the same count on every DP rank. Each read task holds at most
-    ``max_memory`` bytes of rows (default `r3arrow._plan.DEFAULT_MAX_MEMORY`, 1 GiB)
-    plus one row group; at most ``read_tasks`` run per shard; ``object_store_memory``
-    (bytes) caps each shard dataset's object store use in Ray Data's streaming executor.
-    ``dp_assign="contiguous"``: each DP rank a contiguous row range
-    (`r3arrow._plan.plan_contiguous`), so it reads only its own row groups.
-
-    Needs the ``ray`` extra only (the planner is torch-free core). Raises
-    ``TypeError``/``ValueError`` for argument misuse (sizes not positive ints, a stage
-    without layers, layers not ints or repeated across stages), `SchemaError` (``path``
-    set) for foreign or corrupt files or mixed specs, and the readers' errors of the
-    token columns (while planning) and of the routes (while a worker iterates).
+    Shard ``(d, p)`` holds the microbatches of ``split_microbatches(step, dp_size=...,
+    dp_rank=d)`` (planned by `r3arrow.microbatch.plan_dp_microbatches` with ``max_tokens``,
+    ``num_microbatches``, the collator's ``multiple`` and ``packed``; padding microbatches
+    last, the same count on every rank) with the layers ``pp_layers[p]`` (global ids).
+    ``dp_assign="contiguous"``: each rank a contiguous row range (its own row groups only).
+    A read task holds at most ``max_memory`` bytes of rows (default 1 GiB) plus one row
+    group; at most ``read_tasks`` run per shard; ``object_store_memory`` caps each shard
+    dataset's object store use. Needs the ``ray`` extra. Raises ``TypeError`` /
+    ``ValueError`` for argument misuse (sizes not positive ints, an empty stage, layers
+    not ints or in two stages), `SchemaError` (``path`` set) for foreign, corrupt or mixed
+    files, and the readers' errors (of the token columns while planning, of the routes
+    while a worker iterates).
     """
     import ray.data
 
-    from r3arrow._plan import DEFAULT_MAX_MEMORY, plan_steps
+    from r3arrow._plan import plan_steps
+    from r3arrow.io import DEFAULT_MAX_MEMORY
 
     dp = check_positive_int(dp_size, "dp_size")
     stages = [tuple(check_int(i, "pp_layers") for i in stage) for stage in pp_layers]
@@ -251,7 +223,7 @@ def shard_microbatches(
     shards: dict[tuple[int, int], Shard] = {}
     for d in range(dp):
         for p, stage in enumerate(stages):
-            read: Any = _ReadShard(plans, d, stage, spec.to_json(), budget, validate)
+            read = functools.partial(_read_shard, plans, d, stage, spec.to_json(), budget, validate)
             units = ray.data.from_items(
                 [{"unit": i} for i in range(len(plans))], override_num_blocks=max(1, len(plans))
             )

@@ -1,20 +1,16 @@
 """Route agreement: exact counts of how two route sets for the same tokens agree.
 
-Order within a top-k row is ignored: two rows agree on a layer when their
-expert *sets* are equal, and overlap by ``|A ∩ B|``. `RouteAgreement` adds up
-exactly across batches, steps and workers; its fractions are the R3 paper's
-quantities (rollout router vs trainer router, see ``docs/design.md``).
-
-With numba (`r3arrow._kernels.compiled`) and a known ``num_experts``,
-`compare_routes` is one compiled pass that marks each set in a stamp array; on
-bad input (an id out of range or repeated) it re-runs the numpy reference, which
-raises the documented error. Both backends give the same integers.
+Order within a top-k row is ignored: two rows agree on a layer when their expert *sets*
+are equal, and overlap by ``|A ∩ B|`` (the R3 paper's quantities, ``docs/design.md``).
+With numba and a known ``num_experts`` `compare_routes` is one compiled pass; on bad
+input it re-runs the numpy reference, which raises the documented error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
@@ -41,10 +37,9 @@ from r3arrow.stats._kernels import (
 class RouteAgreement:
     """Exact agreement counts of two route sets for the same tokens (order within top-k ignored).
 
-    ``identical[i]``: tokens whose top-k *set* on layer ``layers[i]`` is the same
-    in both; ``overlap[i]``: sum over tokens of ``|A ∩ B|`` on that layer;
-    ``all_identical``: tokens identical on every router layer. Adds (``a + b``).
-    Fractions are NaN when ``tokens == 0``.
+    ``identical[i]``: tokens whose top-k *set* on layer ``layers[i]`` is the same in both;
+    ``overlap[i]``: sum over tokens of ``|A ∩ B|`` on that layer; ``all_identical``: tokens
+    identical on every router layer. Adds (``a + b``); fractions are NaN when ``tokens == 0``.
     """
 
     layers: tuple[int, ...]
@@ -216,15 +211,22 @@ def compare_routes(
             int(ba.shape[0]),
         )
 
-    identical = np.zeros(nl, dtype=np.int64)
-    overlap = np.zeros(nl, dtype=np.int64)
+    return _summed(spec, map_chunks(agree, list(chunks(x.shape[0], rows, sel))))
+
+
+def _summed(
+    spec: RouteSpec, parts: Iterable[tuple[np.ndarray, np.ndarray, int, int]]
+) -> RouteAgreement:
+    """The `RouteAgreement` of per-chunk (identical, overlap, all identical, tokens) sums."""
+    nl = len(spec.router_layers)
+    identical, overlap = np.zeros(nl, np.int64), np.zeros(nl, np.int64)
     all_identical = ntok = 0
-    for ident, ov_sum, all_same, n in map_chunks(agree, list(chunks(x.shape[0], rows, sel))):
+    for ident, ov, same, n in parts:
         identical += ident
-        overlap += ov_sum
-        all_identical += all_same
+        overlap += ov
+        all_identical += same
         ntok += n
-    return RouteAgreement(spec.router_layers, k, ntok, identical, overlap, all_identical)
+    return RouteAgreement(spec.router_layers, spec.topk, ntok, identical, overlap, all_identical)
 
 
 def _small_ints(arr: np.ndarray) -> bool:
@@ -235,35 +237,25 @@ def _small_ints(arr: np.ndarray) -> bool:
 def _agree_numba(
     nb: ModuleType, x: np.ndarray, y: np.ndarray, spec: RouteSpec, e: int, sel: np.ndarray | None
 ) -> RouteAgreement | None:
-    """`compare_routes` by the numba kernel; None when it flags bad input (the caller's numpy
-    reference then raises the documented error)."""
+    """`compare_routes` by the numba kernel; None on bad input (the numpy reference raises)."""
     if not _small_ints(y):
         return None
     pick = np.asarray(spec.router_layers, dtype=np.int64)
-    nl, n = pick.size, x.shape[0]
+    nl = pick.size
     rows = max(1, NUMBA_CHUNK_IDS // max(1, x.shape[1] * spec.topk))
     sel_b = nb.selection_bytes(sel)
 
     def agree(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, int, int, int]:
         assert isinstance(chunk, slice)
-        ident = np.zeros(nl, dtype=np.int64)
-        ov = np.zeros(nl, dtype=np.int64)
+        ident, ov = np.zeros(nl, np.int64), np.zeros(nl, np.int64)
         part_sel = sel_b if sel is None else sel_b[chunk]
         same, ntok, bad = nb.agree(x[chunk], y[chunk], part_sel, pick, e, ident, ov)
         return ident, ov, int(same), int(ntok), int(bad)
 
-    identical = np.zeros(nl, dtype=np.int64)
-    overlap = np.zeros(nl, dtype=np.int64)
-    all_identical = ntok = 0
-    parts: list[Chunk] = [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
-    for ident, ov, same, count, bad in map_chunks(agree, parts):
-        if bad:
-            return None
-        identical += ident
-        overlap += ov
-        all_identical += same
-        ntok += count
-    return RouteAgreement(spec.router_layers, spec.topk, ntok, identical, overlap, all_identical)
+    results = list(map_chunks(agree, list(chunks(x.shape[0], rows, None))))
+    if any(bad for *_, bad in results):
+        return None
+    return _summed(spec, (r[:4] for r in results))
 
 
 __all__ = ["RouteAgreement", "compare_routes"]

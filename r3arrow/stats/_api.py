@@ -1,18 +1,13 @@
-"""The public statistics: a source streamed in this process, or handed to an executor.
+"""The public statistics: a source streamed in this process, or handed to an `Executor`.
 
-``executor=None`` (default) streams the source here (`r3arrow.stats._sources`: a table
-batch by batch, a path by row group under ``max_memory``). An `Executor` (e.g.
-`r3arrow.ray.RayExecutor`) is handed the statistic's per-block partial function
-(`r3arrow.stats._sources.BlockPartials`) and the exact combine of two partials, and
-runs them over its own workers (`Executor.map_reduce`); the integers are identical.
-Stats knows no executor's code: `Executor` is a structural `typing.Protocol`.
+``executor=None`` streams here (`r3arrow.stats._sources`); an `Executor` runs the
+statistic's per-block partials (`r3arrow.stats._sources.BlockPartials`) and their exact
+combine on its own workers; the integers are identical (``docs/scale.md``).
 """
 
 from __future__ import annotations
 
-import functools
-import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
@@ -20,26 +15,22 @@ import polars as pl
 import pyarrow as pa
 
 from r3arrow.errors import SchemaError
-from r3arrow.io import project_layers
 from r3arrow.spec import RouteSpec
 from r3arrow.stats._agreement import RouteAgreement
 from r3arrow.stats._counts import ExpertCounts
-from r3arrow.stats._layered import layered_counts
 from r3arrow.stats._selection import TokenSubset, check_column, check_layers, check_subset
 from r3arrow.stats._sources import (
     _NO_STEPS,
     BlockPartials,
     Kind,
     agreement_parts,
-    batch_counts,
-    batch_parts,
+    check_budget,
     combiner,
+    count_parts,
     decode,
-    is_path,
     sum_by_step,
     sum_parts,
 )
-from r3arrow.stats._stream import check_budget
 from r3arrow.stats._summaries import stack_steps
 
 #: A block of rollout rows (spec in its schema metadata) → ``{step or None: int64 partial}``.
@@ -52,15 +43,13 @@ CombineFn = Callable[[Any, Any], np.ndarray]
 class Executor(Protocol):
     """Runs a statistic's per-block partials on other workers and sums them exactly.
 
-    `map_reduce` reads ``source`` (a rollout path, only ``columns``; or a dataset of
-    rollout rows of the executor's own kind, with ``spec``; ``steps``: the steps kept),
-    maps every block (a ``pyarrow.Table``, the spec restored in its schema metadata)
-    through ``block_fn`` to ``{step or None: int64 vector}`` and adds the vectors with
-    ``combine_fn`` (exact integer sums: the order does not matter). Both functions are
-    picklable. Returns (``{None: total}``, spec), or with ``by_step`` (``{step: total}``,
-    spec) with a ``None`` key for rows without a step; no blocks: an empty dict or an
-    empty vector. Raises ``TypeError`` for a source it cannot read (e.g. an in-memory
-    table) or a dataset without ``spec``. Implemented by `r3arrow.ray.RayExecutor`.
+    `map_reduce` reads ``source`` (a rollout path, only ``columns``; or a dataset of its
+    own kind, with ``spec``; ``steps``: the steps kept), maps every block (a
+    ``pyarrow.Table``, spec in its schema metadata) through the picklable ``block_fn``
+    and adds the vectors with the picklable ``combine_fn`` (order does not matter).
+    Returns (``{None: total}``, spec), or with ``by_step`` (``{step: total}``, spec), a
+    ``None`` key for rows without a step; no blocks: an empty dict or vector. Raises
+    ``TypeError`` for a source it cannot read or a dataset without ``spec``.
     """
 
     def map_reduce(
@@ -112,7 +101,7 @@ def _mapped(
     spec: RouteSpec | None,
     steps: Sequence[int] | None,
     by_step: bool,
-    column: object = "routes",
+    column: object,
 ) -> ExpertCounts | RouteAgreement | dict[int, ExpertCounts | RouteAgreement]:
     """The statistic computed by ``executor``: the total, or per step with ``by_step``."""
     block = BlockPartials(kind, check_subset(tokens), other, column=check_column(column))
@@ -130,60 +119,57 @@ def _mapped(
         if vec.size:
             return decode(kind, vec)
         return ExpertCounts.empty(spec) if kind == "counts" else RouteAgreement.empty(spec)
-    out: dict[int, ExpertCounts | RouteAgreement] = {}
-    for step, vec in parts.items():
-        if step is None:
-            raise SchemaError(_NO_STEPS)
-        out[step] = decode(kind, vec)
-    return dict(sorted(out.items()))
+    if None in parts:
+        raise SchemaError(_NO_STEPS)
+    return {step: decode(kind, parts[step]) for step in sorted(cast(list[int], list(parts)))}
 
 
-def _layered(
+def _counts(
+    by_step: bool,
     source: Any,
-    tokens: str,
+    tokens: Any,
     steps: Sequence[int] | None,
+    executor: object,
+    spec: RouteSpec | None,
     max_memory: int | None,
     validate: bool,
-    column: str,
-    layers: list[int] | None,
-) -> dict[int | None, ExpertCounts] | None:
-    """Per-step counts of a path in layer-group storage, a pass per group; else None."""
-    if not is_path(source):
-        return None
-    check_subset(tokens)
-    return layered_counts(source, tokens, steps, max_memory, validate, column=column, layers=layers)
+    column: object,
+    layers: Sequence[int] | None,
+) -> Any:
+    """`expert_counts`, or with ``by_step`` `expert_counts_by_step`: one code path."""
+    if ex := _check_executor(executor, spec, max_memory, validate, layers):
+        return _mapped(ex, source, "counts", tokens, None, spec, steps, by_step, column)
+    parts = count_parts(source, tokens, steps, max_memory, validate, column, layers)
+    return sum_by_step(parts) if by_step else sum_parts(parts, source, None, ExpertCounts.empty)
 
 
-def _local_counts(
-    source: Any,
-    tokens: str,
+def _agreement(
+    by_step: bool,
+    a: Any,
+    b: Any,
+    local_spec: RouteSpec | None,
+    tokens: Any,
     steps: Sequence[int] | None,
+    executor: object,
+    spec: RouteSpec | None,
     max_memory: int | None,
     validate: bool,
-    column: Any,
-    layers: Any,
-) -> Iterator[tuple[int | None, ExpertCounts]] | dict[int | None, ExpertCounts]:
-    """``(step, ExpertCounts)`` partials of a local source, or a dict of per-step totals
-    (the layer-group passes of a path). ``layers`` of a table: projected in memory."""
-    column = check_column(column)
+    layers: Sequence[int] | None,
+) -> Any:
+    """`route_agreement`, or with ``by_step`` `route_agreement_by_step`: one code path.
+
+    ``spec``: an executor's dataset spec; ``local_spec``: the spec of local numpy inputs.
+    """
+    if ex := _check_executor(executor, spec, max_memory, validate, layers):
+        if not isinstance(b, str):
+            raise TypeError(
+                f"route_agreement with an executor: expected b to name a routes column, "
+                f"found {type(b).__name__}"
+            )
+        return _mapped(ex, a, "agreement", tokens, b, spec, steps, by_step, "routes")
     wanted = check_layers(layers)
-    layered = _layered(source, tokens, steps, max_memory, validate, column, wanted)
-    if layered is not None:
-        return layered
-    if wanted is not None and isinstance(source, pa.Table | pa.RecordBatch):
-        table = source if isinstance(source, pa.Table) else pa.Table.from_batches([source])
-        source, wanted = project_layers(table, wanted), None
-    return batch_parts(
-        source,
-        tokens,
-        steps,
-        lambda batch: batch_counts(batch, tokens, column),
-        (),
-        max_memory,
-        validate,
-        column=column,
-        layers=wanted,
-    )
+    parts = agreement_parts(a, b, local_spec, tokens, steps, max_memory, validate, wanted)
+    return sum_by_step(parts) if by_step else sum_parts(parts, a, local_spec, RouteAgreement.empty)
 
 
 def expert_counts(
@@ -200,38 +186,28 @@ def expert_counts(
 ) -> ExpertCounts:
     """Total `ExpertCounts` of a rollout table, a Parquet file or a step-partitioned root.
 
-    ``source``: a table or record batch, a file, a root (streamed by step), or with an
-    ``executor`` a path or the executor's dataset (e.g. `r3arrow.ray.rollout_dataset`;
-    then ``spec`` is required: Ray blocks carry no schema metadata).
-    ``tokens``: the subset (`r3arrow.stats.TokenSubset`); ``steps``: the steps
-    to include. ``executor``: None streams in this process; an `Executor` (e.g.
-    `r3arrow.ray.RayExecutor()`) runs the same partials on its workers, same integers.
-    Local streaming settings (``executor=None`` only; with an executor ``ValueError``):
-    ``max_memory``, the memory budget (bytes) of a path streamed by row group (default
-    1 GiB, `r3arrow.stats._stream`; the counts do not depend on it); ``validate=True``
-    adds every row check of `r3arrow.io.read_rollouts` (distinct ids, lengths, nulls;
-    slower) to what is always done (a path's footers and page checksums verified, every
-    counted id checked against ``num_experts``: `ExpertRangeError`); ``layers``: global
-    layer ids to count (None: every router layer); a path then reads only those layers
-    (layer projection, ``docs/storage.md``), a table is projected in memory; dense
-    layers among them are skipped.
-    ``column``: the routes column to count (default ``routes``; e.g. ``"train_routes"``,
-    the trainer routers' own choices, ``docs/train-routes.md``): the token subsets
-    still come from ``prompt_ids`` / ``response_ids`` / ``loss_mask``, with the
-    column's list lengths. Raises ``ValueError`` / ``TypeError`` for bad arguments
-    (``layers`` outside ``[0, num_layers)`` or of dense layers only: ``ValueError``;
-    ``executor`` not an `Executor`, ``spec`` without one: ``TypeError``),
-    `RouteShapeError` for layers a projected source does not hold, `SchemaError` for
+    ``source``: a table or record batch, a file or a root; with an ``executor`` (e.g.
+    `r3arrow.ray.RayExecutor()`, same integers) a path or the executor's dataset (e.g.
+    `r3arrow.ray.rollout_dataset`, then ``spec`` is required). ``tokens``: the subset
+    (`TokenSubset`); ``steps``: the steps to include. Local streaming settings
+    (``executor=None`` only, else ``ValueError``): ``max_memory``, the budget in bytes of
+    a streamed path (default 1 GiB; the counts do not depend on it); ``validate=True``
+    adds the row checks of `r3arrow.io.read_rollouts` (footers, page checksums and the
+    ``num_experts`` range, `ExpertRangeError`, are always checked); ``layers``: the
+    global layer ids to count (None: every router layer; a path reads only those, a
+    table is projected in memory; dense ones are skipped). ``column``: the routes column
+    counted (e.g. ``"train_routes"``, ``docs/train-routes.md``); the token subsets still
+    come from ``prompt_ids`` / ``response_ids`` / ``loss_mask``.
+
+    Raises ``ValueError`` for ``layers`` outside ``[0, num_layers)`` or only dense,
+    ``TypeError`` for an ``executor`` that is not an `Executor` or a ``spec`` without
+    one, `RouteShapeError` for layers a projected source lacks, `SchemaError` for
     missing columns, steps or files.
     """
-    if ex := _check_executor(executor, spec, max_memory, validate, layers):
-        return cast(
-            ExpertCounts, _mapped(ex, source, "counts", tokens, None, spec, steps, False, column)
-        )
-    parts = _local_counts(source, tokens, steps, max_memory, validate, column, layers)
-    if isinstance(parts, dict):
-        return functools.reduce(operator.add, parts.values())
-    return sum_parts(parts, source, None, ExpertCounts.empty)
+    total = _counts(
+        False, source, tokens, steps, executor, spec, max_memory, validate, column, layers
+    )
+    return cast(ExpertCounts, total)
 
 
 def expert_counts_by_step(
@@ -250,13 +226,8 @@ def expert_counts_by_step(
 
     Arguments as `expert_counts`. Raises `SchemaError` if the source has no steps.
     """
-    if ex := _check_executor(executor, spec, max_memory, validate, layers):
-        per = _mapped(ex, source, "counts", tokens, None, spec, steps, True, column)
-        return cast(dict[int, ExpertCounts], per)
-    parts = _local_counts(source, tokens, steps, max_memory, validate, column, layers)
-    if isinstance(parts, dict):
-        return sum_by_step(iter(parts.items()))
-    return sum_by_step(parts)
+    per = _counts(True, source, tokens, steps, executor, spec, max_memory, validate, column, layers)
+    return cast(dict[int, ExpertCounts], per)
 
 
 def expert_load(
@@ -274,29 +245,17 @@ def expert_load(
 ) -> pl.DataFrame:
     """Routed-token count per MoE layer and expert: columns ``layer``, ``expert``, ``tokens``.
 
-    ``layer`` is the global layer id (Int32; dense layers are absent),
-    ``expert`` the expert id (Int32), ``tokens`` how many selected tokens that
-    layer routed to that expert (Int64; zero-count experts included, so each
-    layer has ``num_experts`` rows and sums to ``topk × tokens``). Sorted by
-    (layer, expert); with ``by_step`` true, a leading ``step`` (Int64) column.
-    ``source``, ``tokens``, ``steps``, ``executor``, ``spec``, ``max_memory``,
-    ``validate``, ``column``, ``layers``: as `expert_counts` (with ``layers``, only
-    those router layers have rows); every executor returns the same frame.
+    ``layer`` (Int32, global id; dense layers absent), ``expert`` (Int32), ``tokens``
+    (Int64; zero-count experts included, so each layer has ``num_experts`` rows summing to
+    ``topk × tokens``), sorted by (layer, expert); with ``by_step``, a leading ``step``
+    (Int64) column. Other arguments as `expert_counts`.
     """
-    kw: dict[str, Any] = {
-        "tokens": tokens,
-        "steps": steps,
-        "executor": executor,
-        "spec": spec,
-        "max_memory": max_memory,
-        "validate": validate,
-        "column": column,
-        "layers": layers,
-    }
+    counts = _counts(
+        by_step, source, tokens, steps, executor, spec, max_memory, validate, column, layers
+    )
     if not by_step:
-        return expert_counts(source, **kw).to_polars()
-    per = expert_counts_by_step(source, **kw)
-    return stack_steps({s: c.to_polars() for s, c in per.items()})
+        return cast(ExpertCounts, counts).to_polars()
+    return stack_steps({s: c.to_polars() for s, c in counts.items()})
 
 
 def route_agreement(
@@ -313,31 +272,21 @@ def route_agreement(
 ) -> RouteAgreement:
     """Agreement between two route sets for the same tokens, order within top-k ignored.
 
-    ``a`` / ``b``: two numpy ``[T, L, K]`` arrays (``spec`` optional, ``tokens``
-    an optional bool ``[T]``); a rollout table and another table of the same
-    trajectories, an aligned ``[T, L, K]`` array, or the name of a second routes
-    column in it (e.g. the trainer router's RECORD-mode routes); or a Parquet
-    file / step-partitioned root and such a column name (streamed by step). With an
-    ``executor`` (as `expert_counts`): a path or the executor's dataset (with
-    ``spec``) and a column name.
-    ``max_memory``, ``validate``: how a path is streamed (as `expert_counts`;
-    the agreement kernels also refuse repeated ids within a top-k set).
-    ``layers``: global layer ids to compare (with a table or path ``a`` and a column
-    name ``b``; a path then reads only those layers, layer projection); ``all_identical``
-    then counts tokens identical on every selected router layer. Returns exact
-    counts; see `RouteAgreement` for the per-layer fractions and
-    `RouteAgreement.summary` for the R3 paper's quantities.
+    ``a`` / ``b``: two numpy ``[T, L, K]`` arrays (``spec`` optional, ``tokens`` an
+    optional bool ``[T]``); a rollout table and a table of the same trajectories, an
+    aligned ``[T, L, K]`` array, or the name of a second routes column in it; or a Parquet
+    file / step root and such a column name. With an ``executor`` (as `expert_counts`):
+    a path or the executor's dataset (with ``spec``) and a column name. ``max_memory``,
+    ``validate``: as `expert_counts` (repeated ids within a top-k set always raise);
+    ``layers``: the global layer ids compared (a table or path ``a`` and a column name
+    ``b``), ``all_identical`` then over those. Returns exact counts (`RouteAgreement`;
+    `RouteAgreement.summary` gives the R3 paper's quantities).
     """
-    if ex := _check_executor(executor, None, max_memory, validate, layers):
-        if not isinstance(b, str):
-            raise TypeError(
-                f"route_agreement with an executor: expected b to name a routes column, "
-                f"found {type(b).__name__}"
-            )
-        return cast(RouteAgreement, _mapped(ex, a, "agreement", tokens, b, spec, steps, False))
-    wanted = check_layers(layers)
-    parts = agreement_parts(a, b, spec, tokens, steps, max_memory, validate, wanted)
-    return sum_parts(parts, a, spec, RouteAgreement.empty)
+    local, mapped = (spec, None) if executor is None else (None, spec)
+    per = _agreement(
+        False, a, b, local, tokens, steps, executor, mapped, max_memory, validate, layers
+    )
+    return cast(RouteAgreement, per)
 
 
 def route_agreement_by_step(
@@ -357,12 +306,10 @@ def route_agreement_by_step(
     Arguments as `expert_counts` (``layers`` as `route_agreement`); raises `SchemaError`
     if the source has no steps.
     """
-    if ex := _check_executor(executor, spec, max_memory, validate, layers):
-        per = _mapped(ex, source, "agreement", tokens, other, spec, steps, True)
-        return cast(dict[int, RouteAgreement], per)
-    wanted = check_layers(layers)
-    parts = agreement_parts(source, other, None, tokens, steps, max_memory, validate, wanted)
-    return sum_by_step(parts)
+    per = _agreement(
+        True, source, other, None, tokens, steps, executor, spec, max_memory, validate, layers
+    )
+    return cast(dict[int, RouteAgreement], per)
 
 
 __all__ = [

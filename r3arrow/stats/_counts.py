@@ -1,12 +1,9 @@
 """Expert counts: exact routed-token counts per router layer and expert.
 
-Counting is one pass over the ids: with numba (the ``fast`` extra; see
-`r3arrow._kernels.compiled`) a compiled kernel adds each id to its
-(layer, expert) counter; without it, per cache-sized chunk of tokens,
-``layer * E + id`` codes and one bincount (torch's when installed: GIL-free).
-Either way chunks run on a thread pool, with no Python loop per token or layer,
-and the integers are the same. `ExpertCounts` add up exactly across batches,
-steps and workers.
+One pass over the ids on a thread pool, no Python loop per token or layer: with numba a
+compiled kernel adds each id to its (layer, expert) counter; without it, per cache-sized
+chunk, one bincount of ``layer * E + id`` codes (torch's when installed: GIL-free). Both
+give the same integers (``docs/scale.md``).
 """
 
 from __future__ import annotations
@@ -39,11 +36,9 @@ from r3arrow.stats._kernels import (
 class ExpertCounts:
     """Exact routed-token counts per router layer and expert.
 
-    ``counts[i, e]`` = selected tokens that layer ``layers[i]`` sent to expert ``e``.
-
-    ``counts`` is int64 ``[len(layers), num_experts]``; each row sums to
-    ``topk * tokens``. Counts add (``a + b``) across batches, steps and workers;
-    with an unknown ``num_experts`` the expert axis spans the ids seen and
+    ``counts``: int64 ``[len(layers), num_experts]``, ``counts[i, e]`` the selected tokens
+    layer ``layers[i]`` sent to expert ``e`` (each row sums to ``topk * tokens``). Counts
+    add (``a + b``); with an unknown ``num_experts`` the expert axis spans the ids seen and
     addition pads the narrower side with zeros.
     """
 
@@ -94,10 +89,8 @@ class ExpertCounts:
         )
 
     def to_polars(self) -> pl.DataFrame:
-        """Long frame ``layer`` (Int32, global id), ``expert`` (Int32), ``tokens`` (Int64).
-
-        Rows in (layer, expert) order.
-        """
+        """Long frame ``layer`` (Int32, global id), ``expert`` (Int32), ``tokens`` (Int64), in
+        (layer, expert) order."""
         n, e = self.counts.shape
         return pl.DataFrame(
             {
@@ -128,12 +121,10 @@ class ExpertCounts:
 def count_routes(routes: Any, spec: RouteSpec, *, select: np.ndarray | None = None) -> ExpertCounts:
     """Per-layer expert counts of routes ``[T, L, K]`` (numpy or Arrow), router layers only.
 
-    ``select``: optional bool ``[T]`` of rows to count. Vectorised: per
-    cache-sized chunk of tokens, codes ``layer * E + id`` (dense layers go to a
-    discard range) and one bincount, chunks on a thread pool. Raises
-    `ExpertRangeError` (``token`` = the route row, ``layer`` set) for an id
-    outside ``[0, num_experts)`` on a router layer (see ``docs/design.md``,
-    "Expert ids"); `RouteShapeError` for a bad shape or ``select``.
+    ``select``: optional bool ``[T]`` of rows to count. Raises `ExpertRangeError`
+    (``token`` = the route row, ``layer`` set) for an id outside ``[0, num_experts)`` on a
+    router layer (``docs/design.md``, "Expert ids"), `RouteShapeError` for a bad shape or
+    ``select``.
     """
     arr = as_route_rows(routes, spec)
     sel = check_selection(select, arr.shape[0])
@@ -199,11 +190,10 @@ def _count_numba(
 ) -> ExpertCounts:
     """`count_routes` by the numba kernel: ``[T, L, K]`` ids, known ``num_experts`` ``e``.
 
-    Each router layer has ``e`` counters and an overflow bucket (ids outside ``[0, e)``);
-    dense layers share one discard range. A count in an overflow bucket re-runs the
-    reference check, which raises `ExpertRangeError` for the first bad row. Signed ids
-    are viewed as unsigned: a negative id becomes ``>= 2**(bits-1)``, which is ``>=`` every
-    id the dtype can hold, so counting up to ``min(e, 2**(bits-1))`` flags it too.
+    Each router layer has ``e`` counters and an overflow bucket (dense layers share one
+    discard range); a count in an overflow bucket raises the reference `ExpertRangeError`.
+    Signed ids are viewed as unsigned: a negative id becomes ``>= 2**(bits-1)``, above every
+    id the dtype holds, so counting up to ``min(e, 2**(bits-1))`` flags it too.
     """
     ids = arr
     if arr.dtype.kind == "i":
@@ -222,7 +212,6 @@ def _count_numba(
     base = np.full(width, nl * w, dtype=np.int64)
     base[layers] = np.arange(nl, dtype=np.int64) * w
     rows = max(1, NUMBA_CHUNK_IDS // max(1, width * spec.topk))
-    n = arr.shape[0]
     sel_b = nb.selection_bytes(sel)
 
     def count(chunk: Chunk) -> np.ndarray:
@@ -237,7 +226,7 @@ def _count_numba(
         return out
 
     total = np.zeros((nl + 1) * w, dtype=np.int64)
-    for part in map_chunks(count, [slice(s, min(s + rows, n)) for s in range(0, n, rows)]):
+    for part in map_chunks(count, list(chunks(arr.shape[0], rows, None))):
         total += part
     counts = total[: nl * w].reshape(nl, w)
     if counts[:, e_kernel:].any():

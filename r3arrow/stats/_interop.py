@@ -1,13 +1,7 @@
 """Zero-copy interop: Polars frames and torch tensors over the Arrow buffers.
 
-Hugging Face ``datasets`` wraps a rollout table without copying::
-
-    hf = datasets.Dataset(table)                  # Arrow table shared, not copied
-    arrow = hf.with_format("arrow")[:]             # pyarrow.Table, routes type intact
-    back = pa.Table.from_arrays(arrow.columns, schema=table.schema)  # spec, non-null fields
-
-(``with_format("numpy")`` widens ids to int64 — a copy; use the arrow format
-and `r3arrow.table.flat_routes` for a zero-copy ``[T, L, K]`` view.)
+(Hugging Face ``datasets.Dataset(table)`` shares the table too; its ``"arrow"`` format
+keeps the routes type, while ``"numpy"`` widens ids to int64, a copy.)
 """
 
 from __future__ import annotations
@@ -27,18 +21,16 @@ if TYPE_CHECKING:
 
 
 def to_polars(table: pa.Table) -> pl.DataFrame:
-    """A rollout table as a Polars frame without copying (routes: ``List(Array(dtype, (L, K)))``).
-
-    The spec is not carried (Polars has no schema metadata); keep the table or `route_spec` for it.
-    """
+    """A rollout table as a Polars frame without copying (routes: ``List(Array(dtype, (L, K)))``;
+    the spec is not carried: Polars has no schema metadata)."""
     return cast(pl.DataFrame, pl.from_arrow(table, rechunk=False))
 
 
 def routes_torch(table: TableLike) -> tuple[torch.Tensor, torch.Tensor]:
     """(routes ``[T, L, K]``, offsets int64 ``[B+1]``) as torch tensors on the Arrow buffer.
 
-    The routes tensor aliases read-only Arrow memory: do not write to it. A
-    multi-chunk routes column is combined first (one copy).
+    The routes alias read-only Arrow memory (do not write); a multi-chunk column is
+    combined first (one copy).
     """
     import torch
 

@@ -1,12 +1,8 @@
-"""Chunked, threaded kernels shared by the counting and agreement statistics.
+"""Chunked, threaded numpy kernels shared by the counting and agreement statistics.
 
-Work is split into cache-sized chunks of tokens (slices, or index arrays of a
-selection) and run on a thread pool: numpy and torch release the GIL in the
-kernels, so chunks run in parallel. Id checks go through `r3arrow.ids`.
-
-`r3arrow._kernels.compiled` chooses the backend: the numba kernels (`r3arrow._kernels._numba`,
-one pass over the ids; the optional extra ``fast``) on the numba backend, else the numpy
-kernels here. Both give the same integers and the same errors.
+Cache-sized chunks of tokens (slices, or index arrays of a selection) run on one thread
+pool (numpy and torch release the GIL). `r3arrow._kernels.compiled` picks the numba
+kernels instead where it can; both give the same integers and errors.
 """
 
 from __future__ import annotations
@@ -69,12 +65,8 @@ def check_selection(sel: np.ndarray | None, n: int) -> np.ndarray | None:
 def check_ids(
     block: np.ndarray, num_experts: int | None, layers: Sequence[int], what: str, rows: Chunk
 ) -> None:
-    """`r3arrow.ids.check_routes` on ``block`` (rows ``rows`` of a route array), errors at the
-    global row.
-
-    ``block`` is ``[c, len(layers), K]``; the raised error's ``token`` (and the
-    message) is the row index in the whole array, also for a selection chunk.
-    """
+    """`r3arrow.ids.check_routes` on ``block`` ``[c, len(layers), K]``, rows ``rows`` of a
+    route array: the error's ``token`` (and message) is the row in the whole array."""
     if isinstance(rows, slice):
         check_routes(
             block,
@@ -100,11 +92,8 @@ def check_ids(
 def raise_range(
     arr: np.ndarray, num_experts: int, layers: Sequence[int], sel: np.ndarray | None, what: str
 ) -> None:
-    """Raise the `ExpertRangeError` of the first row of ``arr`` ``[T, n, K]`` out of range.
-
-    Called when an id outside ``[0, num_experts)`` is known to exist among the
-    selected rows (``sel``, all when ``None``); the error names the global row.
-    """
+    """Raise the `ExpertRangeError` of the first selected row of ``arr`` ``[T, n, K]`` with an
+    id outside ``[0, num_experts)`` (one is known to exist)."""
     bad = arr >= num_experts
     if arr.dtype.kind == "i":
         bad |= arr < 0
@@ -118,12 +107,16 @@ def raise_range(
     raise AssertionError(f"{what}: row {t} expected out of range")  # pragma: no cover
 
 
-def _threads() -> int:
+def cpus() -> int:
+    """The CPUs this process may run on."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(_MAX_THREADS, cpus))
+        return os.cpu_count() or 1
+
+
+def _threads() -> int:
+    return max(1, min(_MAX_THREADS, cpus()))
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -160,6 +153,7 @@ __all__ = [
     "check_ids",
     "check_selection",
     "chunks",
+    "cpus",
     "map_chunks",
     "raise_range",
     "router_block",

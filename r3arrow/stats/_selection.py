@@ -1,25 +1,18 @@
 """Token subsets (``tokens=``) over the route rows of a rollout table.
 
-Row ``i`` of a trajectory's routes routes token ``i``, i.e. the forward pass
-whose logits predict token ``i + 1`` (see ``docs/design.md``, "Ragged routes and
-the terminal gap"):
-
-- ``"all"``: every captured row.
-- ``"prompt"``: rows ``i < P`` (forward passes over prompt tokens, the prefill).
-- ``"response"``: rows ``i >= P`` (forward passes over response tokens).
-- ``"loss"``: rows ``i`` whose *next* token ``i + 1`` is loss-active — the
-  forward passes whose logits the policy loss trains on (the same rule as the
-  terminal-gap check). Row ``P - 1`` is in this set when the first response
-  token is trained; the last response token's row never is.
+Row ``i`` of a trajectory's routes is the forward pass whose logits predict token
+``i + 1`` (``docs/design.md``, "Ragged routes and the terminal gap"): ``"all"`` every
+captured row; ``"prompt"`` rows ``i < P``; ``"response"`` rows ``i >= P``; ``"loss"`` rows
+whose *next* token is loss-active (row ``P - 1`` when the first response token is
+trained; the last response token's row never).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._checks import check_choice
@@ -60,9 +53,7 @@ def check_layers(layers: object) -> list[int] | None:
     """``layers`` (global layer ids) as a sorted list without duplicates; None passes.
 
     Raises ``TypeError`` for a non-sequence, a string or a non-int, ``ValueError`` for an
-    empty selection or a negative id (where the ids are looked up, a missing one raises
-    as layer projection says: ``ValueError`` on a full table, `RouteShapeError` on a projected
-    one).
+    empty selection or a negative id.
     """
     if layers is None:
         return None
@@ -89,19 +80,15 @@ def use_column(table: TableLike, column: str) -> TableLike:
     if column not in names:
         raise SchemaError(f"expected a routes column {column!r}, found {names}")
     keep = [n for n in names if n != "routes"]
+    cols: Any = [table.column(n) for n in keep]
     out_names = ["routes" if n == column else n for n in keep]
-    meta = table.schema.metadata
-    if isinstance(table, pa.RecordBatch):
-        cols = [table.column(n) for n in keep]
-        return pa.RecordBatch.from_arrays(cols, names=out_names, metadata=meta)
-    return pa.Table.from_arrays([table.column(n) for n in keep], names=out_names, metadata=meta)
+    return type(table).from_arrays(cols, names=out_names, metadata=table.schema.metadata)
 
 
 def token_selection(table: TableLike, tokens: str) -> np.ndarray | None:
     """Bool ``[sum(captured)]`` over the route rows of `flat_routes` (``None`` for ``"all"``).
 
-    See the module docstring for the subsets. Raises `SchemaError` if a needed
-    column is missing, ``ValueError`` for an unknown subset.
+    Raises `SchemaError` if a needed column is missing, ``ValueError`` for an unknown subset.
     """
     check_subset(tokens)
     if tokens == "all":

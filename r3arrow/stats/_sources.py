@@ -1,13 +1,14 @@
 """Sources → partials: rollout tables, files and step roots as exact per-step partials.
 
-Every statistic is a sum of *partials that add up exactly* (`ExpertCounts`,
-`RouteAgreement`). A table is processed one record batch at a time (grouped by
-its ``step`` column when it has one; a multi-chunk routes column is never
-combined); a path is streamed by row group under a memory budget
-(`r3arrow.stats._stream`: only the needed columns, the next piece read while
-the current one is counted), so no step is ever resident. An executor
-(`r3arrow.stats._api.Executor`) runs the same `BlockPartials` on every block and sums
-the encoded vectors with `combine_vectors`, so all paths give identical integers.
+A table is processed record batch by record batch (grouped by its ``step`` column when
+it has one; a multi-chunk routes column is never combined). A path is streamed: the
+bounded pieces of `r3arrow.io.iter_rollouts` (each at most a quarter of ``max_memory``,
+only the needed columns), the next read on a thread while the current one is counted, so
+at most two are resident whatever the step size. Expert counts of layer-group files take
+a pass per stored group (`layered_counts`: whole groups restore without the interleave
+copy), ``PASS_THREADS`` passes at once, each with a share of the budget (``docs/scale.md``).
+An executor runs the same `BlockPartials` on every block and sums the encoded vectors
+with `combine_vectors`: every path gives identical integers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeAlias, TypeVar, cast
 
 import numpy as np
@@ -27,17 +29,77 @@ from r3arrow._routes import as_route_rows
 from r3arrow._schema import list_lengths
 from r3arrow._typing import ArrowArray, PathLike, TableLike
 from r3arrow.errors import RouteShapeError, SchemaError
-from r3arrow.io import project_layers, route_rows
+from r3arrow.io import DEFAULT_MAX_MEMORY, iter_rollouts, project_layers, rollout_files, route_rows
 from r3arrow.spec import RouteSpec
 from r3arrow.stats._agreement import RouteAgreement, compare_routes
 from r3arrow.stats._counts import ExpertCounts, count_routes
-from r3arrow.stats._selection import check_subset, columns_for, token_selection, use_column
-from r3arrow.stats._stream import check_budget, iter_pieces
+from r3arrow.stats._kernels import cpus
+from r3arrow.stats._selection import (
+    check_column,
+    check_layers,
+    check_subset,
+    columns_for,
+    token_selection,
+    use_column,
+)
 from r3arrow.table import flat_routes, route_layers, route_spec
 
 Source: TypeAlias = "TableLike | PathLike"
 Kind = Literal["counts", "agreement"]
 Part = TypeVar("Part", ExpertCounts, RouteAgreement)
+_T = TypeVar("_T")
+_END = object()
+_PART: dict[str, type[ExpertCounts] | type[RouteAgreement]] = {
+    "counts": ExpertCounts,
+    "agreement": RouteAgreement,
+}
+_NO_STEPS = (
+    "by step: expected a step-partitioned directory or a table with a 'step' column, found neither"
+)
+
+
+# ================================================================ streaming
+def check_budget(max_memory: object) -> int:
+    """``max_memory`` (an int ``>= 1`` or None for the default) as bytes."""
+    if max_memory is None:
+        return DEFAULT_MAX_MEMORY
+    return check_int(max_memory, "max_memory", minimum=1)
+
+
+def prefetch(items: Iterator[_T]) -> Iterator[_T]:
+    """The items of ``items``, the next one produced on a worker thread meanwhile.
+
+    At most two items are alive at once; an exception of ``items`` is raised here, in
+    order; closing this generator waits for the read in flight.
+    """
+    with ThreadPoolExecutor(1, thread_name_prefix="r3arrow-prefetch") as pool:
+        ahead = pool.submit(next, items, _END)
+        while True:
+            item = ahead.result()
+            if item is _END:
+                return
+            ahead = pool.submit(next, items, _END)
+            yield item  # type: ignore[misc]  # _END is handled above
+            del item  # not kept alive while the next one is read
+
+
+def _stepped(
+    pieces: Iterator[pa.Table], steps: list[int | None], keep: bool
+) -> Iterator[tuple[int | None, pa.Table]]:
+    """``(step, piece)`` of `r3arrow.io.iter_rollouts` pieces (a root's carry ``step``): in step
+    order, never spanning two steps; an empty piece is the only one of a step without rows."""
+    order = list(dict.fromkeys(steps))
+    at = -1
+    for piece in pieces:
+        if piece.num_rows and "step" in piece.schema.names:
+            at = order.index(int(piece.column("step")[0].as_py()), max(at, 0))
+        elif not piece.num_rows:
+            at += 1
+        else:
+            at = 0
+        if "step" in piece.schema.names and not keep:
+            piece = piece.drop_columns(["step"])
+        yield order[min(at, len(order) - 1)], piece
 
 
 # ================================================================== sources
@@ -46,11 +108,20 @@ def is_path(source: object) -> bool:
     return isinstance(source, str | os.PathLike)
 
 
+def is_table(source: object) -> bool:
+    """True for a ``pyarrow.Table`` or ``RecordBatch``."""
+    return isinstance(source, pa.Table | pa.RecordBatch)
+
+
+def projected(source: TableLike, layers: Sequence[int]) -> pa.Table:
+    """An in-memory table or batch projected to the global ``layers``."""
+    table = source if isinstance(source, pa.Table) else pa.Table.from_batches([source])
+    return project_layers(table, layers)
+
+
 def _batches(table: TableLike) -> Iterator[TableLike]:
-    if isinstance(table, pa.RecordBatch):
-        yield table
-        return
-    batches = table.to_batches()
+    """The record batches of ``table`` (itself when it has none), its metadata on each."""
+    batches = table.to_batches() if isinstance(table, pa.Table) else []
     if not batches:
         yield table
         return
@@ -101,51 +172,59 @@ def iter_source(
 ) -> Iterator[tuple[int | None, TableLike]]:
     """(step, batch) pairs of a table, record batch, rollout file or step-partitioned root.
 
-    A path is streamed with only ``columns``, in pieces bounded by ``max_memory``
-    bytes (`r3arrow.stats._stream.iter_pieces`; ``validate``: its full row
-    checks; ``layers``: a layer projection, layer projection); a table must have the
-    columns (and ``layers`` must be None).
-    Raises ``TypeError`` for another kind of source, `SchemaError` for missing
-    columns or steps (see `r3arrow.io.rollout_files`).
+    A path is streamed (module docstring) with only ``columns``: ``steps`` must exist,
+    ``max_memory`` is the budget in bytes (default 1 GiB), ``layers`` global layer ids to
+    read, ``validate`` adds the row checks of `r3arrow.io.read_rollouts` (footers and page
+    checksums are always verified); ``step`` is None for a file outside a root. A table
+    must hold ``columns`` (and ``layers`` must be None: ``TypeError``). Raises
+    ``TypeError`` for another source, `SchemaError` for missing columns or steps, and
+    what `r3arrow.io.rollout_files` / `r3arrow.io.iter_rollouts` raise.
     """
     budget = check_budget(max_memory)
     if is_path(source):
-        path = cast(PathLike, source)
-        pieces = iter_pieces(path, columns, steps, budget, validate=validate, layers=layers)
-        for step, piece in pieces:
+        files = rollout_files(cast(PathLike, source), steps=steps)  # every step must exist
+        pieces = iter_rollouts(
+            files,
+            columns=[*columns, "step"],
+            layers=None if layers is None else list(layers),
+            max_memory=budget,
+            validate=bool(validate),
+        )
+        for step, piece in prefetch(_stepped(pieces, [f.step for f in files], "step" in columns)):
             # A piece may span row groups (chunks): count batch by batch, never combined.
             batches = list(_batches(piece))[::-1]
             del piece
             while batches:
                 yield step, batches.pop()
         return
-    if not isinstance(source, pa.Table | pa.RecordBatch):
+    if not is_table(source):
         raise TypeError(
             f"expected a rollout table, record batch or Parquet path, found {type(source).__name__}"
         )
+    table = cast(TableLike, source)
     if layers is not None:
         raise TypeError("layers: applies to a Parquet path source, found an in-memory table")
-    missing = [c for c in columns if c not in source.schema.names]
+    missing = [c for c in columns if c not in table.schema.names]
     if missing:
-        raise SchemaError(f"expected columns {missing}, found {source.schema.names}")
-    yield from _table_steps(source, steps)
+        raise SchemaError(f"expected columns {missing}, found {table.schema.names}")
+    yield from _table_steps(table, steps)
 
 
 # ============================================================ batch partials
-def batch_counts(batch: TableLike, tokens: str = "all", column: str = "routes") -> ExpertCounts:
-    """`ExpertCounts` of routes column ``column`` of one rollout table or record batch.
+def _global(part: Part, batch: TableLike, spec: RouteSpec) -> Part:
+    """``part`` with global layer ids (a layer-projected batch: `r3arrow.table.route_layers`)."""
+    ids = route_layers(batch)
+    if ids == tuple(range(spec.num_layers)):
+        return part
+    return dataclasses.replace(part, layers=tuple(ids[i] for i in part.layers))
 
-    Routes restored, spec in the metadata; the layers are global ids, also for a
-    layer-projected batch (layer projection, mapped through `r3arrow.table.route_layers`).
-    """
+
+def batch_counts(batch: TableLike, tokens: str = "all", column: str = "routes") -> ExpertCounts:
+    """`ExpertCounts` (global layer ids) of routes column ``column`` of one table or batch."""
     batch = use_column(batch, column)
     spec = route_spec(batch)
     rows, _ = flat_routes(batch)
-    local = count_routes(rows, spec, select=token_selection(batch, tokens))
-    ids = route_layers(batch)
-    if ids == tuple(range(spec.num_layers)):
-        return local
-    return ExpertCounts(tuple(ids[i] for i in local.layers), local.counts, local.tokens)
+    return _global(count_routes(rows, spec, select=token_selection(batch, tokens)), batch, spec)
 
 
 def aligned_rows(batch: TableLike, col: ArrowArray, spec: RouteSpec, other: str) -> np.ndarray:
@@ -163,17 +242,14 @@ def aligned_rows(batch: TableLike, col: ArrowArray, spec: RouteSpec, other: str)
 
 
 def batch_agreement(batch: TableLike, other: str, tokens: str = "all") -> RouteAgreement:
-    """`RouteAgreement` of ``routes`` vs the routes column ``other`` of one table or batch."""
+    """`RouteAgreement` (global layer ids) of ``routes`` vs the routes column ``other``."""
     spec = route_spec(batch)
     rows_a, _ = flat_routes(batch)
     if other not in batch.schema.names:
         raise SchemaError(f"expected a second routes column {other!r}, found {batch.schema.names}")
     rows_b = aligned_rows(batch, batch.column(other), spec, other)
     local = compare_routes(rows_a, rows_b, spec, select=token_selection(batch, tokens))
-    ids = route_layers(batch)  # a layer-projected batch (layer projection): global ids
-    if ids == tuple(range(spec.num_layers)):
-        return local
-    return dataclasses.replace(local, layers=tuple(ids[i] for i in local.layers))
+    return _global(local, batch, spec)
 
 
 def batch_parts(
@@ -188,23 +264,14 @@ def batch_parts(
     column: str = "routes",
     layers: Sequence[int] | None = None,
 ) -> Iterator[tuple[int | None, Part]]:
-    """(step, partial) per batch of ``source``, reading only the columns the statistic needs.
-
-    ``max_memory``, ``validate``, ``layers``: how a path is streamed (`iter_source`);
-    ``column``: the routes column read (instead of ``routes``).
-    """
+    """(step, ``part_of(batch)``) per batch of ``source`` (`iter_source`), reading only
+    ``column``, ``extra`` and the columns of subset ``tokens``."""
     check_subset(tokens)
     columns = columns_for(tokens, extra, column=column)
     for step, batch in iter_source(source, columns, steps, max_memory, validate, layers):
         part = part_of(batch)
         del batch  # not resident while the next step is read
         yield step, part
-
-
-def _source_spec(source: object) -> RouteSpec | None:
-    if isinstance(source, pa.Table | pa.RecordBatch):
-        return route_spec(source)
-    return None
 
 
 def sum_parts(
@@ -219,15 +286,11 @@ def sum_parts(
         total = part if total is None else total + part
     if total is not None:
         return total
-    s = spec or _source_spec(source)
-    if s is None:
+    if spec is None and is_table(source):
+        spec = route_spec(cast(TableLike, source))
+    if spec is None:
         raise SchemaError(f"{source}: expected rollout data, found none")
-    return empty(s)
-
-
-_NO_STEPS = (
-    "by step: expected a step-partitioned directory or a table with a 'step' column, found neither"
-)
+    return empty(spec)
 
 
 def sum_by_step(parts: Iterator[tuple[int | None, Part]]) -> dict[int, Part]:
@@ -240,10 +303,126 @@ def sum_by_step(parts: Iterator[tuple[int | None, Part]]) -> dict[int, Part]:
     return dict(sorted(out.items()))
 
 
-def _same_ids(a: TableLike, b: TableLike) -> bool:
-    if a.num_rows == 0:
-        return True
-    return bool(pc.all(pc.equal(a.column("trajectory_id"), b.column("trajectory_id"))).as_py())
+# ========================================================= layer-group passes
+#: Layer-group passes read at once (at most; never more than the CPUs).
+PASS_THREADS = 2
+
+
+def stored_groups(
+    path: PathLike, steps: Sequence[int] | None, layers: Sequence[int] | None = None
+) -> list[list[int]] | None:
+    """The wanted router layers (``layers``; None: all) of each stored layer group of
+    ``path``'s files; None unless every file has the same groups
+    (`r3arrow.io.RolloutFile.layer_groups`) and at least two hold wanted layers."""
+    files = rollout_files(path, steps=steps, require_routes=True)
+    spec = files[0].spec
+    assert spec is not None  # require_routes
+    groups = {f.layer_groups for f in files}
+    if len(groups) != 1:
+        return None
+    (seen,) = groups
+    if seen is None:
+        return None
+    wanted = set(spec.router_layers)
+    if layers is not None:
+        present = {i for g in seen for i in g}
+        missing = sorted(set(layers) - present)
+        if missing:  # as layer projection (io's layer projection) for a full table
+            raise ValueError(f"layers: expected ids in [0, {len(present)}), found {missing}")
+        wanted &= set(layers)
+        if not wanted:
+            raise ValueError(
+                f"layers: expected at least one router layer, found dense layers {list(layers)}"
+            )
+    passes = [[i for i in g if i in wanted] for g in seen]
+    passes = [p for p in passes if p]
+    return passes if len(passes) > 1 else None
+
+
+def _stack(parts: list[ExpertCounts]) -> ExpertCounts:
+    """Counts of disjoint layer sets of the same tokens, stacked in layer order."""
+    if len({p.tokens for p in parts}) != 1:
+        raise RouteShapeError(  # pragma: no cover - the passes read the same rows
+            f"layered counts: expected the same tokens in every pass, found "
+            f"{[p.tokens for p in parts]}"
+        )
+    width = max(p.num_experts for p in parts)  # each num_experts wide when it is known
+    counts = np.zeros((sum(len(p.layers) for p in parts), width), dtype=np.int64)
+    layers: list[int] = []
+    for p in sorted(parts, key=lambda p: p.layers[0]):
+        counts[len(layers) : len(layers) + len(p.layers), : p.num_experts] = p.counts
+        layers += p.layers
+    return ExpertCounts(tuple(layers), counts, parts[0].tokens)
+
+
+def layered_counts(
+    path: PathLike,
+    tokens: str,
+    steps: Sequence[int] | None,
+    max_memory: int | None,
+    validate: bool,
+    *,
+    column: str = "routes",
+    layers: Sequence[int] | None = None,
+) -> dict[int | None, ExpertCounts] | None:
+    """Per-step `ExpertCounts` of routes column ``column`` of ``path``, a pass per stored
+    layer group (``layers``: only those); None where `stored_groups` is or there are no rows."""
+    passes = stored_groups(path, steps, layers)
+    if passes is None:
+        return None
+    threads = max(1, min(PASS_THREADS, cpus(), len(passes)))
+    share = max(1, check_budget(max_memory) // threads)  # the passes at once share the budget
+    columns = columns_for(tokens, column=column)
+
+    def one_pass(group: list[int]) -> dict[int | None, ExpertCounts]:
+        sums: dict[int | None, ExpertCounts] = {}
+        for step, batch in iter_source(path, columns, steps, share, validate, group):
+            part = batch_counts(batch, tokens, column)  # global layer ids
+            sums[step] = sums[step] + part if step in sums else part
+        return sums
+
+    per: dict[int | None, list[ExpertCounts]] = {}
+    # A pool of its own: the passes wait on the kernels' shared pool, so they cannot run in it.
+    with ThreadPoolExecutor(threads, thread_name_prefix="r3arrow-pass") as pool:
+        for sums in pool.map(one_pass, passes):
+            for step, total in sums.items():
+                per.setdefault(step, []).append(total)
+    return {step: _stack(parts) for step, parts in per.items()} or None
+
+
+def count_parts(
+    source: Any,
+    tokens: Any,
+    steps: Sequence[int] | None,
+    max_memory: int | None,
+    validate: bool,
+    column: Any,
+    layers: Any,
+) -> Iterator[tuple[int | None, ExpertCounts]]:
+    """(step, `ExpertCounts`) partials of a local ``expert_counts`` source (see there): a pass
+    per stored layer group of a path in layer-group storage, else batch by batch."""
+    column = check_column(column)
+    wanted = check_layers(layers)
+    if is_path(source):
+        check_subset(tokens)
+        per = layered_counts(
+            source, tokens, steps, max_memory, validate, column=column, layers=wanted
+        )
+        if per is not None:
+            return iter(per.items())
+    if wanted is not None and is_table(source):
+        source, wanted = projected(source, wanted), None
+    return batch_parts(
+        source,
+        tokens,
+        steps,
+        lambda batch: batch_counts(batch, tokens, column),
+        (),
+        max_memory,
+        validate,
+        column=column,
+        layers=wanted,
+    )
 
 
 def agreement_parts(
@@ -258,75 +437,74 @@ def agreement_parts(
 ) -> Iterator[tuple[int | None, RouteAgreement]]:
     """(step, `RouteAgreement`) partials of the local ``route_agreement`` inputs (see there).
 
-    ``layers`` (checked global ids; with ``b`` a column name only): a path reads only
-    those layers, a table is projected in memory (`r3arrow.io.project_layers`).
+    ``layers`` (checked global ids; ``b`` a column name only): a path reads only those
+    layers, a table is projected in memory.
     """
-    if layers is not None and not (
-        isinstance(b, str) and (isinstance(a, pa.Table | pa.RecordBatch) or is_path(a))
-    ):
+    tabular = is_table(a) or is_path(a)
+    if layers is not None and not (isinstance(b, str) and tabular):
         raise TypeError("layers: applies to a table or path and the name of a routes column b")
-    if layers is not None and isinstance(a, pa.Table | pa.RecordBatch):
-        a, layers = (
-            project_layers(a if isinstance(a, pa.Table) else pa.Table.from_batches([a]), layers),
-            None,
-        )
-    if isinstance(a, pa.Table | pa.RecordBatch) or is_path(a):
-        if isinstance(tokens, np.ndarray):
-            raise TypeError(
-                "tokens: a bool mask is for numpy inputs; tables and paths take a subset name"
-            )
-        if isinstance(b, str):
-            other = b
-            yield from batch_parts(
-                a,
-                tokens,
-                steps,
-                lambda batch: batch_agreement(batch, other, tokens),
-                (b,),
-                max_memory,
-                validate,
-                layers=layers,
-            )
-            return
-        check_subset(tokens)
-        if is_path(a) or steps is not None:
-            raise TypeError(
-                "route_agreement: with a path or steps=, b must name a routes column "
-                "of the same files"
-            )
-        ta = cast(TableLike, a)
-        sa = route_spec(ta) if spec is None else spec
-        rows_a, _ = flat_routes(ta)
-        if isinstance(b, pa.Table | pa.RecordBatch):
-            if b.num_rows != ta.num_rows or not _same_ids(ta, b):
-                raise RouteShapeError(
-                    "expected two tables of the same trajectories in one order, found "
-                    f"{ta.num_rows} and {b.num_rows} rows with different trajectory ids"
-                )
-            rows_b = aligned_rows(ta, b.column("routes"), sa, "routes of b")
-        else:
-            rows_b = as_route_rows(b, sa, what="routes b")
-        yield None, compare_routes(rows_a, rows_b, sa, select=token_selection(ta, tokens))
+    if layers is not None and is_table(a):
+        a, layers = projected(a, layers), None
+    if not tabular:
+        yield None, _array_agreement(a, b, spec, tokens)
         return
+    if isinstance(tokens, np.ndarray):
+        raise TypeError(
+            "tokens: a bool mask is for numpy inputs; tables and paths take a subset name"
+        )
+    if isinstance(b, str):
+        other = b
+        yield from batch_parts(
+            a,
+            tokens,
+            steps,
+            lambda batch: batch_agreement(batch, other, tokens),
+            (b,),
+            max_memory,
+            validate,
+            layers=layers,
+        )
+        return
+    check_subset(tokens)
+    if is_path(a) or steps is not None:
+        raise TypeError(
+            "route_agreement: with a path or steps=, b must name a routes column of the same files"
+        )
+    ta = cast(TableLike, a)
+    sa = route_spec(ta) if spec is None else spec
+    rows_a, _ = flat_routes(ta)
+    if is_table(b):
+        ids_a, ids_b = ta.column("trajectory_id"), b.column("trajectory_id")
+        if b.num_rows != ta.num_rows or (
+            ta.num_rows and not pc.all(pc.equal(ids_a, ids_b)).as_py()
+        ):
+            raise RouteShapeError(
+                "expected two tables of the same trajectories in one order, found "
+                f"{ta.num_rows} and {b.num_rows} rows with different trajectory ids"
+            )
+        rows_b = aligned_rows(ta, b.column("routes"), sa, "routes of b")
+    else:
+        rows_b = as_route_rows(b, sa, what="routes b")
+    yield None, compare_routes(rows_a, rows_b, sa, select=token_selection(ta, tokens))
+
+
+def _array_agreement(a: Any, b: Any, spec: RouteSpec | None, tokens: Any) -> RouteAgreement:
+    """`compare_routes` of two ``[T, L, K]`` arrays (``tokens``: "all" or a bool mask)."""
     if spec is None:
         arr = np.asarray(a)
         if arr.ndim != 3:
             raise RouteShapeError(f"routes a: expected [rows, L, K], found shape {list(arr.shape)}")
         spec = RouteSpec(num_layers=arr.shape[1], topk=arr.shape[2], num_experts=None)
-    select = None
-    if isinstance(tokens, np.ndarray):
-        select = tokens
-    elif tokens != "all":
+    if not isinstance(tokens, np.ndarray) and tokens != "all":
         raise TypeError(f"tokens={tokens!r} needs a rollout table; numpy inputs take a bool mask")
-    yield None, compare_routes(a, b, spec, select=select)
+    select = tokens if isinstance(tokens, np.ndarray) else None
+    return compare_routes(a, b, spec, select=select)
 
 
 # ================================================ encoded partials (executors)
 def decode(kind: Kind, vec: Any) -> ExpertCounts | RouteAgreement:
     """The partial an int64 vector encodes (inverse of ``to_vector``)."""
-    if kind == "counts":
-        return ExpertCounts.from_vector(vec)
-    return RouteAgreement.from_vector(vec)
+    return _PART[kind].from_vector(vec)
 
 
 def combine_vectors(kind: Kind, a: Any, b: Any) -> np.ndarray:
@@ -336,9 +514,8 @@ def combine_vectors(kind: Kind, a: Any, b: Any) -> np.ndarray:
         return vb
     if vb.size == 0:
         return va
-    if kind == "counts":
-        return (ExpertCounts.from_vector(va) + ExpertCounts.from_vector(vb)).to_vector()
-    return (RouteAgreement.from_vector(va) + RouteAgreement.from_vector(vb)).to_vector()
+    part: Any = _PART[kind]
+    return cast(np.ndarray, (part.from_vector(va) + part.from_vector(vb)).to_vector())
 
 
 def combiner(kind: Kind) -> Callable[[Any, Any], np.ndarray]:
@@ -347,12 +524,10 @@ def combiner(kind: Kind) -> Callable[[Any, Any], np.ndarray]:
 
 
 class BlockPartials:
-    """Table → ``{step or None: encoded partial}`` of one statistic (an executor's block map).
-
-    Picklable. ``kind`` "counts" (`batch_counts` of routes column ``column``) or "agreement"
-    (`batch_agreement` against column ``other``); ``tokens`` the subset. The table
-    needs the spec in its schema metadata; a ``step`` column groups the rows.
-    """
+    """Picklable table → ``{step or None: encoded partial}`` of one statistic (an executor's
+    block map): ``kind`` "counts" (`batch_counts` of ``column``) or "agreement"
+    (`batch_agreement` against ``other``) over subset ``tokens``. The table needs the
+    spec in its schema metadata; a ``step`` column groups the rows."""
 
     def __init__(
         self, kind: Kind, tokens: str, other: str | None, *, column: str = "routes"
@@ -365,22 +540,23 @@ class BlockPartials:
         self.other = other
         self.column = column
 
+    def _extra(self) -> tuple[str, ...]:
+        return () if self.other is None else (self.other,)
+
     def columns(self) -> list[str]:
         """The columns the statistic reads."""
-        extra = () if self.other is None else (self.other,)
-        return columns_for(self.tokens, extra, column=self.column)
+        return columns_for(self.tokens, self._extra(), column=self.column)
+
+    def _part(self, batch: TableLike) -> ExpertCounts | RouteAgreement:
+        if self.kind == "counts":
+            return batch_counts(batch, self.tokens, self.column)
+        return batch_agreement(batch, cast(str, self.other), self.tokens)
 
     def __call__(self, table: pa.Table) -> dict[int | None, np.ndarray]:
         out: dict[int | None, np.ndarray] = {}
-        parts: Iterator[tuple[int | None, ExpertCounts | RouteAgreement]]
-        if self.kind == "counts":
-            tokens, column = self.tokens, self.column
-            parts = batch_parts(
-                table, tokens, None, lambda b: batch_counts(b, tokens, column), column=column
-            )
-        else:
-            other = cast(str, self.other)
-            parts = agreement_parts(table, other, None, self.tokens, None)
+        parts: Iterator[tuple[int | None, Any]] = batch_parts(
+            table, self.tokens, None, self._part, self._extra(), column=self.column
+        )
         for step, part in parts:
             vec = part.to_vector()
             out[step] = combine_vectors(self.kind, out[step], vec) if step in out else vec
@@ -388,6 +564,7 @@ class BlockPartials:
 
 
 __all__ = [
+    "PASS_THREADS",
     "BlockPartials",
     "Kind",
     "Source",
@@ -396,11 +573,18 @@ __all__ = [
     "batch_agreement",
     "batch_counts",
     "batch_parts",
+    "check_budget",
     "combine_vectors",
     "combiner",
+    "count_parts",
     "decode",
     "is_path",
+    "is_table",
     "iter_source",
+    "layered_counts",
+    "prefetch",
+    "projected",
+    "stored_groups",
     "sum_by_step",
     "sum_parts",
 ]

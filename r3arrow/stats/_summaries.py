@@ -30,10 +30,8 @@ def stack_steps(frames: Mapping[int, pl.DataFrame]) -> pl.DataFrame:
 def agreement_over_steps(results: Mapping[int, RouteAgreement]) -> pl.DataFrame:
     """Long frame of ``step``, ``layer``, ``tokens``, ``identical``, ``overlap``, ``differing``.
 
-    One row per (step, layer).
-
-    ``differing`` is the step's fraction of tokens that differ on at least one
-    layer (the same value on each of the step's rows).
+    One row per (step, layer); ``differing``: the step's fraction of tokens that differ on
+    at least one layer (the same on each of the step's rows).
     """
     frames = {
         s: r.per_layer().with_columns(
@@ -57,11 +55,10 @@ def _keys(frame: pl.DataFrame | pl.LazyFrame) -> list[str]:
 def load_summary(load: Frame, *, hot_factor: float = 2.0) -> Frame:
     """Per layer (and step): imbalance, entropy, dead and hot experts of an `expert_load` frame.
 
-    Columns: ``[step,] layer``, ``experts``, ``routed`` (sum of ``tokens`` =
-    topk × tokens), ``max_over_mean``, ``cv`` (population std / mean),
-    ``entropy`` (bits, of the layer's load distribution), ``entropy_norm``
-    (entropy / log2(experts); 1 = uniform), ``dead`` (experts with 0 tokens),
-    ``hot`` (experts above ``hot_factor`` × mean). NaN where a layer routed nothing.
+    Columns: ``[step,] layer``, ``experts``, ``routed`` (sum of ``tokens``),
+    ``max_over_mean``, ``cv`` (population std / mean), ``entropy`` (bits), ``entropy_norm``
+    (entropy / log2(experts); 1 = uniform), ``dead`` (experts with 0 tokens), ``hot``
+    (experts above ``hot_factor`` × mean). NaN where a layer routed nothing.
     """
     keys: list[str] = _keys(load)
     t = pl.col("tokens").cast(pl.Float64)
@@ -139,9 +136,9 @@ def _drift(joined: Frame, keys: list[str]) -> Frame:
 def load_drift(a: pl.DataFrame, b: pl.DataFrame) -> pl.DataFrame:
     """How layer load distributions moved from ``a`` to ``b`` (`expert_load` frames, no ``step``).
 
-    Per ``layer``: ``tv`` (total variation distance of the expert shares, in
-    [0, 1]), ``js`` (Jensen-Shannon divergence, bits, in [0, 1]), ``max_shift``
-    (largest change of one expert's share). Experts missing on one side count 0.
+    Per ``layer``: ``tv`` (total variation distance of the expert shares, in [0, 1]), ``js``
+    (Jensen-Shannon divergence, bits, in [0, 1]), ``max_shift`` (largest change of one
+    expert's share). Experts missing on one side count 0.
     """
     for f in (a, b):
         if _keys(f) != ["layer"]:
@@ -168,11 +165,8 @@ def load_drift(a: pl.DataFrame, b: pl.DataFrame) -> pl.DataFrame:
 
 
 def drift_over_steps(load: Frame) -> Frame:
-    """`load_drift` between each step and the previous one of a by-step `expert_load` frame.
-
-    Columns ``step``, ``prev_step``, ``layer``, ``tv``, ``js``, ``max_shift``; the first step
-    has no row.
-    """
+    """`load_drift` between each step and the previous one of a by-step `expert_load` frame:
+    ``step``, ``prev_step``, ``layer``, ``tv``, ``js``, ``max_shift`` (the first step has none)."""
     if _keys(load) != ["step", "layer"]:
         raise SchemaError(
             "drift_over_steps: expected an expert_load frame with a step column (by_step)"

@@ -23,8 +23,7 @@ from r3arrow.errors import SchemaError
 from r3arrow.io import project_layers, write_rollouts
 from r3arrow.ray import RayExecutor  # an executor object: constructing one needs no ray
 from r3arrow.spec import RouteSpec, numpy_to_routes
-from r3arrow.stats import _layered as stats_layered
-from r3arrow.stats import _stream as stats_stream
+from r3arrow.stats import _sources as stats_sources
 from r3arrow.table import flat_routes, rollout_table
 from r3arrow.testing import random_routes, use_backend
 
@@ -146,7 +145,7 @@ def read_layers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         seen.append(kwargs.get("layers"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(stats_stream, "iter_rollouts", spy)
+    monkeypatch.setattr(stats_sources, "iter_rollouts", spy)
     return seen
 
 
@@ -188,7 +187,7 @@ def test_layer_passes_at_once_give_the_same_integers(
     _write(tmp_path, tables, "groups")
     results = []
     for threads in (1, 2, 4):
-        monkeypatch.setattr(stats_layered, "PASS_THREADS", threads)
+        monkeypatch.setattr(stats_sources, "PASS_THREADS", threads)
         results.append(stats.expert_counts_by_step(tmp_path, tokens="loss", max_memory=2048))
     assert results[0] == results[1] == results[2]
     assert results[0] == {s: stats.expert_counts(t, tokens="loss") for s, t in enumerate(tables)}

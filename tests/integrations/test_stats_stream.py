@@ -31,7 +31,7 @@ from r3arrow.errors import DuplicateExpertError, ExpertRangeError, SchemaError
 from r3arrow.io import read_rollouts, write_rollouts
 from r3arrow.ray import RayExecutor  # an executor object: constructing one needs no ray
 from r3arrow.spec import RouteSpec, numpy_to_routes
-from r3arrow.stats import _layered as stats_layered
+from r3arrow.stats import _sources as stats_sources
 from r3arrow.table import rollout_table
 from r3arrow.testing import random_rollouts, random_routes, use_backend
 from r3arrow.testing.strategies import rollout_tables, shapes, specs
@@ -266,7 +266,7 @@ def test_every_storage_layout_counts_the_same(tmp_path: Path, layout: str) -> No
         else:
             group = 1 if layout == "groups" else SPEC.num_layers
             write_rollouts(t, tmp_path, step=step, layer_group=group, row_group_rows=2)
-    passes = stats_layered.stored_groups(tmp_path, None)
+    passes = stats_sources.stored_groups(tmp_path, None)
     assert (passes is not None) == (layout == "groups")
     if passes is not None:
         assert passes == [[i] for i in SPEC.router_layers]
