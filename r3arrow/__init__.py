@@ -1,29 +1,9 @@
 """r3arrow: the Arrow data plane for Rollout Routing Replay (R3) in MoE RL.
 
-The short list a user imports from here — each name has its home in a subpackage:
-
-=======================================================  ==================  =========
-names                                                    home                extra
-=======================================================  ==================  =========
-`RouteSpec`                                              `r3arrow.spec`
-`RouteTrace`, `TurnStore`                                `r3arrow.capture`
-`rollout_table`, `validate_rollouts`                     `r3arrow.table`
-`read_rollouts`, `iter_rollouts`, `write_rollouts`       `r3arrow.io`
-`R3ArrowError` (and the tree in `r3arrow.errors`)        `r3arrow.errors`
-`EngineClient`                                           `r3arrow.client`    ``client``
-`MegatronCollator`                                       `r3arrow.collate`   ``torch``
-=======================================================  ==================  =========
-
-The core (``errors``, ``spec``, ``ids``, ``capture``, ``codec``, ``table``, ``io``,
-``microbatch``) is imported eagerly and needs only pyarrow, numpy, orjson and pybase64. The
-integrations (``client``, ``collate``, ``megatron``, ``stats``, ``plot``, ``ray``,
-``rollout``, ``adapters``, ``cli``) are imported on first attribute access
-(``r3arrow.stats.expert_load``), each needing its optional extra (README, "Dependencies"); a
-missing one raises :class:`ImportError` naming the extra to install. Test tools (the embedded
-engine, the CPU Megatron harness, strategies) live in `r3arrow.testing`.
-
-``__all__`` lists the short list only, so ``from r3arrow import *`` stays as light as
-``import r3arrow``; ``dir(r3arrow)`` lists the lazy names and the subpackages too.
+``__all__`` is the short list (each name's home is a subpackage), as light as ``import
+r3arrow``: the core subpackages load eagerly; the integrations, `EngineClient` (``client``
+extra) and `MegatronCollator` (``torch``) on first access, a missing extra raising
+:class:`ImportError` that names it.
 """
 
 from __future__ import annotations
@@ -31,7 +11,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# the core subpackages, attributes of `r3arrow` from the start (``r3arrow.table.take_rows``)
 from r3arrow import capture as capture
 from r3arrow import codec as codec
 from r3arrow import errors as errors
@@ -49,10 +28,7 @@ from r3arrow.table import rollout_table, validate_rollouts
 __version__ = "0.1.0"
 
 # name -> module that defines it; imported on first attribute access.
-_LAZY: dict[str, str] = {
-    "EngineClient": "client",
-    "MegatronCollator": "collate",
-}
+_LAZY: dict[str, str] = {"EngineClient": "client", "MegatronCollator": "collate"}
 
 # integration module -> the extra that installs what it needs (pyproject.toml).
 _EXTRA_OF: dict[str, str] = {

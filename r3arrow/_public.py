@@ -1,8 +1,5 @@
-"""Public objects report their public home, as httpx's do.
-
-A class or function defined in a private module (``r3arrow.capture._trace``) and exported by
-its package shows ``r3arrow.capture.RouteTrace`` in reprs, tracebacks, docs and pickles.
-"""
+"""Public objects report their public home, as httpx's do (``r3arrow.capture.RouteTrace`` in
+reprs, tracebacks, docs and pickles, not ``r3arrow.capture._trace.RouteTrace``)."""
 
 from __future__ import annotations
 
@@ -12,9 +9,8 @@ from typing import Any
 
 
 def set_homes(namespace: dict[str, Any], names: Iterable[str]) -> None:
-    """Set ``__module__`` of each exported class or function of the package ``namespace`` (its
-    ``globals()``) that a private module defines (``r3arrow.capture._trace``, ``r3arrow._schema``)
-    to the package's name."""
+    """Set ``__module__`` of each class or function ``names`` of a package's ``globals()``
+    that a private module defines to the package's name."""
     home = namespace["__name__"]
     for name in names:
         obj = namespace[name]

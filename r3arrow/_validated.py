@@ -1,15 +1,6 @@
-"""The one "already validated" mark of this process (one check per trust boundary).
-
-Arrow arrays, record batches and tables are immutable, so identity is enough: the registry
-holds weak references and forgets an object when it dies. Two kinds of proof are recorded:
-
-- a rollout table or batch that passed the rollout checks (`mark_validated`): built by
-  `r3arrow.rollout_table`, returned by a validating reader, or derived from such a table;
-  writing or collating it does not validate it again (`is_validated`);
-- a routes array whose every row passed both id rules (`r3arrow.ids`) for a spec, with the
-  largest id seen (``mark_validated(arr, spec=, max_id=)``): `checked_for` says whether those
-  rules then hold for another spec, so a table builder references the array without checking
-  its ids again (``docs/capture.md``).
+"""The one "already validated" mark of this process, by identity of immutable Arrow objects
+(weakly held): a rollout table or batch that passed the rollout checks (`is_validated`), or
+routes whose ids passed both id rules for a spec (`checked_for`; ``docs/capture.md``).
 """
 
 from __future__ import annotations
@@ -52,10 +43,8 @@ def is_validated(obj: Any) -> bool:
 
 
 def checked_for(routes: Any, spec: RouteSpec) -> bool:
-    """True if ``routes`` was marked with a spec under whose id rules ``spec``'s also hold.
-
-    They do when the shape and router layers match, the storage dtype is ``spec.dtype`` and the
-    largest id recorded fits ``spec`` (below ``spec.num_experts`` and the storage cap).
+    """True if ``routes`` was marked for a spec with the same shape, router layers and dtype, and
+    its largest id fits ``spec`` (below its experts and storage cap).
     """
     entry = _entry(routes)
     if entry is None or entry[1] is None:

@@ -1,48 +1,11 @@
-"""Exception types and r3arrow's error policy.
+"""Exception types and the error policy (``docs/design.md``, "Error policy").
 
-The policy (modelled on httpx's):
-
-* **Argument misuse raises a builtin.** A caller passing the wrong type or an
-  out-of-range option (``topk=0``, ``tokens="everything"``, ``step=1.9``) gets
-  :class:`TypeError` or :class:`ValueError`, never an r3arrow type: the fix is in
-  the calling code, not in the data. :mod:`r3arrow._checks` holds the shared
-  helpers for these checks.
-* **Bad data, payloads, state and protocol raise** :class:`R3ArrowError`
-  **subclasses.** Routes with a wrong shape or an out-of-range or duplicated id, a
-  malformed engine payload, a file that is not a valid rollout file, a trace used
-  out of order, an engine that answers with an error: the fix is in the data or
-  the system that produced it, and callers catch these to drop a sample, retry a
-  request or quarantine a file.
-* Every r3arrow error also derives from the builtin it refines (``ValueError``,
-  ``TypeError`` or ``RuntimeError``), so code that catches the builtin keeps
-  working.
-* Every message says what was expected and what was found. Where they apply, the
-  error carries **structured fields** so callers never parse messages:
-  ``trajectory_id``, ``row`` (a row of a table or a route row), ``token`` (a
-  token position in a sequence), ``layer`` (a global layer id) and ``path`` (a
-  file or directory). A field that does not apply is ``None``.
-
-Hierarchy::
-
-    R3ArrowError
-    ├── RouteShapeError        (ValueError)  wrong rank, layer count, top-k or row count
-    ├── RouteDTypeError        (TypeError)   not an accepted integer dtype
-    ├── ExpertRangeError       (ValueError)  id negative or not below num_experts
-    │   └── ReplayRangeError   (+ ReplayError)
-    ├── DuplicateExpertError   (ValueError)  the same expert twice in one top-k row
-    │   └── ReplayDuplicateError (+ ReplayError)
-    ├── TerminalGapError       (ValueError)  a loss-active token has no route row
-    ├── TraceStateError        (RuntimeError) a trace used out of order
-    ├── ContiguityError        (ValueError)  turn appends leave a gap or overlap
-    ├── PrefixMismatchError    (ValueError)  a request does not extend its trace
-    ├── PayloadError           (ValueError)  a malformed wire payload
-    │   └── PayloadTooLargeError
-    ├── SchemaError            (ValueError)  a table or file off the rollout schema
-    ├── EngineError            (RuntimeError) an engine error or unusable response
-    │   ├── EngineHTTPError    (status, body, url)
-    │   └── RouteQualityError  (layer; bugs) routes that look valid but match a known engine bug
-    ├── EngineRequestError     (ValueError; param) a request the embedded engine refuses (HTTP 400)
-    └── ReplayError            (ValueError)  targets that do not fit the routers
+Argument misuse raises a builtin ``TypeError``/``ValueError``. Bad data, payloads, state and
+protocol raise `R3ArrowError` subclasses, each also deriving from the builtin it refines,
+with a message saying what was expected and what was found and the structured fields
+``trajectory_id``, ``row`` (a table or route row), ``token`` (a position), ``layer`` (a
+global layer id) and ``path`` (``None`` where they do not apply), so callers never parse
+messages. Callers catch them to drop a sample, retry a request or quarantine a file.
 """
 
 from __future__ import annotations
@@ -51,23 +14,7 @@ from typing import Any
 
 
 class R3ArrowError(Exception):
-    """Base class of every error r3arrow raises on purpose.
-
-    Parameters
-    ----------
-    message:
-        What was expected and what was found.
-    trajectory_id, row, token, layer, path:
-        Where the problem is, when that applies (``None`` otherwise): the
-        trajectory's id, a row index (table row or route row), a token position,
-        a global layer id, and a file or directory path (as ``str``).
-    """
-
-    trajectory_id: str | None
-    row: int | None
-    token: int | None
-    layer: int | None
-    path: str | None
+    """Base class of every error r3arrow raises on purpose (fields: module docstring)."""
 
     def __init__(
         self,
@@ -133,10 +80,7 @@ class ContiguityError(R3ArrowError, ValueError):
 
 
 class PrefixMismatchError(R3ArrowError, ValueError):
-    """A request's prompt does not extend the tokens its trace already covers.
-
-    ``token`` is the first position where the prompt differs.
-    """
+    """A request's prompt does not extend its trace's tokens (``token``: the first difference)."""
 
 
 class PayloadError(R3ArrowError, ValueError):
@@ -156,10 +100,7 @@ class EngineError(R3ArrowError, RuntimeError):
 
 
 class EngineHTTPError(EngineError):
-    """The engine answered with an HTTP error status (``status``), or was unreachable (``None``).
-
-    ``body`` is the (truncated) response body, ``url`` the URL that was requested.
-    """
+    """The engine answered an HTTP error ``status`` (None: unreachable), ``body`` truncated."""
 
     def __init__(
         self, message: str, *, status: int | None = None, body: str = "", url: str = ""
@@ -171,13 +112,8 @@ class EngineHTTPError(EngineError):
 
 
 class RouteQualityError(EngineError):
-    """An engine returned routes that are well-formed but match a known engine bug.
-
-    Examples: a router layer whose rows are all zero ("as if every token selected
-    expert 0": vLLM #44116, fixed by #44214; vllm-ascend #16314; SGLang NGRAM
-    speculative decoding, SGLang #37949), or every token of a response routed
-    identically. ``layer`` is the global layer id; ``bugs`` lists the upstream
-    reports the pattern matches (strings like ``"vLLM #44116"``).
+    """Well-formed routes matching a known engine bug (`r3arrow.capture.check_route_quality`);
+    ``layer``: the global layer, ``bugs``: the upstream reports (like ``"vLLM #44116"``).
     """
 
     def __init__(
@@ -193,10 +129,7 @@ class RouteQualityError(EngineError):
 
 
 class EngineRequestError(R3ArrowError, ValueError):
-    """A generation request is invalid; the embedded engine answers HTTP 400 with vLLM's error JSON.
-
-    ``param`` names the offending request parameter (vLLM's ``error.param``).
-    """
+    """A request the embedded engine refuses with HTTP 400 (``param``: vLLM's ``error.param``)."""
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)

@@ -1,19 +1,6 @@
-"""Multi-turn rollouts: an agent loop that grows a conversation and captures its routes.
-
-A user's environment is a function from conversation to observation and reward
-(`Environment.step`). `run_trajectory` alternates engine turns and environment steps:
-each turn sends the whole conversation with the trajectory's trace,
-``store.trace(trajectory_id)``, so the engine returns only the rows not yet captured
-(``docs/design.md``, "Rows and incremental capture"). The client records each response
-into that trace, which validates it once and appends it to the `TurnStore` as one record
-batch at ``token_start = captured before the turn``: the one capture path. Generated tokens
-get loss mask 1, observation tokens 0. `run_rollouts` runs many trajectories concurrently
-and builds the rollout table from the store without copying the routes.
-
-At the end of a trajectory its trace is finalized: that checks the terminal gap
-(``docs/design.md``) and joins the turns once into one read-only buffer, which the store
-then holds in place of the per-turn arrays; `TurnStore.routes_chunked` references each
-such buffer as one chunk of the table's routes column (``docs/capture.md``).
+"""Multi-turn rollouts: an agent loop that grows a conversation and captures its routes, each
+turn sending the whole conversation with the trajectory's `TurnStore` trace (``docs/design.md``,
+"Rows and incremental capture"; ``docs/capture.md``).
 """
 
 from __future__ import annotations
@@ -27,24 +14,19 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from r3arrow._checks import (
-    check_positive_int,
-)
+from r3arrow._checks import check_positive_int
 from r3arrow._schema import list_lengths
 from r3arrow.capture import TurnStore
 from r3arrow.client import EngineClient, GenerateOutput
-from r3arrow.errors import EngineError, RouteShapeError
+from r3arrow.errors import RouteShapeError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import rollout_table
 
 
 @dataclasses.dataclass
 class Conversation:
-    """A trajectory in progress: the initial prompt and everything after it.
-
-    ``response_ids``/``loss_mask`` cover every token after the prompt (1 = generated,
-    0 = observation). ``generated`` holds each turn's generated tokens; ``state`` is free
-    per-trajectory storage for the environment.
+    """A trajectory in progress: ``response_ids``/``loss_mask`` follow the prompt (1 = generated,
+    0 = observation); ``state`` is free per-trajectory storage for the environment.
     """
 
     trajectory_id: str
@@ -95,12 +77,9 @@ class Step:
 
 
 class Environment(Protocol):
-    """What a user plugs in: ``step(conversation) -> Step`` (plain or ``async``).
-
-    Called after every engine turn with the conversation including that turn's generated
-    tokens. Unless ``done``, the observation is appended and the next turn runs; the
-    trajectory's reward is the sum of the step rewards. Keep per-trajectory state in
-    ``conversation.state``: one environment serves many trajectories concurrently.
+    """What a user plugs in: ``step(conversation) -> Step`` (plain or ``async``), after every
+    engine turn; unless ``done`` the observation is appended and the next turn runs. One
+    environment serves many trajectories at once: keep state in ``conversation.state``.
     """
 
     def step(self, conversation: Conversation) -> Step | Awaitable[Step]: ...
@@ -108,11 +87,8 @@ class Environment(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
-    """A finished trajectory (routes live in the store under ``trajectory_id``).
-
-    ``num_routes`` is the captured row count (``<= len(prompt_ids) + len(response_ids)``);
-    ``outputs`` holds each turn's `GenerateOutput` (prompt start sent, rows received, ...);
-    ``stop`` is why the loop ended: "done", "max_turns" or "max_total_tokens".
+    """A finished trajectory (routes in the store under ``trajectory_id``); ``reward`` sums the
+    step rewards; ``stop`` is "done", "max_turns" or "max_total_tokens".
     """
 
     trajectory_id: str
@@ -161,13 +137,11 @@ async def run_trajectory(
 ) -> Trajectory:
     """Run one multi-turn trajectory; its routes go to ``store`` one record batch per turn.
 
-    Each turn sends the whole conversation with the trajectory's trace (prompt start =
-    captured) and then calls ``env.step``. Stops when the environment says done, after
-    ``max_turns`` turns, or when the next turn would start at or beyond ``max_total_tokens``
-    (the final observation is then not appended). ``seed`` (if given) sets the sampling seed
-    ``seed + turn``. ``reward_fn(conversation, summed step rewards)`` overrides the reward.
-    Requests are pinned to one server per ``group_id`` (else per trajectory).
-    Raises the client's errors; the store then holds the turns completed so far.
+    Stops when the environment is done, after ``max_turns``, or before a turn that would start
+    at ``max_total_tokens`` (that observation is dropped). Turn ``t`` samples with seed ``seed +
+    t``; ``reward_fn(conversation, summed rewards)`` overrides the reward; a ``group_id`` (else
+    the trajectory) is pinned to one server. On the client's errors the store keeps the turns
+    completed so far.
     """
     check_positive_int(max_turns, "max_turns")
     spec = store.spec
@@ -194,13 +168,6 @@ async def run_trajectory(
         out = await client.generate(
             conv.token_ids, sampling_params=sp, trace=trace, session_id=session
         )
-        if (
-            out.routed_experts is None or out.token_start is None
-        ):  # pragma: no cover - the client raises first
-            raise EngineError(
-                f"trajectory {trajectory_id!r}: engine returned no routed_experts",
-                trajectory_id=trajectory_id,
-            )
         conv.outputs.append(out)
         conv.add_generated(out.token_ids)
         step = await _call_step(env, conv)
@@ -217,12 +184,9 @@ async def run_trajectory(
         conv.add_observation(obs)
     if reward_fn is not None:
         reward = float(reward_fn(conv, reward))
-    # Every missing row (last sampled token) must predict a loss-masked token.
     full_mask = np.concatenate(
         [np.zeros(len(conv.prompt_ids), np.uint8), np.asarray(conv.loss_mask, np.uint8)]
     )
-    # The terminal-gap check; finalizing also joins the turns once, and the store then
-    # references that buffer (`TurnStore.routes_chunked`), so the table costs no copy.
     trace.finalize(num_tokens=conv.num_tokens, loss_mask=full_mask)
     return Trajectory(
         trajectory_id=trajectory_id,
@@ -241,19 +205,13 @@ async def run_trajectory(
 
 
 def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> pa.Table:
-    """The rollout table of ``trajectories`` (rows in that order), routes assembled from ``store``.
-
-    Extra columns: ``num_turns`` (int32) and ``stop`` (why the loop ended). Raises
-    `RouteShapeError` (``trajectory_id`` and ``row`` set) if the store's routes for a
-    trajectory differ in length from its trace: the trajectories and the store do not belong
-    together (another store, or turns appended to the store from outside).
+    """The rollout table of ``trajectories`` in order, routes from ``store``, plus ``num_turns``
+    and ``stop``; `RouteShapeError` (``trajectory_id``, ``row``) where the store disagrees.
     """
     ids = [t.trajectory_id for t in trajectories]
     routes = store.routes_chunked(ids)
     lens = list_lengths(routes)
-    want = np.fromiter(
-        (t.num_routes for t in trajectories), dtype=np.int64, count=len(trajectories)
-    )
+    want = np.array([t.num_routes for t in trajectories], dtype=np.int64)
     bad = np.flatnonzero(lens != want)
     if bad.size:
         k = int(bad[0])
@@ -295,13 +253,10 @@ async def run_rollouts(
 ) -> pa.Table:
     """Run ``group_size`` trajectories per prompt concurrently; return their rollout table.
 
-    Trajectory ``j`` of prompt ``i`` has group id ``"{id_prefix}g{i}"`` and trajectory id
-    ``"{id_prefix}g{i}-{j}"`` (use ``id_prefix`` to keep ids unique in a shared ``store``);
-    with ``seed``, its sampling seeds start at ``seed + (i * group_size + j) * max_turns`` so
-    the members of a group differ. Concurrency is bounded by the client's ``max_concurrency``.
-    Rows are in prompt-then-member order. ``spec`` defaults to the client's (with ``store``:
-    the store's; a different one raises `RouteShapeError`). The first failing
-    trajectory's error is raised after the others are cancelled.
+    Trajectory ``j`` of prompt ``i`` is ``"{id_prefix}g{i}-{j}"`` in group ``"{id_prefix}g{i}"``,
+    rows in that order; with ``seed`` its seeds start at ``seed + (i * group_size + j) *
+    max_turns``. ``spec`` defaults to the client's (with ``store``: must be the store's, else
+    `RouteShapeError`). The first failure is raised after the others are cancelled.
     """
     check_positive_int(group_size, "group_size")
     if store is not None and spec is not None and not spec.same_shape(store.spec):

@@ -1,13 +1,5 @@
-"""`RouteSpec`: the shape, storage dtype and Arrow type of one token's routes.
-
-Also the zero-copy conversions between numpy ``[rows, L, K]`` arrays and the
-per-token Arrow type ``fixed_size_list<fixed_size_list<dtype, K>, L>``. The expert-id rules
-(range, distinct experts) live in :mod:`r3arrow.ids` (`r3arrow.ids.check_routes`). See
-``docs/design.md``, "The Arrow data model" and "Expert ids".
-
-Errors: a `RouteSpec` built from bad arguments raises ``ValueError``/``TypeError``
-(argument misuse); routes of the wrong shape or dtype raise `RouteShapeError` /
-`RouteDTypeError`; bad spec metadata in a schema raises `SchemaError`.
+"""`RouteSpec` and zero-copy numpy ``[rows, L, K]`` <-> Arrow per-token routes conversions
+(``docs/design.md``, "The Arrow data model"; the id rules are `r3arrow.ids.check_routes`).
 """
 
 from __future__ import annotations
@@ -21,34 +13,21 @@ import orjson
 import pyarrow as pa
 
 from r3arrow._checks import check_int
-from r3arrow.errors import (
-    ExpertRangeError,
-    RouteDTypeError,
-    RouteShapeError,
-    SchemaError,
-)
+from r3arrow.errors import ExpertRangeError, RouteDTypeError, RouteShapeError, SchemaError
 
 #: Schema/file metadata key under which the spec travels (JSON).
 SPEC_METADATA_KEY = b"r3arrow.spec"
 
-_STORAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32))
-# The widest storage, int32, holds ids 0 .. 2**31 - 1: that is 2**31 experts.
-_MAX_EXPERTS = int(np.iinfo(np.int32).max) + 1
+_STORAGE_DTYPES = tuple(np.dtype(t) for t in ("uint8", "uint16", "int32"))
+_ARROW_OF = {dt: pa.from_numpy_dtype(dt) for dt in _STORAGE_DTYPES}
 # Arrow's fixed_size_list length is an int32: the bound of num_layers and topk.
 _MAX_LIST_SIZE = int(np.iinfo(np.int32).max)
-_ARROW_OF = {
-    np.dtype(np.uint8): pa.uint8(),
-    np.dtype(np.uint16): pa.uint16(),
-    np.dtype(np.int32): pa.int32(),
-}
+# The widest storage, int32, holds ids 0 .. 2**31 - 1: that is 2**31 experts.
+_MAX_EXPERTS = _MAX_LIST_SIZE + 1
 
 
 def storage_dtype_for(num_ids: int) -> np.dtype[Any]:
-    """Smallest storage dtype that holds ids ``0 .. num_ids-1``: uint8, uint16 or int32.
-
-    ``num_ids`` up to ``2**31`` (int32 holds ids up to ``2**31 - 1``); more raises
-    `ExpertRangeError`.
-    """
+    """Smallest of uint8, uint16, int32 for ids ``0 .. num_ids-1`` (`ExpertRangeError` > 2**31)."""
     if num_ids <= 1 << 8:
         return np.dtype(np.uint8)
     if num_ids <= 1 << 16:
@@ -62,15 +41,10 @@ def storage_dtype_for(num_ids: int) -> np.dtype[Any]:
 class RouteSpec:
     """Shape and dtype of one token's routes: ``[num_layers, topk]`` expert ids.
 
-    ``num_layers`` counts every layer the engine reports (dense ones included);
-    ``moe_layers`` lists the global indices of layers that have a router
-    (``None`` = all). ``num_experts=None`` means unknown: storage starts at
-    uint8 and traces widen when they see larger ids. ``id_dtype`` overrides the
-    storage dtype (it must hold ``num_experts`` ids).
-
-    Bounds: ``1 <= num_layers, topk <= 2**31 - 1`` (Arrow list sizes are int32) and
-    ``topk <= num_experts <= 2**31`` (int32 storage holds ids up to ``2**31 - 1``).
-    Out-of-range or non-int arguments raise ``ValueError`` / ``TypeError``.
+    ``num_layers`` counts every reported layer; ``moe_layers`` the ones with a router (None:
+    all); ``num_experts=None``: unknown (uint8, widened by traces); ``id_dtype`` overrides the
+    storage dtype. ``1 <= num_layers, topk < 2**31``, ``topk <= num_experts <= 2**31``; other
+    values raise ``ValueError`` / ``TypeError``.
     """
 
     num_layers: int
@@ -80,7 +54,6 @@ class RouteSpec:
     id_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        # Argument misuse raises builtins (docs/design.md, "Error policy").
         for name in ("num_layers", "topk"):
             value = check_int(
                 getattr(self, name), f"RouteSpec.{name}", minimum=1, maximum=_MAX_LIST_SIZE
@@ -112,20 +85,16 @@ class RouteSpec:
             dt = np.dtype(self.id_dtype)
             if dt not in _STORAGE_DTYPES:
                 raise ValueError(f"RouteSpec.id_dtype: expected uint8, uint16 or int32, found {dt}")
-            if (
-                self.num_experts is not None
-                and storage_dtype_for(self.num_experts).itemsize > dt.itemsize
-            ):
+            if storage_dtype_for(self.num_experts or 1).itemsize > dt.itemsize:
                 raise ValueError(
                     f"RouteSpec.id_dtype: expected a dtype that holds {self.num_experts} "
                     f"expert ids, found {dt}"
                 )
             object.__setattr__(self, "id_dtype", dt.name)
 
-    # ----------------------------------------------------------------- derived
     @property
     def dtype(self) -> np.dtype[Any]:
-        """Storage dtype of expert ids (numpy)."""
+        """Storage dtype of expert ids."""
         if self.id_dtype is not None:
             return np.dtype(self.id_dtype)
         return storage_dtype_for(self.num_experts if self.num_experts is not None else 1)
@@ -169,20 +138,15 @@ class RouteSpec:
         return tuple(i for i in range(self.num_layers) if i not in moe)
 
     def widened_for(self, max_id: int) -> RouteSpec:
-        """This spec, with a storage dtype wide enough for ``max_id`` (self if it already is)."""
+        """This spec with a storage dtype for ``max_id`` (self if it already holds it)."""
         need = storage_dtype_for(int(max_id) + 1)
         if need.itemsize <= self.dtype.itemsize:
             return self
         return dataclasses.replace(self, id_dtype=need.name)
 
     def same_shape(self, other: RouteSpec) -> bool:
-        return (self.num_layers, self.topk, self.router_layers) == (
-            other.num_layers,
-            other.topk,
-            other.router_layers,
-        )
+        return self.row_shape == other.row_shape and self.router_layers == other.router_layers
 
-    # -------------------------------------------------------------- metadata
     def to_json(self) -> bytes:
         return orjson.dumps(
             {
@@ -198,11 +162,7 @@ class RouteSpec:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> RouteSpec:
-        """The spec of `to_json` output; `SchemaError` for anything that is not a valid one.
-
-        Values out of range (for example ``num_layers >= 2**31``), non-integers and a
-        ``version`` other than 1 are `SchemaError`, never ``OverflowError``.
-        """
+        """The spec of `to_json` output; anything else raises `SchemaError` (not OverflowError)."""
         try:
             obj = orjson.loads(data)
             if obj.get("version", 1) != 1 or isinstance(obj.get("version"), bool):
@@ -214,14 +174,7 @@ class RouteSpec:
                 moe_layers=tuple(obj["moe_layers"]) if obj.get("moe_layers") is not None else None,
                 id_dtype=obj["id_dtype"] if "id_dtype" in obj else obj.get("dtype"),
             )
-        except (
-            orjson.JSONDecodeError,
-            AttributeError,
-            KeyError,
-            TypeError,
-            ValueError,
-            OverflowError,
-        ) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as exc:
             raise SchemaError(
                 "invalid r3arrow.spec metadata: expected a RouteSpec JSON object, "
                 f"found {data!r:.200} ({exc})"
@@ -232,7 +185,7 @@ class RouteSpec:
 
     @classmethod
     def from_schema(cls, schema: pa.Schema) -> RouteSpec:
-        """Read the spec from Arrow schema metadata; raises `SchemaError` if absent."""
+        """The spec in Arrow schema metadata; `SchemaError` if absent."""
         meta = schema.metadata or {}
         if SPEC_METADATA_KEY not in meta:
             raise SchemaError(
@@ -242,15 +195,12 @@ class RouteSpec:
         return cls.from_json(meta[SPEC_METADATA_KEY])
 
 
-# ----------------------------------------------------------------- conversions
 def routes_to_numpy(
     routes: pa.Array[Any] | pa.ChunkedArray[Any], spec: RouteSpec | None = None
 ) -> np.ndarray:
-    """View an Arrow per-token routes array as numpy ``[rows, L, K]`` (zero-copy for one chunk).
+    """Arrow per-token routes as a numpy ``[rows, L, K]`` view (one chunk: zero-copy).
 
-    Raises `RouteShapeError` / `RouteDTypeError` if the type is not a per-token
-    routes type (or not ``spec.arrow_type`` when a spec is given), and if any
-    token is null.
+    `RouteShapeError` for another type or ``spec`` shape, or any null.
     """
     if isinstance(routes, pa.ChunkedArray):
         routes = routes.combine_chunks() if routes.num_chunks != 1 else routes.chunk(0)
@@ -285,7 +235,7 @@ def routes_to_numpy(
 def numpy_to_routes(
     arr: np.ndarray, spec: RouteSpec | None = None
 ) -> pa.FixedSizeListArray[Any, Any]:
-    """Wrap a C-contiguous ``[rows, L, K]`` array as the per-token Arrow type, zero-copy."""
+    """A C-contiguous ``[rows, L, K]`` array as the per-token Arrow type, zero-copy."""
     if arr.ndim != 3:
         raise RouteShapeError(f"expected routes [rows, L, K], found shape {arr.shape}")
     if spec is not None and arr.shape[1:] != spec.row_shape:

@@ -1,17 +1,6 @@
-"""Capture: turn-by-turn routes of a rollout, checked once, kept as Arrow.
-
-- `RouteTrace` (and its generic base `TokenTrace`): one trajectory's routes, recorded turn
-  by turn; each turn is checked (shape, dtype, expert-id range, distinct experts, the
-  conversation prefix) and the trace finalizes into one Arrow array without a second check.
-- `TurnStore`: the routes of many conversations keyed by trajectory id, as Arrow record
-  batches, built from bound traces or validated outside data; ``TurnStore.to_table`` gives
-  a rollout table.
-- `check_route_quality`: the route-quality guard against known engine bugs (all-zero
-  layers, identical rows), run by the client on every response (`RouteQualityError`).
-
-The rules these use live below the package: the id rules in `r3arrow.ids`, the coverage
-rules (expected rows, terminal gap) in ``r3arrow._coverage``, and the one "already checked"
-mark in ``r3arrow._validated``. See ``docs/capture.md``.
+"""Capture: a rollout's routes, checked once per turn, kept as Arrow (``docs/capture.md``):
+`RouteTrace` (base `TokenTrace`) for one trajectory, `TurnStore` for many, and
+`check_route_quality`, the guard against known engine bugs.
 """
 
 from __future__ import annotations

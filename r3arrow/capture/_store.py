@@ -1,22 +1,6 @@
 """`TurnStore`: turn appends as Arrow record batches, assembled into a routes column.
 
-Many agent loops append concurrently (one record batch per turn: trajectory id,
-token start, routes). `TurnStore.routes` builds the ragged per-trajectory
-``large_list`` column with one gather (one copy of the route bytes), after
-checking that each trajectory's turns tile ``[0, captured)`` exactly;
-`TurnStore.routes_chunked` builds the same column as a ``ChunkedArray`` that references
-each finalized trajectory's buffer without a copy (``docs/capture.md``).
-
-Two ways in (``docs/design.md``, "Rows and incremental capture"):
-
-* `TurnStore.trace` returns a `RouteTrace` bound to the store. The trace validates
-  each turn once (`RouteTrace.record`) and hands it over; the store appends it as
-  one record batch without a second check. This is the capture path. When the trace
-  is finalized, the store swaps the trajectory's turns for slices of the finalized
-  buffer (same turns, same starts: the per-turn arrays are released), so
-  `routes_chunked` can reference it.
-* `TurnStore.append` / `TurnStore.append_batch` take outside data and validate it
-  (a trust boundary), with the same validator the trace uses.
+``docs/design.md``, "Rows and incremental capture"; ``docs/capture.md``.
 """
 
 from __future__ import annotations
@@ -38,6 +22,8 @@ from r3arrow.errors import ContiguityError, R3ArrowError, SchemaError
 from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
 
+_NO_INTS = np.zeros(0, dtype=np.int64)
+
 
 @functools.lru_cache(maxsize=64)
 def turn_schema(spec: RouteSpec) -> pa.Schema:
@@ -51,12 +37,16 @@ def turn_schema(spec: RouteSpec) -> pa.Schema:
     return pa.schema(fields, metadata=meta)
 
 
+def _check_tid(trajectory_id: Any) -> None:
+    if not isinstance(trajectory_id, str):
+        raise TypeError(f"trajectory_id: expected a str, found {type(trajectory_id).__name__}")
+
+
 def _turn_rows(
     spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any
 ) -> tuple[np.ndarray, RouteSpec]:
-    """Validated rows ``[rows, L, K]`` in storage dtype, owned (writable input is copied)."""
-    if not isinstance(trajectory_id, str):
-        raise TypeError(f"trajectory_id: expected a str, found {type(trajectory_id).__name__}")
+    """Validated rows in storage dtype, owned (writable input is copied)."""
+    _check_tid(trajectory_id)
     what = f"turn of {trajectory_id!r}"
     if token_start < 0:
         raise ContiguityError(
@@ -65,7 +55,7 @@ def _turn_rows(
             token=token_start,
         )
     try:
-        arr, spec = validate_route_rows(routes, spec, what=what)
+        arr, spec, _ = validate_route_rows(routes, spec, what=what)
     except R3ArrowError as exc:
         if exc.trajectory_id is None:
             exc.trajectory_id = trajectory_id
@@ -81,31 +71,24 @@ def _batch_of(
 ) -> pa.RecordBatch:
     tokens = numpy_to_routes(rows, spec)
     col = pa.LargeListArray.from_arrays(pa.array([0, len(tokens)], type=pa.int64()), tokens)
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array([trajectory_id], type=pa.large_string()),
-            pa.array([token_start], type=pa.int64()),
-            col,
-        ],
-        schema=turn_schema(spec),
-    )
+    tid = pa.array([trajectory_id], type=pa.large_string())
+    start = pa.array([token_start], type=pa.int64())
+    return pa.RecordBatch.from_arrays([tid, start, col], schema=turn_schema(spec))
 
 
 def turn_batch(
     spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any
 ) -> pa.RecordBatch:
-    """One turn as a one-row record batch (routes ``[rows, L, K]``, validated, storage dtype)."""
+    """One turn as a one-row record batch (validated, in storage dtype)."""
     rows, spec = _turn_rows(spec, trajectory_id, token_start, routes)
     return _batch_of(spec, trajectory_id, token_start, rows)
 
 
 @dataclasses.dataclass
 class _Entry:
-    """One appended batch of turns: a bound trace's turn, or a batch from outside.
-
-    ``rows`` ``[n, L, K]`` (read-only, C-contiguous, ``spec.dtype``) hold the turns back to
-    back, turn ``i`` at ``rows[offsets[i]:offsets[i + 1]]``; ``batch`` is the record batch,
-    built on demand for a trace's turns (appending stays a few list operations).
+    """One appended batch of turns: turn ``i`` is ``rows[offsets[i]:offsets[i + 1]]`` (read-only,
+    C-contiguous, ``spec.dtype``); ``batch`` is built on demand for a trace's turns, ``final`` is
+    the finalized buffer ``rows`` slices (a bound trace's).
     """
 
     tids: list[str]
@@ -114,7 +97,7 @@ class _Entry:
     offsets: np.ndarray  # int64 [turns + 1], from 0
     spec: RouteSpec
     batch: pa.RecordBatch | None = None
-    final: np.ndarray | None = None  # the finalized trajectory ``rows`` slices (a bound trace)
+    final: np.ndarray | None = None
 
     def record_batch(self) -> pa.RecordBatch:
         if self.batch is None:
@@ -125,15 +108,8 @@ class _Entry:
 class TurnStore:
     """Thread-safe append-only log of turn record batches for many trajectories.
 
-    Beside each batch it keeps the numpy view of its route rows (taken once, at
-    append), so assembling the routes column is one gather, not a walk over Arrow
-    objects per turn.
-
-    Capture with ``trace = store.trace(trajectory_id)`` and pass ``trace`` to the
-    engine client (or call ``trace.record``): each turn is validated once by the
-    trace and appended here as one batch. `append` and `append_batch` validate
-    outside data. ``trace.finalize(...)`` swaps the trajectory's turns for slices of the
-    finalized buffer; `routes_chunked` then references that buffer without a copy.
+    `trace` is the capture path (each turn validated once, by the trace); `append` and
+    `append_batch` validate outside data with the same validator.
     """
 
     _NAMES = ("trajectory_id", "token_start", "routes")
@@ -144,40 +120,32 @@ class TurnStore:
         self._lock = threading.Lock()
 
     def trace(self, trajectory_id: str) -> RouteTrace:
-        """A new `RouteTrace` for ``trajectory_id`` that records into this store.
+        """A `RouteTrace` that appends each turn it records here, at its ``token_start``.
 
-        Each ``trace.record(...)`` validates the turn once (shape, dtype, id range,
-        distinct experts, row count, and the prompt ids when given) and appends it here
-        as one record batch at ``token_start = trace.captured`` before the turn, without
-        a second check; on any error neither the trace nor the store changes. The trace
-        starts at this store's current spec (with ``num_experts=None`` both widen as
-        larger ids arrive). ``trace.finalize(...)`` replaces the turns it recorded here by
-        slices of its finalized rows (same values and starts), releasing the per-turn
-        arrays. Raises ``TypeError`` if ``trajectory_id`` is not a ``str``.
+        It starts at the store's spec (both widen when ``num_experts`` is None); on finalize its
+        turns here become slices of the finalized rows. ``TypeError`` for a non-str id.
         """
-        if not isinstance(trajectory_id, str):
-            raise TypeError(f"trajectory_id: expected a str, found {type(trajectory_id).__name__}")
+        _check_tid(trajectory_id)
         mine: list[_Entry] = []
 
         def sink(token_start: int, rows: np.ndarray, spec: RouteSpec) -> None:
             mine.append(self._append_trusted(trajectory_id, token_start, rows, spec))
 
-        def final_sink(starts: list[int], rows: np.ndarray, spec: RouteSpec) -> None:
-            ends = [*starts[1:], rows.shape[0]]
-            with self._lock:  # the same rows, now views of the one finalized buffer
-                for entry, a, b in zip(mine, starts, ends, strict=True):
-                    entry.rows, entry.spec, entry.batch = rows[a:b], spec, None
-                    entry.final = rows
+        def final_sink(rows: np.ndarray, spec: RouteSpec) -> None:
+            with self._lock:  # the same turns, now views of the one finalized buffer
+                for entry in mine:
+                    a = int(entry.starts[0])
+                    entry.rows = rows[a : a + entry.rows.shape[0]]
+                    entry.spec, entry.batch, entry.final = spec, None, rows
             mine.clear()
 
         return RouteTrace._bound(self.spec, trajectory_id, sink, final_sink)
 
     def append(self, trajectory_id: str, token_start: int, routes: Any) -> None:
-        """Append one turn's rows ``[rows, L, K]`` (outside data: validated) at ``token_start``.
+        """Append outside rows ``[rows, L, K]`` at ``token_start``, validated.
 
-        Raises `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`,
-        `DuplicateExpertError` (bad rows, ``trajectory_id`` set) and `ContiguityError`
-        (negative ``token_start``).
+        Raises `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`, `DuplicateExpertError`
+        (with ``trajectory_id``) and `ContiguityError` (negative ``token_start``).
         """
         rows, spec = _turn_rows(self.spec, trajectory_id, int(token_start), routes)
         self._append_trusted(trajectory_id, int(token_start), rows, spec)
@@ -185,14 +153,10 @@ class TurnStore:
     def _append_trusted(
         self, trajectory_id: str, token_start: int, rows: np.ndarray, spec: RouteSpec
     ) -> _Entry:
-        """Append validated, owned rows (storage dtype of ``spec``, C-contiguous): no checks."""
-        entry = _Entry(
-            [trajectory_id],
-            np.array([token_start], dtype=np.int64),
-            rows,
-            np.array([0, rows.shape[0]], dtype=np.int64),
-            spec,
-        )
+        """Append validated, owned rows (``spec.dtype``, C-contiguous) without a check."""
+        starts = np.array([token_start], dtype=np.int64)
+        offsets = np.array([0, rows.shape[0]], dtype=np.int64)
+        entry = _Entry([trajectory_id], starts, rows, offsets, spec)
         self._add(entry)
         return entry
 
@@ -236,7 +200,7 @@ class TurnStore:
             return [e.record_batch() for e in self._entries]
 
     def to_table(self) -> pa.Table:
-        """All turns as one table (batches cast to the widest routes dtype; no copy otherwise)."""
+        """All turns as one table (cast to the widest routes dtype; no copy otherwise)."""
         schema = turn_schema(self.spec)
         batches = [
             b if b.schema.equals(schema) else b.select([0, 1, 2]).cast(schema)
@@ -245,21 +209,19 @@ class TurnStore:
         return pa.Table.from_batches(batches, schema=schema)
 
     def routes(self, trajectory_ids: Sequence[str] | pa.Array[Any]) -> pa.LargeListArray[Any]:
-        """Routes column aligned with ``trajectory_ids`` (a trajectory with no turns gets []).
+        """Routes column aligned with ``trajectory_ids`` (no turns: ``[]``), with one copy.
 
-        One buffer: every route is copied once (`routes_chunked` avoids the copy). Every
-        turn was checked on its way in, so `r3arrow.rollout_table` does not check the
-        column's ids again (`r3arrow.capture._trace.checked_for`).
-        Raises `ContiguityError` if a trajectory's turns leave a gap, overlap, or
-        repeat a turn (``trajectory_id`` set, ``token`` = the first token not covered
-        exactly once); ``ValueError`` if ``trajectory_ids`` repeats an id.
+        Marked as checked for `r3arrow.rollout_table`. Raises `ContiguityError` when a
+        trajectory's turns leave a gap, overlap or repeat (``token``: the first token not covered
+        exactly once) and ``ValueError`` for repeated ids.
         """
-        wanted, plan, spec = self._plan(trajectory_ids)
-        views, turns, pos_s, lens_s, _ = plan
-        values = _gather(views, turns, spec)
-        per_traj = np.bincount(pos_s, weights=lens_s, minlength=len(wanted)).astype(np.int64)
-        offsets = np.zeros(len(wanted) + 1, dtype=np.int64)
-        np.cumsum(per_traj, out=offsets[1:])
+        n, spec, parts, pos, lens, _ = self._plan(trajectory_ids)
+        values = np.empty((int(lens.sum()), *spec.row_shape), dtype=spec.dtype)
+        if parts:
+            # Ids were checked on append; narrower batches are widened by this one copy.
+            np.concatenate(parts, axis=0, out=values, casting="unsafe")
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(pos, weights=lens, minlength=n).astype(np.int64), out=offsets[1:])
         out: pa.LargeListArray[Any] = pa.LargeListArray.from_arrays(
             pa.array(offsets, type=pa.int64()), numpy_to_routes(values, spec)
         )
@@ -267,26 +229,19 @@ class TurnStore:
         return out
 
     def routes_chunked(self, trajectory_ids: Sequence[str] | pa.Array[Any]) -> pa.ChunkedArray[Any]:
-        """`routes` as a ``ChunkedArray`` that references finalized buffers (no copy).
+        """`routes` as a ``ChunkedArray`` referencing finalized buffers instead of copying them.
 
-        A trajectory whose turns are consecutive slices of one read-only buffer (a finalized
-        bound trace's, or a single turn) becomes its own chunk referencing that buffer;
-        the others (and small ones) are joined into shared chunks (one copy of their rows).
-        Same values, order, checks and errors as `routes`; consumers must accept many chunks
-        (``docs/capture.md``). Like `routes`' column, the result is known to
-        `r3arrow.rollout_table` as checked (its ids are not checked again).
+        A trajectory whose turns tile one read-only buffer is its own chunk; the others are joined.
+        Same values, checks, errors and mark as `routes` (``docs/capture.md``).
         """
-        wanted, plan, spec = self._plan(trajectory_ids)
-        views, turns, pos_s, _, finals = plan
-        per_traj: list[list[np.ndarray]] = [[] for _ in range(len(wanted))]
-        whole: list[Any] = [None] * len(wanted)  # the one finalized buffer, False if several
-        parts, which = _turn_parts(views, turns, with_entries=True)
-        for part, c, p in zip(parts, which, pos_s.tolist(), strict=True):
+        n, spec, parts, pos, _, finals = self._plan(trajectory_ids)
+        per_traj: list[list[np.ndarray]] = [[] for _ in range(n)]
+        whole: list[Any] = [None] * n  # the one finalized buffer, False if several
+        for part, f, p in zip(parts, finals, pos.tolist(), strict=True):
             per_traj[p].append(part)
-            f = finals[c]
             whole[p] = f if whole[p] is None or whole[p] is f else False
         items: list[Sequence[np.ndarray]] = [
-            # A finalized trajectory's turns tile its buffer (checked above): reference it whole.
+            # A finalized trajectory's turns tile its buffer (checked): reference it whole.
             [f] if isinstance(f, np.ndarray) and f.shape[0] == sum(q.shape[0] for q in t) else t
             for t, f in zip(per_traj, whole, strict=True)
         ]
@@ -296,37 +251,23 @@ class TurnStore:
 
     def _plan(
         self, trajectory_ids: Sequence[str] | pa.Array[Any]
-    ) -> tuple[
-        pa.Array[Any],
-        tuple[
-            list[tuple[np.ndarray, np.ndarray]],
-            np.ndarray,
-            np.ndarray,
-            np.ndarray,
-            list[np.ndarray | None],
-        ],
-        RouteSpec,
-    ]:
-        """The wanted ids, (views, global turns in output order, their rows, lengths, each
-        entry's finalized buffer), spec.
-
-        Checks that each wanted trajectory's turns tile ``[0, captured)`` exactly.
+    ) -> tuple[int, RouteSpec, list[np.ndarray], np.ndarray, np.ndarray, list[np.ndarray | None]]:
+        """(count wanted, spec, views of their turns' rows in output order, each one's position and
+        length and the finalized buffer it slices); `ContiguityError` unless each trajectory's turns
+        tile ``[0, captured)``.
         """
         wanted = pa.array(trajectory_ids, type=pa.large_string())
         if pc.count_distinct(wanted).as_py() != len(wanted):
             raise ValueError("trajectory_ids: expected unique ids, found duplicates")
         with self._lock:
             entries, spec = list(self._entries), self.spec
-            views = [(e.rows, e.offsets) for e in entries]
-            finals = [e.final for e in entries]
+            views = [(e.rows, e.offsets, e.final) for e in entries]
         turn_ids = pa.array([t for e in entries for t in e.tids], type=pa.large_string())
         pos = pc.index_in(turn_ids, value_set=wanted)
         sel = np.flatnonzero(np.asarray(pc.is_valid(pos).to_numpy(zero_copy_only=False)))
         pos_np = np.asarray(pos.to_numpy(zero_copy_only=False))[sel].astype(np.int64)
-        starts = [e.starts for e in entries]
-        start = (np.concatenate(starts) if starts else np.zeros(0, np.int64))[sel]
-        lens_all = [np.diff(off) for _, off in views]
-        lens = (np.concatenate(lens_all) if lens_all else np.zeros(0, np.int64))[sel]
+        start = np.concatenate([_NO_INTS, *(e.starts for e in entries)])[sel]
+        lens = np.concatenate([_NO_INTS, *(np.diff(off) for _, off, _ in views)])[sel]
         order = np.lexsort((start, pos_np))
         pos_s, start_s, lens_s = pos_np[order], start[order], lens[order]
         first = np.ones(order.size, dtype=bool)
@@ -349,7 +290,16 @@ class TurnStore:
                 trajectory_id=tid,
                 token=min(int(expect[k]), int(start_s[k])),
             )
-        return wanted, (views, sel[order], pos_s, lens_s, finals), spec
+        # Zero-copy views of the turns, in output order (a slice per turn: cheap next to a copy).
+        turns = sel[order]
+        first_turn = np.cumsum([0] + [off.size - 1 for _, off, _ in views])
+        which = (np.searchsorted(first_turn, turns, side="right") - 1).tolist()
+        local = (turns - first_turn[which]).tolist()
+        parts = [
+            views[c][0][views[c][1][r] : views[c][1][r + 1]]
+            for c, r in zip(which, local, strict=True)
+        ]
+        return len(wanted), spec, parts, pos_s, lens_s, [views[c][2] for c in which]
 
     def clear(self) -> None:
         with self._lock:
@@ -357,41 +307,7 @@ class TurnStore:
 
 
 def _id_bound(spec: RouteSpec) -> int:
-    """An upper bound of the ids this store holds: every turn was checked for its spec."""
+    """An upper bound of the ids held: every turn was checked for its spec."""
     if spec.num_experts is not None:
         return spec.num_experts - 1
     return int(np.iinfo(spec.dtype).max)
-
-
-def _turn_parts(
-    views: list[tuple[np.ndarray, np.ndarray]], turns: np.ndarray, *, with_entries: bool = False
-) -> tuple[list[np.ndarray], list[int]]:
-    """Zero-copy views of the given turns' rows (global turn indices, in that order), and the
-    entry each comes from (only ``with_entries``; else ``[]``).
-
-    A loop per turn slices views (cheap next to any copy of the rows).
-    """
-    first_turn = np.cumsum([0] + [off.size - 1 for _, off in views])
-    which = (np.searchsorted(first_turn, turns, side="right") - 1).tolist()
-    local = (turns - first_turn[which]).tolist()
-    parts = [
-        views[c][0][views[c][1][r] : views[c][1][r + 1]] for c, r in zip(which, local, strict=True)
-    ]
-    return parts, which if with_entries else []
-
-
-def _gather(
-    views: list[tuple[np.ndarray, np.ndarray]], turns: np.ndarray, spec: RouteSpec
-) -> np.ndarray:
-    """Rows of the given turns (global turn indices, in order), concatenated: one copy.
-
-    Narrower batches are widened by the same copy.
-    """
-    parts, _ = _turn_parts(views, turns)
-    out = np.empty((sum(p.shape[0] for p in parts), *spec.row_shape), dtype=spec.dtype)
-    if parts:
-        np.concatenate(parts, axis=0, out=out, casting="unsafe")  # ids were checked on append
-    return out
-
-
-__all__ = ["TurnStore", "turn_batch", "turn_schema"]

@@ -1,35 +1,11 @@
-"""Incremental per-trajectory capture of token-aligned rows across turns: the one capture path.
-
-`TokenTrace` is the generic accumulator for any fixed-shape per-token column
-(routes, sampled logprobs, ...); `RouteTrace` specialises it for routed experts
-(shape, dtype and id-range checks through :mod:`r3arrow.ids`, dtype widening).
-
-Semantics (``docs/design.md``, "Rows and incremental capture" and "Ragged routes
-and the terminal gap"): a request sends the whole conversation as prompt with
-``prompt start = captured`` and must return exactly ``P - captured + G - 1`` rows;
-row ``i`` predicts token ``i + 1``, so the rows a trajectory never captures may
-only predict loss-masked tokens. That terminal-gap rule is implemented once, in
-`r3arrow._coverage`; the rollout table's validation uses the same functions.
-
-**The capture path.** `RouteTrace.record` is the only place a turn's routes are
-validated. A trace made by `TurnStore.trace` is *bound* to that store:
-every turn it records (validated, owned, read-only, in storage dtype) is handed to
-the store as one record batch at ``token_start = captured before the turn``, which
-the store trusts without a second check. ``TurnStore.append`` (outside data) stays a
-validating trust boundary and uses the same validator (`validate_route_rows`).
-
-**What a trace covers.** Given the token ids of each turn (``prompt_ids``, and
-``generated_ids``), a trace remembers the conversation it has covered: the ids
-themselves (int32, one growable buffer, O(new tokens) per turn) and a blake2b
-digest of their int32 bytes, kept incrementally. `TokenTrace.check_extends` then
-refuses a prompt that does not extend them (`PrefixMismatchError`, ``token`` = the
-first differing position) *before* a request is sent: chat-template
-re-tokenization drift would otherwise pair routes with tokens they were not
-computed for.
+"""Incremental per-trajectory capture: `TokenTrace` (any fixed-shape per-token column) and
+`RouteTrace`, the one place a turn's routes are validated (``docs/design.md``, "Rows and
+incremental capture"; row ownership: ``docs/capture.md``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +16,8 @@ from r3arrow._checks import check_int, check_positive_int
 from r3arrow._coverage import check_terminal_gap, expected_rows
 from r3arrow._routes import as_route_rows, rectangular
 from r3arrow._validated import mark_validated
-from r3arrow.capture._covered import CoveredTokens, as_token_ids, prefix_mismatch_error
 from r3arrow.errors import (
+    PrefixMismatchError,
     R3ArrowError,
     RouteDTypeError,
     RouteShapeError,
@@ -50,45 +26,118 @@ from r3arrow.errors import (
 from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec, numpy_to_routes
 
-#: Receives each validated turn of a bound `RouteTrace`: ``(token_start, rows, spec)``, rows
-#: ``[n, L, K]`` read-only in ``spec.dtype``. Raising leaves the trace unchanged.
+#: Gets each validated turn of a bound trace, ``(token_start, rows, spec)``, rows read-only in
+#: ``spec.dtype``; raising leaves the trace unchanged.
 TurnSink = Callable[[int, np.ndarray, RouteSpec], None]
-
-#: Receives a bound `RouteTrace`'s finalized rows: ``(turn starts, rows, spec)``; the store then
-#: holds slices of ``rows`` instead of the per-turn arrays (``docs/capture.md``).
-FinalSink = Callable[[list[int], np.ndarray, RouteSpec], None]
-
+#: Gets a bound trace's finalized rows, ``(rows, spec)``.
+FinalSink = Callable[[np.ndarray, RouteSpec], None]
 #: A token count: an ``int`` or a numpy integer (``bool`` is refused).
 TokenCount = int | np.integer[Any]
 
 
-# ---------------------------------------------------------------------- traces
+def as_token_ids(ids: Any, name: str = "prompt_ids") -> np.ndarray:
+    """Token ids as a read-only flat int32 array; ``ValueError`` unless ints in ``[0, 2**31)``."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1:
+        if not ids.flags.writeable:
+            return ids
+        arr = ids.copy()  # the caller may reuse its buffer: keep what was checked
+    else:
+        raw = np.asarray(ids)
+        if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
+            raise ValueError(
+                f"{name}: expected a flat sequence of int token ids, found shape "
+                f"{list(raw.shape)} of dtype {raw.dtype}"
+            )
+        if raw.size and (int(raw.min()) < 0 or int(raw.max()) > np.iinfo(np.int32).max):
+            raise ValueError(
+                f"{name}: expected token ids in [0, 2**31), found [{int(raw.min())}, "
+                f"{int(raw.max())}]"
+            )
+        arr = raw.astype(np.int32)
+    arr.flags.writeable = False
+    return arr
+
+
+class CoveredTokens:
+    """The covered ids in one growable int32 buffer, with a blake2b-128 digest of their bytes."""
+
+    def __init__(self) -> None:
+        self._buf = np.zeros(0, dtype=np.int32)
+        self._len = 0
+        self._hash = hashlib.blake2b(digest_size=16)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The covered ids, ``[length]`` int32 (a read-only view)."""
+        view = self._buf[: self._len]
+        view.flags.writeable = False
+        return view
+
+    @property
+    def digest(self) -> str:
+        """Hex blake2b-128 of the covered ids' int32 bytes."""
+        return self._hash.hexdigest()
+
+    def check_extends(self, ids: np.ndarray, *, name: str, trajectory_id: str | None) -> None:
+        """`PrefixMismatchError` unless ``ids`` extend the covered ids (``token``: first change)."""
+        n = self._len
+        m = min(n, ids.shape[0])
+        diff = np.flatnonzero(self._buf[:m] != ids[:m])
+        if diff.size:
+            pos = int(diff[0])
+            found = f"token id {int(ids[pos])} at position {pos} where the trace has "
+            found += str(int(self._buf[pos]))
+        elif m < n:
+            pos = m
+            found = f"a prompt of {m} tokens that ends at token {m}"
+        else:
+            return
+        where = f"trajectory {trajectory_id!r}: " if trajectory_id is not None else ""
+        raise PrefixMismatchError(
+            f"{where}{name}: expected the prompt to extend the {n} tokens the trace covers, "
+            f"found {found} (re-tokenized history? keep the token ids the engine saw and "
+            "generated)",
+            token=pos,
+            trajectory_id=trajectory_id,
+        )
+
+    def extended(
+        self, prompt: np.ndarray, tail: np.ndarray | None = None
+    ) -> tuple[np.ndarray, Any]:
+        """(buffer, digest) covering ``prompt`` then ``tail`` for `commit`; changes nothing seen."""
+        n, p = self._len, prompt.shape[0]
+        m = p + (0 if tail is None else tail.shape[0])
+        buf = self._buf
+        if m > buf.shape[0]:
+            buf = np.empty(max(m, 2 * buf.shape[0], 64), dtype=np.int32)
+            buf[:n] = self._buf[:n]
+        buf[n:p] = prompt[n:]
+        if tail is not None:
+            buf[p:m] = tail
+        digest = self._hash.copy()
+        digest.update(buf[n:m].tobytes())
+        return buf, digest
+
+    def commit(self, buf: np.ndarray, digest: Any, length: int) -> None:
+        """Adopt what `extended` returned."""
+        self._buf, self._hash, self._len = buf, digest, length
+
+
 class TokenTrace:
-    """Accumulates one trajectory's fixed-shape per-token rows, turn by turn, in O(N).
+    """One trajectory's rows of ``row_shape`` (positive ints; ``()``: scalars), turn by turn.
 
-    Each turn is kept as one read-only, C-contiguous chunk in ``dtype``; chunks are
-    joined once, in `finalize`, directly into the result buffer (one write of the
-    trace's bytes; a single turn is returned as is). Ownership (``docs/capture.md``):
-    a turn is kept **without a copy** when it is read-only (a decoded payload), when the
-    trace made the array itself (rows given as a list), or when the caller hands it over
-    with ``record(..., copy=False)``; a writable array the caller may reuse is copied
-    once (the default), and rows in another dtype or layout are converted by that copy.
-
-    Parameters
-    ----------
-    row_shape:
-        Shape of one token's row (``()`` for scalars); positive ints
-        (``TypeError`` / ``ValueError`` otherwise).
-    dtype:
-        numpy dtype the rows are stored in.
-    name:
-        What the rows are, for messages.
+    A turn is kept as one read-only C-contiguous chunk in ``dtype``, copied only if writable
+    (unless handed over) or converted; `finalize` joins the chunks with one write.
     """
 
     def __init__(self, row_shape: tuple[int, ...], dtype: Any, *, name: str = "rows") -> None:
         self.row_shape = tuple(check_positive_int(d, "row_shape") for d in row_shape)
         self.dtype: np.dtype[Any] = np.dtype(dtype)
         self.name = name
+        self._tid: str | None = None
         self._chunks: list[np.ndarray] = []
         self._captured = 0
         self._seen_tokens = 0
@@ -96,15 +145,14 @@ class TokenTrace:
         self._covered = CoveredTokens()
         self._checked: tuple[np.ndarray, int] | None = None  # (ids, covered) of check_extends
 
-    # ------------------------------------------------------------------ state
     @property
     def captured(self) -> int:
-        """Rows held so far: the prompt start to send with the next request."""
+        """Rows held so far: the prompt start of the next request."""
         return self._captured
 
     @property
     def seen_tokens(self) -> int:
-        """Length of the conversation at the last recorded turn (P + G), 0 before any."""
+        """Conversation length (P + G) at the last recorded turn; 0 before any."""
         return self._seen_tokens
 
     @property
@@ -117,42 +165,29 @@ class TokenTrace:
 
     @property
     def covered_tokens(self) -> np.ndarray:
-        """The token ids recorded turns covered (``[n]`` int32, read-only; see `check_extends`)."""
+        """The token ids the recorded turns covered (``[n]`` int32, read-only)."""
         return self._covered.tokens
 
     @property
     def covered_digest(self) -> str:
-        """Hex blake2b-128 of the int32 bytes of `covered_tokens` (kept incrementally)."""
+        """Hex blake2b-128 of the int32 bytes of `covered_tokens`."""
         return self._covered.digest
 
     def check_extends(self, prompt_ids: Any) -> np.ndarray:
-        """Check that ``prompt_ids`` extends `covered_tokens`; return them as int32 (read-only).
+        """``prompt_ids`` as read-only int32, checked to extend `covered_tokens` (pass the result to
+        `record`, which then skips its own comparison).
 
-        Call it before sending a request; pass the returned array to `record` as
-        ``prompt_ids``, which then skips its own comparison (one comparison per request).
-        A trace that never recorded ids covers nothing, and every prompt extends it.
-
-        Raises
-        ------
-        ValueError
-            ``prompt_ids`` is not a flat sequence of int ids (argument misuse).
-        PrefixMismatchError
-            the prompt differs from the covered ids, or is shorter; ``token`` is the first
-            differing position (the prompt's length if it ends early).
+        Raises ``ValueError`` (not flat ints) and `PrefixMismatchError` (``token``: first change).
         """
         ids = as_token_ids(prompt_ids)
-        pos = self._covered.first_difference(ids)
-        if pos >= 0:
-            raise prefix_mismatch_error(
-                self._covered, ids, pos, name=self.name, trajectory_id=self._trajectory_id()
-            )
+        self._covered.check_extends(ids, name=self.name, trajectory_id=self._tid)
         self._checked = (ids, len(self._covered))
         return ids
 
     def _ids_for(
         self, p: int, g: int, prompt_ids: Any, generated_ids: Any
     ) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """The turn's (prompt ids, generated ids), checked against the counts and the coverage."""
+        """The turn's (prompt ids, generated ids), checked against the counts and coverage."""
         if prompt_ids is None:
             if generated_ids is not None:
                 raise ValueError("generated_ids: expected prompt_ids with them, found none")
@@ -171,12 +206,8 @@ class TokenTrace:
             )
         return ids, gen
 
-    # --------------------------------------------------------------- recording
-    def _coerce(self, rows: Any) -> tuple[np.ndarray, Any]:
-        """Check ``rows`` (shape ``[rows, *row_shape]``, storable exactly as ``dtype``).
-
-        Returns (array, state for `_accept`); changes nothing.
-        """
+    def _coerce(self, rows: Any) -> tuple[np.ndarray, np.dtype[Any], Any]:
+        """(``rows`` checked as ``[rows, *row_shape]`` storable in ``dtype``, dtype, state)."""
         want = f"[{', '.join(['rows', *map(str, self.row_shape)])}]"
         arr = rectangular(rows, f"{self.name}: expected a rectangular {want} array")
         if arr.ndim != 1 + len(self.row_shape) or arr.shape[1:] != self.row_shape:
@@ -193,10 +224,10 @@ class TokenTrace:
                     f"{self.name}: expected values in [{info.min}, {info.max}] ({self.dtype}), "
                     f"found [{lo}, {hi}]"
                 )
-        return arr, None
+        return arr, self.dtype, None
 
     def _accept(self, start: int, arr: np.ndarray, state: Any) -> None:
-        """Hook run with a validated, owned turn before the trace commits it (may raise)."""
+        """Hook: a validated, owned turn before the trace commits it (may raise)."""
 
     def record(
         self,
@@ -208,35 +239,14 @@ class TokenTrace:
         generated_ids: Any = None,
         copy: bool = True,
     ) -> int:
-        """Append one response's rows; returns the token index of its first row.
+        """Append one response's ``P - captured + G - 1`` rows; return the token index of the first.
 
-        ``rows`` must have ``prompt_tokens - captured + generated_tokens - 1`` rows.
-        ``prompt_ids`` (the ``P`` prompt ids the request sent) and ``generated_ids``
-        (the ``G`` generated ids) extend `covered_tokens`; without them the coverage stays
-        as it was (still a prefix of the conversation). On any error the trace is unchanged.
-
-        ``copy=False`` hands a writable numpy array over to the trace: it is kept (through a
-        read-only view) instead of copied, and **the caller must not mutate it afterwards**
-        (nor the buffer it views) until the trace is finalized and the result is dropped: the
-        finalized rows of a one-turn trace, and a bound trace's store, reference it. Rows
-        that are read-only, or that the trace converts anyway (another dtype, not
-        C-contiguous, a list), are never copied twice; ``copy`` changes nothing for them.
-
-        Raises
-        ------
-        TypeError, ValueError
-            ``prompt_tokens`` / ``generated_tokens`` not ints ``>= 1``; ids that are not a
-            flat int sequence, or whose lengths are not ``P`` / ``G`` (argument misuse).
-        PrefixMismatchError
-            ``prompt_ids`` do not extend `covered_tokens` (``token`` = first difference).
-        DuplicateExpertError, ExpertRangeError
-            a router-layer row repeats an expert, or an id is out of range (data errors).
-        RouteShapeError
-            wrong row count or row shape, or a prompt that does not extend past ``captured``.
-        RouteDTypeError
-            values not storable exactly in the trace's dtype.
-        TraceStateError
-            the trace was finalized.
+        ``prompt_ids``/``generated_ids`` (``P``/``G`` ids) extend `covered_tokens`. ``copy=False``
+        hands a writable array over (kept as a read-only view: do not mutate it while the trace, its
+        store or the result live). On any error nothing changes. Raises ``TypeError``/``ValueError``
+        (bad counts or ids), `PrefixMismatchError`, `DuplicateExpertError`, `ExpertRangeError`,
+        `RouteShapeError` (row count or shape, ``P <= captured``), `RouteDTypeError`,
+        `TraceStateError` (finalized).
         """
         try:
             if self._finalized:
@@ -251,20 +261,18 @@ class TokenTrace:
                     f"start must lie inside the prompt), found prompt_tokens={p}"
                 )
             ids = self._ids_for(p, g, prompt_ids, generated_ids)
-            arr, state = self._coerce(rows)
+            arr, dtype, state = self._coerce(rows)
             want = expected_rows(prompt_tokens=p, generated_tokens=g, prompt_start=self._captured)
             if arr.shape[0] != want:
                 raise RouteShapeError(
                     f"{self.name}: expected {want} rows (P={p} - captured={self._captured} + G={g} "
                     f"- 1), found {arr.shape[0]}"
                 )
-            dtype = self._storage_dtype(state)
             if arr.dtype != dtype or not arr.flags.c_contiguous:
                 arr = arr.astype(dtype, order="C")  # narrow / make contiguous: the one copy
                 arr.flags.writeable = False
             elif arr.flags.writeable:
-                # Copy unless handed over (copy=False) or made here from a list: the caller may
-                # reuse its buffer, and the trace keeps what was checked.
+                # The caller may reuse its buffer: copy unless handed over or made from a list.
                 arr = arr.copy() if copy and not isinstance(rows, list | tuple) else arr.view()
                 arr.flags.writeable = False
             start = self._captured
@@ -279,13 +287,9 @@ class TokenTrace:
             return start
         except R3ArrowError as exc:
             if exc.trajectory_id is None:
-                exc.trajectory_id = self._trajectory_id()
+                exc.trajectory_id = self._tid
             raise
 
-    def _storage_dtype(self, state: Any) -> np.dtype[Any]:
-        return self.dtype
-
-    # -------------------------------------------------------------- finishing
     def _join(self) -> np.ndarray:
         """The turns in one read-only buffer: the trace's one write of its rows."""
         if len(self._chunks) == 1 and self._chunks[0].dtype == self.dtype:
@@ -298,26 +302,16 @@ class TokenTrace:
         return out
 
     def _to_arrow(self, arr: np.ndarray) -> pa.Array[Any]:
-        flat = pa.array(arr.reshape(-1))
-        out: pa.Array[Any] = flat
+        out: pa.Array[Any] = pa.array(arr.reshape(-1))
         for size in reversed(self.row_shape):
             out = pa.FixedSizeListArray.from_arrays(out, size)
         return out
 
-    def _trajectory_id(self) -> str | None:
-        return None
-
     def finalize(self, *, num_tokens: TokenCount, loss_mask: Any) -> pa.Array[Any]:
-        """Return the captured rows (length == captured) as one Arrow array.
+        """The ``captured`` rows as one Arrow array (once; then `TraceStateError`).
 
-        The turns are joined once, straight into the result's buffer (one write; a single
-        turn is returned without one). A `RouteTrace`'s result is recorded as checked
-        (`checked_for`): `r3arrow.rollout_table` references it without checking its ids again.
-
-        ``loss_mask`` covers all ``num_tokens`` tokens of the trajectory; every
-        uncaptured row must predict a loss-masked token (`TerminalGapError`).
-        Raises `TraceStateError` if called twice, `RouteShapeError` if
-        ``num_tokens`` is below the tokens the engine saw or the mask is off.
+        Every uncaptured row of the ``num_tokens`` must predict a token ``loss_mask`` masks
+        (`TerminalGapError`); `RouteShapeError` if ``num_tokens < seen_tokens`` or the mask is off.
         """
         if self._finalized:
             raise TraceStateError(f"{self.name}: finalize() called twice; expected exactly once")
@@ -326,11 +320,9 @@ class TokenTrace:
             raise RouteShapeError(
                 f"{self.name}: expected num_tokens >= {self._seen_tokens} (tokens seen by the "
                 f"engine), found {n}",
-                trajectory_id=self._trajectory_id(),
+                trajectory_id=self._tid,
             )
-        check_terminal_gap(
-            self._captured, loss_mask, num_tokens=n, trajectory_id=self._trajectory_id()
-        )
+        check_terminal_gap(self._captured, loss_mask, num_tokens=n, trajectory_id=self._tid)
         rows = self._join()
         result = self._to_arrow(rows)
         self._finished(rows, result)
@@ -338,40 +330,18 @@ class TokenTrace:
         self._chunks = []
         return result
 
-    def _starts(self) -> list[int]:
-        """Token start of each recorded turn."""
-        out, start = [], 0
-        for chunk in self._chunks:
-            out.append(start)
-            start += chunk.shape[0]
-        return out
-
     def _finished(self, rows: np.ndarray, result: pa.Array[Any]) -> None:
-        """Hook run with the joined rows and the Arrow result before the trace is finalized."""
+        """Hook: the joined rows and the Arrow result, before the trace is finalized."""
 
 
 def validate_route_rows(
     routes: Any, spec: RouteSpec, *, what: str = "routes"
-) -> tuple[np.ndarray, RouteSpec]:
-    """The one route-row validator: shape, dtype, ids; returns (rows, spec to store them in).
-
-    ``routes`` is numpy (any integer dtype) or Arrow per-token routes; the rows come
-    back as given (not copied). The ids follow both rules of :mod:`r3arrow.ids` (range, and
-    distinct experts per router-layer row: a duplicate is a data error, and on an all-zero
-    layer of a spec without ``moe_layers`` the message says to declare the dense layers).
-    The returned spec is ``spec`` widened for the largest id when ``spec.num_experts`` is
-    None. Raises `RouteShapeError`, `RouteDTypeError`, `ExpertRangeError`,
-    `DuplicateExpertError` (with ``token`` and ``layer`` set).
-    """
-    arr, spec, _ = _validated_rows(routes, spec, what=what)
-    return arr, spec
-
-
-def _validated_rows(
-    routes: Any, spec: RouteSpec, *, what: str
 ) -> tuple[np.ndarray, RouteSpec, int]:
-    """`validate_route_rows`, plus an upper bound of the largest id, exact when
-    ``spec.num_experts`` is None (-1 for no rows; `r3arrow.ids.check_routes`, ``exact=False``)."""
+    """The one route-row validator: (rows as given, spec to store them in, id bound).
+
+    Checks shape, dtype and both id rules of `r3arrow.ids`; a spec without ``num_experts`` is
+    widened for the largest id, and the bound (-1 for no rows) is then exact.
+    """
     arr = as_route_rows(routes, spec, what=what)
     hi = check_routes(arr, spec, what=what, exact=False)[1]
     if spec.num_experts is None and hi >= 0:
@@ -380,17 +350,12 @@ def _validated_rows(
 
 
 class RouteTrace(TokenTrace):
-    """Incremental routed-expert capture for one trajectory.
+    """Routed-expert capture for one trajectory (``docs/design.md``, "Layouts for Megatron").
 
-    See ``docs/design.md``, "Ragged routes and the terminal gap" and "Layouts for
-    Megatron". Accepts numpy arrays of any integer dtype or Arrow arrays of the
-    per-token routes type, validated once by `validate_route_rows`. When
-    ``spec.num_experts`` is None the storage dtype widens as larger ids arrive
-    (never "schema changed"); `finalize` returns ``spec.arrow_type`` data.
-
-    A trace from `TurnStore.trace` is bound to its store
-    (``trajectory_id`` set): each recorded turn is also appended to the store, and
-    errors carry the ``trajectory_id``. ``RouteTrace(spec)`` is unbound.
+    Turns (numpy of any integer dtype, or Arrow) are checked once by `validate_route_rows`;
+    without ``spec.num_experts`` the dtype widens for larger ids. `finalize` returns
+    ``spec.arrow_type`` data marked as checked. A `TurnStore.trace` also appends each turn to
+    its store and sets ``trajectory_id`` on errors.
     """
 
     def __init__(self, spec: RouteSpec) -> None:
@@ -398,18 +363,13 @@ class RouteTrace(TokenTrace):
             raise TypeError(f"spec: expected a RouteSpec, found {type(spec).__name__}")
         super().__init__(spec.row_shape, spec.dtype, name="routes")
         self.spec = spec
-        self._tid: str | None = None
         self._sink: TurnSink | None = None
         self._final_sink: FinalSink | None = None
         self._hi = -1  # largest id recorded (for `checked_for`)
 
     @classmethod
     def _bound(
-        cls,
-        spec: RouteSpec,
-        trajectory_id: str,
-        sink: TurnSink,
-        final_sink: FinalSink | None = None,
+        cls, spec: RouteSpec, trajectory_id: str, sink: TurnSink, final_sink: FinalSink
     ) -> RouteTrace:
         """A trace whose validated turns go to ``sink`` and finalized rows to ``final_sink``."""
         trace = cls(spec)
@@ -418,19 +378,12 @@ class RouteTrace(TokenTrace):
 
     @property
     def trajectory_id(self) -> str | None:
-        """The trajectory this trace captures into its store (None for an unbound trace)."""
+        """The trajectory this trace captures into its store (None if unbound)."""
         return self._tid
 
-    def _trajectory_id(self) -> str | None:
-        return self._tid
-
-    def _coerce(self, rows: Any) -> tuple[np.ndarray, Any]:
-        arr, spec, hi = _validated_rows(rows, self.spec, what="routes")
-        return arr, (spec, hi)
-
-    def _storage_dtype(self, state: Any) -> np.dtype[Any]:
-        spec: RouteSpec = state[0]
-        return spec.dtype
+    def _coerce(self, rows: Any) -> tuple[np.ndarray, np.dtype[Any], Any]:
+        arr, spec, hi = validate_route_rows(rows, self.spec)
+        return arr, spec.dtype, (spec, hi)
 
     def _accept(self, start: int, arr: np.ndarray, state: Any) -> None:
         spec: RouteSpec = state[0]
@@ -442,16 +395,7 @@ class RouteTrace(TokenTrace):
     def _finished(self, rows: np.ndarray, result: pa.Array[Any]) -> None:
         mark_validated(result, spec=self.spec, max_id=self._hi)
         if self._final_sink is not None:
-            self._final_sink(self._starts(), rows, self.spec)
+            self._final_sink(rows, self.spec)
 
     def _to_arrow(self, arr: np.ndarray) -> pa.Array[Any]:
-        return numpy_to_routes(arr, self.spec)  # _join wrote spec.dtype (kept in step with dtype)
-
-
-__all__ = [
-    "FinalSink",
-    "RouteTrace",
-    "TokenTrace",
-    "TurnSink",
-    "validate_route_rows",
-]
+        return numpy_to_routes(arr, self.spec)  # _join wrote spec.dtype (kept in step)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
 import itertools
 import random
@@ -22,11 +24,11 @@ from r3arrow._checks import (
 )
 from r3arrow.capture import RouteTrace, check_route_quality
 from r3arrow.client import _sglang
-from r3arrow.client._models import GenerateOutput, ParsedResponse
 from r3arrow.client._protocol import (
     ENDPOINT_PATHS,
     PROMPT_START_KEY,
     Endpoint,
+    ParsedResponse,
     build_request,
     check_row_count,
     error_message,
@@ -55,59 +57,44 @@ _DEFAULT_RETRY = RetryPolicy()  # frozen: one shared default
 Protocol = Literal["vllm", "sglang"]
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """One finished generation.
+
+    ``routed_experts``: ``[num_route_rows, L, K]`` read-only, or None; ``token_start``: its
+    first row's index in the trace; ``payload_bytes``: as received (base64); ``attempts``: HTTP
+    attempts; ``base_url``: the server that answered.
+    """
+
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None
+    routed_experts: np.ndarray | None
+    prompt_tokens: int
+    prompt_start: int
+    num_route_rows: int
+    payload_bytes: int
+    response_bytes: int
+    token_start: int | None
+    base_url: str
+    attempts: int
+    stop_reason: int | str | None = None
+
+
 def _score(session_id: str, url: str) -> int:
     digest = hashlib.blake2b(f"{url}\x00{session_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 
-def _check_quality(routes: np.ndarray, spec: RouteSpec, url: str) -> None:
-    """`r3arrow.capture.check_route_quality` on one response's rows (`RouteQualityError`)."""
-    check_route_quality(routes, spec, what=f"routed_experts from {url}")
-
-
 class EngineClient:
-    """Async client for one set of engine servers (vLLM or the embedded reference engine).
+    """Async client for one set of engine servers; use as ``async with``.
 
-    ``EngineClient(urls, spec, retry=RetryPolicy(max_retries=5))``; use as ``async with``.
-
-    Parameters
-    ----------
-    urls:
-        One ``http(s)://`` base URL or a sequence of distinct ones.
-    spec:
-        The route shape responses must have (None: learn it, see `probe_spec`).
-    protocol:
-        ``"vllm"`` (`r3arrow.client._protocol`) or ``"sglang"`` (SGLang's native ``POST
-        /generate``, `r3arrow.client._sglang`, ``docs/sglang.md``). Sampling parameters are
-        sent as given, in the protocol's own spelling (vLLM ``max_tokens``, SGLang
-        ``max_new_tokens``). SGLang's payload has no shape: give ``spec`` (or call
-        `probe_spec` with ``num_layers``/``topk``) before requests that return routes.
-    endpoint:
-        vLLM only: ``"generate"`` (``POST /inference/v1/generate``) or ``"completions"``
-        (``POST /v1/completions`` with token-id prompts).
-    model, cache_salt, headers:
-        Sent with every request (``cache_salt`` can be overridden per request).
-    max_concurrency:
-        Requests in flight at once (an int >= 1).
-    timeout:
-        Seconds, or an `httpx.Timeout`.
-    retry:
-        The `RetryPolicy` (see `r3arrow.client._retry`): retries after connection errors, 429
-        and 5xx, exponential jittered backoff seeded by its ``seed``, ``Retry-After`` honoured
-        up to ``retry_after_max``; read/write timeouts retried only with ``retry_timeouts``.
-    max_payload_bytes:
-        Bound on a decoded route payload; the response body is bounded accordingly.
-    vocab_size:
-        Reject prompt ids outside ``[0, vocab_size)`` before sending (vLLM started with
-        ``--skip-tokenizer-init`` does not check them, and its engine core dies on one).
-    route_quality:
-        Check every decoded response with `r3arrow.capture._quality.check_route_quality` before
-        recording it (on by default); a failure is a data error: never retried, counted in
-        ``stats["data_errors"]``, the trace untouched.
-    transport:
-        An `httpx.AsyncBaseTransport` to use instead of the network (tests pass an
-        `httpx.MockTransport`); the connection limits then do not apply.
-
+    ``spec`` is the route shape responses must have (None: see `probe_spec`; SGLang requests
+    that return routes need one); ``endpoint`` is vLLM's ``"generate"`` or ``"completions"``;
+    sampling parameters go as given, in the protocol's spelling; ``max_payload_bytes`` bounds a
+    decoded payload (and so the body); ``vocab_size`` refuses prompt ids outside it before
+    sending (vLLM with ``--skip-tokenizer-init`` dies on one); ``route_quality`` runs
+    `r3arrow.capture.check_route_quality` on every response; ``transport`` replaces the network.
     Argument misuse raises `ValueError`/`TypeError`.
     """
 
@@ -162,21 +149,18 @@ class EngineClient:
         self.endpoint: Endpoint = endpoint
         self.protocol: Protocol = protocol
         self.route_quality = route_quality
-        #: Request path of this client's endpoint.
-        self.path = _sglang.GENERATE_PATH if protocol == "sglang" else ENDPOINT_PATHS[endpoint]
-        self._no_routes_hint = _sglang.NO_ROUTES_HINT if protocol == "sglang" else _NO_ROUTES_HINT
-        #: Client-set request fields a caller must not pass in ``sampling_params``.
-        self._reserved = (
-            (_sglang.START_KEY, _sglang.RETURN_KEY) if protocol == "sglang" else (PROMPT_START_KEY,)
-        )
+        sglang = protocol == "sglang"
+        self.path = _sglang.GENERATE_PATH if sglang else ENDPOINT_PATHS[endpoint]
+        self._no_routes_hint = _sglang.NO_ROUTES_HINT if sglang else _NO_ROUTES_HINT
+        self._reserved = (_sglang.START_KEY, _sglang.RETURN_KEY) if sglang else (PROMPT_START_KEY,)
         self.model = model
         self.max_concurrency = max_concurrency
         self.retry = retry
         self._rng = random.Random(retry.seed)
         self.cache_salt = cache_salt
         self.max_payload_bytes = max_payload_bytes
-        # A response body may hold the base64 payload (4/3 of it) plus JSON around it; past
-        # this bound the body is not read on (a misbehaving engine cannot exhaust memory).
+        # A body holds the base64 payload (4/3 of it) and JSON; a misbehaving engine cannot
+        # make the client read on past this bound.
         self.max_body_bytes = self.max_payload_bytes * 4 // 3 + _BODY_SLACK_BYTES
         self.vocab_size = vocab_size
         self.timeout = (
@@ -192,21 +176,11 @@ class EngineClient:
         self._sem = asyncio.Semaphore(max_concurrency)
         self._round_robin = itertools.count()
         self._busy_traces: set[int] = set()
-        #: Counters: requests sent, retries, route payload bytes and rows received, responses
-        #: recorded, 2xx responses rejected as data errors (bad payload, row count, ids; never
-        #: retried), and requests refused before sending because the prompt does not extend
-        #: its trace (`PrefixMismatchError`).
-        self.stats: dict[str, int] = {
-            "requests": 0,
-            "retries": 0,
-            "payload_bytes": 0,
-            "route_rows": 0,
-            "recorded": 0,
-            "data_errors": 0,
-            "prefix_mismatches": 0,
-        }
+        #: Counters; ``data_errors``: 2xx responses rejected (never retried),
+        #: ``prefix_mismatches``: requests refused because the prompt does not extend its trace.
+        names = ("requests", "retries", "payload_bytes", "route_rows", "recorded")
+        self.stats: dict[str, int] = dict.fromkeys((*names, "data_errors", "prefix_mismatches"), 0)
 
-    # ------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> EngineClient:
         return self
 
@@ -214,16 +188,11 @@ class EngineClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close the connection pool."""
         await self._http.aclose()
 
-    # --------------------------------------------------------------- routing
     def urls_for(self, session_id: str | None) -> list[str]:
-        """Base URLs in the order a request of ``session_id`` tries them.
-
-        A session maps to the same URL every time (rendezvous hashing: adding or removing a
-        server moves only the sessions of that server); without a session, round robin.
-        """
+        """Base URLs in the order a request of ``session_id`` tries them: rendezvous hashing
+        (a session keeps its URL; a server change moves only its sessions), else round robin."""
         if len(self.base_urls) == 1:
             return list(self.base_urls)
         if session_id is None:
@@ -240,38 +209,20 @@ class EngineClient:
         num_layers: int | None = None,
         topk: int | None = None,
     ) -> RouteSpec:
-        """Ask the engine for the route spec: one 1-token request with prompt start 0.
+        """``RouteSpec(L, K, num_experts, moe_layers)`` from one 1-token request at prompt start 0.
 
-        SGLang's payload is raw int32 without a shape, so with ``protocol="sglang"`` the row
-        shape comes from ``num_layers`` and ``topk`` (default: the client's ``spec``; a
-        `ValueError` without either) and the probe checks the payload against it and infers
-        ``moe_layers``. With vLLM they are optional and checked against the response
-        (`RouteShapeError`).
-
-        Returns ``RouteSpec(L, K, num_experts, moe_layers)`` from the returned ``[P, L, K]``
-        rows (the engine does not report ``num_experts``; None lets traces widen the dtype as
-        needed). With ``infer_dense``, ``moe_layers`` lists the layers with a nonzero id in
-        the probe; a layer whose rows are all zero is taken as dense (vLLM reports zeros for
-        layers without a router).
-
-        The rule's limit: with ``K > 1`` a router layer can never answer all zeros (its ``K``
-        ids per token are distinct), so the inference is exact; with ``K == 1`` a router layer
-        that sent every probe token to expert 0 would be mistaken for dense, so probe with
-        enough varied tokens (``token_ids``; default: 32 ids, ``1 .. 32`` modulo the client's
-        ``vocab_size``) or declare ``moe_layers`` yourself.
-
-        Raises `EngineError` if the engine returns no routes, or only zeros (no router layer).
+        With ``infer_dense``, ``moe_layers`` are the layers with a nonzero id (for ``K == 1``, probe
+        with varied ``token_ids``, default ``1 .. 32`` modulo ``vocab_size``, or declare them).
+        ``num_layers``/``topk`` are checked against a vLLM response (`RouteShapeError`) and give
+        SGLang's shape (default: ``spec``, else `ValueError`). `EngineError` for no routes or zeros.
         """
         if token_ids is None:
             token_ids = [i % (self.vocab_size or 33) for i in range(1, 33)]
         if self.protocol == "sglang":
             shape = _sglang.probe_shape(num_layers, topk, num_experts, self.spec)
             prompt = self._prompt_list(token_ids)
-            body = orjson.dumps(
-                self.build_request(
-                    prompt, {"max_new_tokens": 1, "ignore_eos": True}, prompt_start=0
-                )
-            )
+            sp = {"max_new_tokens": 1, "ignore_eos": True}
+            body = orjson.dumps(self.build_request(prompt, sp, prompt_start=0))
             content, url, _ = await self._post(body, self.urls_for(None))
             parsed = _sglang.parse_response(
                 content, spec=shape, max_payload_bytes=self.max_payload_bytes, check_ids=False
@@ -290,12 +241,11 @@ class EngineClient:
                 token_ids, sampling_params={"max_tokens": 1, "ignore_eos": True}
             )
             routes, url = out.routed_experts, out.base_url
-            found = None if routes is None else routes.shape[1:]
-            for name, want, got in (("num_layers", num_layers, 0), ("topk", topk, 1)):
-                if want is not None and found is not None and found[got] != want:
+            for name, want, axis in (("num_layers", num_layers, 1), ("topk", topk, 2)):
+                if want is not None and routes is not None and routes.shape[axis] != want:
                     raise RouteShapeError(
                         f"engine {url}: expected routes of {name}={want}, found shape "
-                        f"{list(routes.shape) if routes is not None else None}"
+                        f"{list(routes.shape)}"
                     )
         if routes is None:
             raise EngineError(
@@ -313,7 +263,6 @@ class EngineClient:
                 )
         return RouteSpec(num_layers=layers, topk=topk, num_experts=num_experts, moe_layers=moe)
 
-    # -------------------------------------------------------------- requests
     def build_request(
         self,
         prompt_token_ids: Sequence[int],
@@ -363,15 +312,12 @@ class EngineClient:
         return b"".join(parts)
 
     async def _post(self, body: bytes, urls: list[str]) -> tuple[bytes, str, int]:
-        """POST with retries; returns (2xx body, base URL, attempts).
-
-        Raises `EngineHTTPError` (see `r3arrow.client._retry` for what is retried), or
-        `PayloadTooLargeError` for a body past ``max_body_bytes`` (never retried).
-        """
-        path = self.path
-        policy = self.retry
+        """(2xx body, base URL, attempts) of a POST with retries; raises `EngineHTTPError` and
+        `PayloadTooLargeError` (never retried)."""
+        path, policy = self.path, self.retry
         failover = 0
-        last = ""
+        status: int | None = None
+        msg = last = ""
         url = urls[0]
         for attempt in range(policy.max_retries + 1):
             url = urls[failover % len(urls)]
@@ -392,9 +338,9 @@ class EngineClient:
                         f"engine request to {url}{path} timed out ({kind}; timeout={self.timeout})",
                         url=url,
                     ) from exc
-                last = f"{kind} from {url}" + (
-                    "" if isinstance(exc, httpx.TimeoutException) else f": {exc}"
-                )
+                status, msg = None, ""
+                detail = "" if isinstance(exc, httpx.TimeoutException) else f": {exc}"
+                last = f"{kind} from {url}{detail}"
                 failover += policy.fails_over(exc)
             else:
                 status = resp.status_code
@@ -409,24 +355,20 @@ class EngineClient:
                         url=url,
                     )
                 last = f"HTTP {status} from {url}: {msg}"
-                if attempt == policy.max_retries:
-                    raise EngineHTTPError(
-                        f"engine {url}{path} failed after {attempt + 1} attempts: {last}",
-                        status=status,
-                        body=msg,
-                        url=url,
-                    )
                 retry_after = policy.retry_after(resp)
             if attempt == policy.max_retries:
                 break
             self.stats["retries"] += 1
             await asyncio.sleep(policy.delay(attempt, retry_after, self._rng))
         raise EngineHTTPError(
-            f"engine {url}{path} failed after {policy.max_retries + 1} attempts: {last}", url=url
+            f"engine {url}{path} failed after {policy.max_retries + 1} attempts: {last}",
+            status=status,
+            body=msg,
+            url=url,
         )
 
     def _prompt_list(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """The prompt as plain ints (numpy scalars are not JSON-serialisable), checked."""
+        """The prompt as checked plain ints (numpy scalars are not JSON-serialisable)."""
         ids = np.asarray(prompt_token_ids)
         if ids.size == 0:
             raise ValueError("prompt_token_ids: expected at least one token, found none")
@@ -447,11 +389,7 @@ class EngineClient:
         return prompt
 
     def _check_trace(self, trace: RouteTrace, prompt: list[int]) -> tuple[RouteSpec, np.ndarray]:
-        """(spec responses for ``trace`` must have, checked prompt ids); raises if it can't.
-
-        Raises `PrefixMismatchError` if ``prompt`` does not extend the tokens the trace
-        covers (`RouteTrace.check_extends`).
-        """
+        """(spec responses for ``trace`` must have, prompt ids checked to extend it)."""
         prompt_tokens = len(prompt)
         if self.spec is not None and not self.spec.same_shape(trace.spec):
             raise RouteShapeError(
@@ -487,36 +425,38 @@ class EngineClient:
         ids: np.ndarray | None,
         p: int,
         prompt_start: int,
-    ) -> tuple[ParsedResponse, np.ndarray | None, int, int | None]:
-        """Decode a 2xx body, check it, record it into ``trace``: (parsed, routes, rows, start)."""
-        parse: Any = _sglang.parse_response if self.protocol == "sglang" else parse_response
-        parse_args: dict[str, Any] = {
-            "spec": spec,
-            "max_payload_bytes": self.max_payload_bytes,
-            "want_routes": return_routes,
-            # Ids are checked after the quality guard (below): here without a trace, in
-            # trace.record with one. SGLang's codec range-checks ids as it decodes.
-            "check_ids": False,
-        }
-        if self.protocol == "vllm":
-            parse_args["endpoint"] = self.endpoint
+    ) -> tuple[ParsedResponse, int | None]:
+        """Decode a 2xx body, check it and record it into ``trace``: (parsed, token start)."""
+        parse: Any = (
+            _sglang.parse_response
+            if self.protocol == "sglang"
+            else functools.partial(parse_response, endpoint=self.endpoint)
+        )
+        # Ids are checked after the quality guard (below): here without a trace, in
+        # trace.record with one. SGLang's codec range-checks ids as it decodes.
+        parse = functools.partial(
+            parse,
+            spec=spec,
+            max_payload_bytes=self.max_payload_bytes,
+            want_routes=return_routes,
+            check_ids=False,
+        )
         if len(content) > _OFFLOAD_BYTES:  # keep the event loop responsive while decoding
-            parsed = await asyncio.to_thread(parse, content, **parse_args)
+            parsed = await asyncio.to_thread(parse, content)
         else:
-            parsed = parse(content, **parse_args)
+            parsed = parse(content)
         g = len(parsed.token_ids)
         routes = parsed.routes
-        rows = 0
         token_start: int | None = None
         if routes is not None:
-            rows = check_row_count(
+            check_row_count(
                 routes, prompt_tokens=p, generated_tokens=g, prompt_start=prompt_start, url=url
             )
             if spec is not None:
                 # The guard runs before the id rules: a zeroed router layer is also a
                 # duplicate, and the engine-bug message is the one that explains it.
                 if self.route_quality:
-                    _check_quality(routes, spec, url)
+                    check_route_quality(routes, spec, what=f"routed_experts from {url}")
                 if trace is None:
                     check_routes(routes, spec, what="routed_experts")
             if trace is not None:
@@ -533,7 +473,7 @@ class EngineClient:
                 f"engine {url} returned no routed_experts; expected "
                 f"{p - prompt_start + g - 1} rows " + self._no_routes_hint
             )
-        return parsed, routes, rows, token_start
+        return parsed, token_start
 
     async def generate(
         self,
@@ -546,26 +486,15 @@ class EngineClient:
         cache_salt: str | None = None,
         return_routes: bool = True,
     ) -> GenerateOutput:
-        """Generate after ``prompt_token_ids`` (the whole conversation so far, P tokens).
+        """Generate after ``prompt_token_ids``, the whole conversation so far (P tokens).
 
-        With ``trace``: sends ``routed_experts_prompt_start = trace.captured`` (SGLang:
-        ``routed_experts_start_len``, with ``return_routed_experts: true``) and records the
-        ``P - captured + G - 1`` returned rows into it, once, after the response decoded and
-        checked, together with the prompt and generated token ids (the trace's coverage);
-        any error leaves the trace unchanged. The prompt must extend the tokens the trace
-        covers, checked before sending. Without a trace: sends ``prompt_start`` (an int in
-        ``[0, P)``). ``session_id`` pins the request to one base URL (default: the trace's
-        identity).
-
-        Raises `ValueError`/`TypeError` (argument misuse, before sending), `PrefixMismatchError`
-        (the prompt does not extend the trace's tokens, e.g. a re-tokenized history; before
-        sending, ``token`` = first differing position), `EngineHTTPError` (HTTP 4xx at once;
-        5xx/429/connection errors after ``max_retries`` retries; timeouts), `EngineError`
-        (unusable response), `PayloadError`/`RouteShapeError`/`ExpertRangeError`/
-        `DuplicateExpertError` (bad routes: data errors, counted in ``stats["data_errors"]``,
-        never retried), `RouteQualityError` (with ``route_quality``: routes matching a known
-        engine bug; a data error, never retried), `TraceStateError` (the trace is finalized or
-        already has a request in flight).
+        With ``trace`` (whose tokens the prompt must extend), sends ``trace.captured`` as the prompt
+        start and records the ``P - captured + G - 1`` rows once checked; any error leaves it
+        unchanged. Else sends ``prompt_start`` in ``[0, P)``. ``session_id`` pins a base URL
+        (default: the trace's). Raises `ValueError`/`TypeError`, `PrefixMismatchError` and
+        `TraceStateError` before sending, then `EngineHTTPError`, `EngineError` and data errors
+        (never retried; ``stats["data_errors"]``): `PayloadError`, `RouteShapeError`,
+        `ExpertRangeError`, `DuplicateExpertError`, `RouteQualityError`.
         """
         prompt = self._prompt_list(prompt_token_ids)
         p = len(prompt)
@@ -606,7 +535,7 @@ class EngineClient:
         try:
             content, url, attempts = await self._post(body, self.urls_for(session_id))
             try:
-                parsed, routes, rows, token_start = await self._accept(
+                parsed, token_start = await self._accept(
                     content, url, spec, return_routes, trace, ids, p, prompt_start
                 )
             except R3ArrowError as exc:
@@ -618,6 +547,8 @@ class EngineClient:
         finally:
             if trace is not None:
                 self._busy_traces.discard(id(trace))
+        routes = parsed.routes
+        rows = 0 if routes is None else routes.shape[0]
         self.stats["payload_bytes"] += parsed.payload_bytes
         self.stats["route_rows"] += rows
         return GenerateOutput(
@@ -635,6 +566,3 @@ class EngineClient:
             attempts=attempts,
             stop_reason=parsed.stop_reason,
         )
-
-
-__all__ = ["EngineClient", "Protocol"]

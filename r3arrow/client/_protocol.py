@@ -1,23 +1,14 @@
-"""vLLM's generate wire protocol, client side: request bodies, response parsing, route decoding.
-
-Two endpoints carry a token-id prompt and return token ids with the routed experts
-(``docs/design.md``, "Wire formats"):
-
-* ``generate``: ``POST /inference/v1/generate`` with ``{"token_ids", "sampling_params":
-  {..., "routed_experts_prompt_start"}}``;
-* ``completions``: ``POST /v1/completions`` with ``{"prompt": [ids], ..., "return_token_ids":
-  true, "routed_experts_prompt_start"}``.
-
-Both answer ``{"choices": [{"token_ids", "finish_reason", "stop_reason", "logprobs",
-"routed_experts"}]}`` with ``routed_experts`` as base64 ``.npy`` of ``[P - start + G - 1, L,
-K]`` rows. This module is pure (no I/O): it builds bodies and parses bytes. Expert-id checks
-go through :mod:`r3arrow.ids` (via the codec's spec check), never a copy of them.
+"""vLLM's wire protocol, client side (pure): ``generate`` and ``completions`` bodies and
+responses (``docs/design.md``, "Wire formats"; ``docs/vllm-schema.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -25,7 +16,6 @@ import orjson
 
 from r3arrow._coverage import expected_rows
 from r3arrow._routes import as_route_rows
-from r3arrow.client._models import ParsedResponse
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_packed, decode_vllm
 from r3arrow.errors import EngineError, PayloadError, RouteDTypeError, RouteShapeError
 from r3arrow.ids import check_routes
@@ -33,7 +23,6 @@ from r3arrow.spec import RouteSpec
 
 Endpoint = Literal["generate", "completions"]
 
-#: Request paths of the two supported endpoints.
 ENDPOINT_PATHS: dict[Endpoint, str] = {
     "generate": "/inference/v1/generate",
     "completions": "/v1/completions",
@@ -41,6 +30,18 @@ ENDPOINT_PATHS: dict[Endpoint, str] = {
 
 #: Set by the client from the trace (or ``prompt_start``); never by the caller.
 PROMPT_START_KEY = "routed_experts_prompt_start"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedResponse:
+    """The parts of a response the client uses (``payload_bytes`` 0 for nested lists)."""
+
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[float] | None
+    routes: np.ndarray | None
+    payload_bytes: int
 
 
 def build_request(
@@ -53,12 +54,7 @@ def build_request(
     model: str | None = None,
     cache_salt: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON body asking ``endpoint`` to continue ``prompt_token_ids``.
-
-    With ``return_routes``, ``routed_experts_prompt_start = prompt_start`` goes where the
-    endpoint expects it (inside ``sampling_params`` for generate, top level for completions).
-    ``model`` and ``cache_salt`` are added when not None.
-    """
+    """The JSON body asking ``endpoint`` to continue ``prompt_token_ids``."""
     body: dict[str, Any]
     if endpoint == "generate":
         sp = dict(sampling_params)
@@ -77,49 +73,33 @@ def build_request(
 
 
 def error_message(body: bytes) -> str:
-    """Best-effort error text of an engine error body (vLLM: ``{"error": {"message": ...}}``)."""
+    """Best-effort error text of an engine error body."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return body[:500].decode(errors="replace")
-    if isinstance(obj, dict):
-        err = obj.get("error", obj.get("detail", obj.get("message")))
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])[:2000]
-        if err is not None:
-            return str(err)[:2000]
-    return body[:500].decode(errors="replace")
+        obj = None
+    err = obj.get("error", obj.get("detail", obj.get("message"))) if isinstance(obj, dict) else None
+    if isinstance(err, dict) and "message" in err:
+        return str(err["message"])[:2000]
+    return body[:500].decode(errors="replace") if err is None else str(err)[:2000]
 
 
 _ROUTES_KEY = b'"routed_experts"'
+_TO_STRING = re.compile(rb'[ \t\r\n]*:[ \t\r\n]*"')  # JSON whitespace, ':', a string's quote
 #: The placeholder `lift_routes` leaves where the payload string was.
 LIFTED = "\x00r3arrow:lifted"
 _LIFTED_JSON = orjson.dumps(LIFTED)
-_JSON_SPACE = b" \t\r\n"
 
 
 def lift_routes(body: bytes) -> tuple[bytes, memoryview | None]:
-    """Cut a base64 ``routed_experts`` string out of a JSON body without JSON-parsing it.
-
-    A base64 payload is most of a response and JSON-parsing it into a str costs ~10x its
-    decode; base64 has no characters JSON escapes, so the raw bytes between its quotes are
-    the payload. Returns (body with a placeholder string, payload view) when the key occurs
-    exactly once with a string value, else (body, None) and the caller parses normally.
+    """(body with a `LIFTED` placeholder, payload) of a body whose one ``routed_experts`` is a
+    string, else (body, None): JSON-parsing the payload would cost ~10x its decode.
     """
     i = body.find(_ROUTES_KEY)
-    if i < 0:
+    to = None if i < 0 else _TO_STRING.match(body, i + len(_ROUTES_KEY))
+    if to is None:  # no key, or a null/list/dict value: the slow path
         return body, None
-    j = i + len(_ROUTES_KEY)
-    n = len(body)
-    while j < n and body[j] in _JSON_SPACE:
-        j += 1
-    if j >= n or body[j] != 0x3A:  # ':'
-        return body, None
-    j += 1
-    while j < n and body[j] in _JSON_SPACE:
-        j += 1
-    if j >= n or body[j] != 0x22:  # '"': a string value (null/list/dict take the slow path)
-        return body, None
+    j = to.end() - 1
     end = body.find(b'"', j + 1)
     # a second key (n > 1) or an escape sequence (a JSON encoder escaping "/") take the slow path
     if end < 0 or body.find(_ROUTES_KEY, end) >= 0 or body.find(b"\\", j + 1, end) >= 0:
@@ -128,10 +108,7 @@ def lift_routes(body: bytes) -> tuple[bytes, memoryview | None]:
 
 
 def load_body(body: bytes) -> tuple[Any, bytes, memoryview | None]:
-    """(parsed JSON, body as parsed, lifted payload or None) of a response body (`lift_routes`).
-
-    Raises `EngineError` when the body is not JSON.
-    """
+    """(JSON, body as parsed, `lift_routes` payload or None); `EngineError` if not JSON."""
     body, lifted = lift_routes(body)
     try:
         return orjson.loads(body), body, lifted
@@ -139,19 +116,39 @@ def load_body(body: bytes) -> tuple[Any, bytes, memoryview | None]:
         raise EngineError(f"engine response: expected JSON, found {body[:200]!r} ({exc})") from None
 
 
-def routes_value(raw: object, lifted: memoryview | None, where: str) -> object:
-    """The ``routed_experts`` value found at ``where``: the `lift_routes` payload if one was cut.
-
-    Raises `EngineError` when a payload was cut out of the body but ``raw`` (the value at
-    ``where``) is not its placeholder.
-    """
-    if lifted is None:
-        return raw
-    if raw != LIFTED:
+def generated_ids(tokens: object, where: str, hint: str = "") -> list[int]:
+    """``tokens`` (found at ``where``) if a non-empty list of ints, else `EngineError`."""
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
         raise EngineError(
-            f"engine response: expected routed_experts inside {where}, found it elsewhere"
+            f"engine response: expected {where} as a list of ints{hint}, found {tokens!r:.200}"
         )
-    return lifted
+    if not tokens:
+        raise EngineError("engine response: expected at least one generated token, found none")
+    return tokens
+
+
+def response_routes(
+    raw: object,
+    lifted: memoryview | None,
+    where: str,
+    decode: Callable[[object], tuple[np.ndarray, int]] | None,
+) -> tuple[np.ndarray | None, int]:
+    """(read-only routes or None, payload bytes) of ``raw``, the ``routed_experts`` at ``where``
+    (or the lifted payload), decoded unless ``decode`` is None; `EngineError` if misplaced.
+    """
+    if lifted is not None:
+        if raw != LIFTED:
+            raise EngineError(
+                f"engine response: expected routed_experts inside {where}, found it elsewhere"
+            )
+        raw = lifted
+    if decode is None or raw is None:
+        return None, 0
+    routes, payload = decode(raw)
+    routes.flags.writeable = False  # a fresh buffer no one else holds: the trace keeps it
+    return routes, payload
 
 
 def _decode_nested(value: list[Any], spec: RouteSpec | None) -> np.ndarray:
@@ -182,13 +179,10 @@ def decode_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     check_ids: bool = True,
 ) -> tuple[np.ndarray, int]:
-    """Decode a response's ``routed_experts`` to ``[rows, L, K]``; returns (array, payload bytes).
+    """A response's ``routed_experts`` as ``[rows, L, K]``: (array, payload bytes).
 
-    Accepts vLLM's base64 ``.npy`` string, SkyRL's packed dict, or nested JSON lists (the slow
-    legacy form; payload bytes reported as 0). With ``spec``, ``L``/``K`` must match and, if
-    ``check_ids``, ids must satisfy `r3arrow.ids.check_routes` (router-layer ids in
-    ``[0, num_experts)`` and distinct per row). Raises `PayloadError`, `RouteShapeError`,
-    `RouteDTypeError`, `ExpertRangeError`, `DuplicateExpertError`.
+    A base64 ``.npy`` string, SkyRL's packed dict or nested lists (0 bytes); with ``spec`` the
+    shape and (``check_ids``) the ids are checked. Raises the codec's and `r3arrow.ids`' errors.
     """
     nbytes = 0
     if isinstance(value, str | bytes | bytearray | memoryview):
@@ -220,13 +214,7 @@ def parse_response(
     want_routes: bool = True,
     check_ids: bool = True,
 ) -> ParsedResponse:
-    """Parse a successful engine response body (JSON) of ``endpoint``.
-
-    ``check_ids=False`` skips the expert-id checks (a `RouteTrace` does them on record).
-    Raises `EngineError` when the body is not a response of the expected shape (no
-    ``choices[0].token_ids``, no tokens generated, more than one choice) and the codec's
-    errors for a bad ``routed_experts`` payload (see `decode_routes`).
-    """
+    """Parse a 2xx body of ``endpoint``: `EngineError` if malformed, and `decode_routes`' errors."""
     obj, body, lifted = load_body(body)
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -238,27 +226,16 @@ def parse_response(
             f"engine response: expected exactly one choice (n=1), found {len(choices)}"
         )
     ch = choices[0]
-    tokens = ch.get("token_ids")
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in tokens
-    ):
-        hint = (
-            " (the completions endpoint needs return_token_ids=true)"
-            if endpoint == "completions"
-            else ""
-        )
-        raise EngineError(
-            f"engine response: expected choices[0].token_ids as a list of ints{hint}, "
-            f"found {tokens!r:.200}"
-        )
-    if not tokens:
-        raise EngineError("engine response: expected at least one generated token, found none")
-    routes: np.ndarray | None = None
-    payload = 0
-    raw = routes_value(ch.get("routed_experts"), lifted, "choices[0]")
-    if want_routes and raw is not None:
-        routes, payload = decode_routes(raw, spec, max_bytes=max_payload_bytes, check_ids=check_ids)
-        routes.flags.writeable = False  # a fresh buffer no one else holds: the trace keeps it
+    hint = " (the completions endpoint needs return_token_ids=true)"
+    tokens = generated_ids(
+        ch.get("token_ids"), "choices[0].token_ids", hint if endpoint == "completions" else ""
+    )
+    decode = functools.partial(
+        decode_routes, spec=spec, max_bytes=max_payload_bytes, check_ids=check_ids
+    )
+    routes, payload = response_routes(
+        ch.get("routed_experts"), lifted, "choices[0]", decode if want_routes else None
+    )
     finish = ch.get("finish_reason")
     stop = ch.get("stop_reason")
     return ParsedResponse(
@@ -272,7 +249,7 @@ def parse_response(
 
 
 def _logprobs(lp: object) -> list[float] | None:
-    """Sampled-token logprobs of either endpoint's ``logprobs`` object (None if absent)."""
+    """Sampled-token logprobs of either endpoint's ``logprobs`` (None if absent)."""
     if not isinstance(lp, dict):
         return None
     try:
@@ -289,11 +266,8 @@ def _logprobs(lp: object) -> list[float] | None:
 
 def check_row_count(
     routes: np.ndarray, *, prompt_tokens: int, generated_tokens: int, prompt_start: int, url: str
-) -> int:
-    """Return ``P - prompt_start + G - 1``, the row count vLLM sends; raise if ``routes`` differ.
-
-    Raises `RouteShapeError` naming the server ``url``.
-    """
+) -> None:
+    """`RouteShapeError` (naming ``url``) unless ``routes`` has ``P - start + G - 1`` rows."""
     want = expected_rows(
         prompt_tokens=prompt_tokens, generated_tokens=generated_tokens, prompt_start=prompt_start
     )
@@ -302,20 +276,3 @@ def check_row_count(
             f"routed_experts from {url}: expected {want} rows (P={prompt_tokens} - "
             f"prompt_start={prompt_start} + G={generated_tokens} - 1), found {routes.shape[0]}"
         )
-    return want
-
-
-__all__ = [
-    "ENDPOINT_PATHS",
-    "LIFTED",
-    "PROMPT_START_KEY",
-    "Endpoint",
-    "build_request",
-    "check_row_count",
-    "decode_routes",
-    "error_message",
-    "lift_routes",
-    "load_body",
-    "parse_response",
-    "routes_value",
-]

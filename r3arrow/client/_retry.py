@@ -1,20 +1,6 @@
-"""The client's retry policy: what is retried, how long to wait, which server to try next.
-
-Retried (up to ``max_retries`` times, then `EngineHTTPError`):
-
-* connection errors (``httpx.TransportError``: refused, reset, dropped mid-response) and
-  connect/pool timeouts; a connect failure also moves the request to the next server;
-* read/write timeouts only with ``retry_timeouts=True`` (a slow engine may still be
-  generating: retrying by default would double its load);
-* HTTP 429 and 5xx, honouring ``Retry-After`` on 429/503 up to ``retry_after_max`` seconds.
-
-Never retried: other 4xx (the request itself is wrong), and every data error in a 2xx
-response (bad payload, wrong row count, ids out of range): the engine answered, and asking
-again would only hide a bug.
-
-Waits grow exponentially, ``min(backoff_max, backoff_base * 2**attempt)``, with "equal
-jitter" (half fixed, half uniform), so that retries of many clients spread out and a wait is
-never zero.
+"""The client's retry policy (``docs/design.md``, "Error policy"): connection errors,
+connect/pool timeouts (a connect failure also tries the next server), read/write timeouts
+only with ``retry_timeouts``, 429 and 5xx; never other 4xx nor data errors.
 """
 
 from __future__ import annotations
@@ -28,14 +14,9 @@ import httpx
 
 from r3arrow._checks import check_nonnegative_int, check_optional_int
 
-#: Statuses that are retried besides 5xx.
-RETRY_STATUSES = frozenset({429})
-#: Statuses whose ``Retry-After`` header is honoured.
-RETRY_AFTER_STATUSES = frozenset({429, 503})
-
 
 def retry_after_seconds(value: str | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent/invalid."""
+    """Seconds of a Retry-After header (seconds or an HTTP date); None if absent or invalid."""
     if not value:
         return None
     try:
@@ -51,13 +32,9 @@ def retry_after_seconds(value: str | None) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-    """How an `EngineClient` retries (``EngineClient(..., retry=RetryPolicy(...))``).
-
-    ``max_retries``: retries after the first attempt (an int >= 0); ``backoff_base`` /
-    ``backoff_max``: the exponential backoff in seconds; ``retry_after_max``: the longest
-    ``Retry-After`` honoured, in seconds; ``retry_timeouts``: also retry read/write timeouts;
-    ``seed``: seed of the jitter (None: unseeded). Argument misuse raises
-    `ValueError`/`TypeError`.
+    """How an `EngineClient` retries: ``max_retries`` after the first attempt, backoff in seconds
+    (`delay`), the longest ``Retry-After`` honoured, whether read/write timeouts are retried, and
+    the jitter's ``seed``. Argument misuse raises `ValueError`/`TypeError`.
     """
 
     max_retries: int = 3
@@ -82,39 +59,34 @@ class RetryPolicy:
 
     @staticmethod
     def retries_status(status: int) -> bool:
-        """Whether an HTTP error ``status`` (>= 400) is worth another attempt."""
-        return status >= 500 or status in RETRY_STATUSES
+        """Whether an HTTP error ``status`` is worth another attempt."""
+        return status >= 500 or status == 429
 
     def retries_exception(self, exc: httpx.TransportError) -> bool:
-        """Whether a transport error is worth another attempt (a read timeout only if allowed)."""
+        """Whether a transport error is worth another attempt."""
         if isinstance(exc, httpx.TimeoutException):
             return isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout) or self.retry_timeouts
         return True
 
     @staticmethod
     def fails_over(exc: httpx.TransportError) -> bool:
-        """Whether the server could not be reached at all (try the next base URL)."""
+        """Whether the server could not be reached (try the next base URL)."""
         return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
 
     @staticmethod
     def retry_after(response: httpx.Response) -> float | None:
-        """The wait a 429/503 response asks for (None: none asked, or another status)."""
-        if response.status_code not in RETRY_AFTER_STATUSES:
+        """The wait a 429/503 response asks for, if any."""
+        if response.status_code not in (429, 503):
             return None
         return retry_after_seconds(response.headers.get("retry-after"))
 
     def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
-        """Seconds to wait before retry ``attempt + 1`` (``attempt`` counts from 0).
-
-        Exponential with equal jitter, in ``[cap / 2, cap]`` for ``cap = min(backoff_max,
-        backoff_base * 2**attempt)``; at least ``min(retry_after, retry_after_max)``. ``rng``
-        draws the jitter (the client's, seeded by ``seed``).
+        """Seconds before retry ``attempt + 1``: uniform in ``[cap / 2, cap]`` for ``cap =
+        min(backoff_max, backoff_base * 2**attempt)``, and at least ``min(retry_after,
+        retry_after_max)``.
         """
         cap = min(self.backoff_max, self.backoff_base * (2.0**attempt))
         delay = cap / 2 + rng.uniform(0, cap / 2)
         if retry_after is not None:
             delay = max(delay, min(retry_after, self.retry_after_max))
         return delay
-
-
-__all__ = ["RETRY_AFTER_STATUSES", "RETRY_STATUSES", "RetryPolicy", "retry_after_seconds"]
