@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator, Sequence
 from r3arrow._checks import check_int, check_positive_int
 from r3arrow._plan import (
     COLLATE_COLUMNS,
-    DEFAULT_MAX_MEMORY,
     _per_token,
     _Wave,
     _wave_loaders,
@@ -21,6 +20,7 @@ from r3arrow._plan import (
 from r3arrow._typing import PathLike
 from r3arrow.collate._collator import MegatronCollator
 from r3arrow.collate._microbatch import Microbatch
+from r3arrow.io import DEFAULT_MAX_MEMORY
 
 
 def collate_directory(
