@@ -38,13 +38,13 @@ from _common import best_of, machine_line, markdown_table, memcpy_gbps, parser
 def _targets(
     routers: list[Any], hidden: torch.Tensor, disagree: float, gen: torch.Generator, sched: Any
 ) -> list[torch.Tensor]:
-    """The routers' own choice (``RECORD``) with one expert swapped on a ``disagree`` share of
-    rows per layer: replay targets as an engine that disagrees that often would send them."""
-    with sched("record"), torch.no_grad():
-        native = []
+    """The routers' own choice (``record_schedule``) with one expert swapped on a ``disagree``
+    share of rows per layer: replay targets as an engine that disagrees that often would
+    send them."""
+    with sched(routers) as rec, torch.no_grad():
         for r in routers:
             r(hidden)
-            native.append(r.router_replay.get_recorded_indices().clone())
+        native = [t.clone() for t in rec.take().values()]
     experts = int(routers[0].config.num_moe_experts)
     out = []
     for t in native:
@@ -128,7 +128,7 @@ def main() -> None:
 
     from r3arrow import RouteSpec
     from r3arrow._kernels import backend
-    from r3arrow.megatron import install_replay, replay_schedule
+    from r3arrow.megatron import install_replay, record_schedule, replay_schedule
     from r3arrow.testing import use_backend
     from r3arrow.testing.megatron import build_routers, cpu_router_harness
 
@@ -139,7 +139,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     with cpu_router_harness():
         routers = build_routers(spec, range(layers), hidden=hidden_size)
-        targets = _targets(routers, hidden, args.disagree, gen, replay_schedule)
+        targets = _targets(routers, hidden, args.disagree, gen, record_schedule)
 
         def forward(grad: bool) -> None:
             with torch.set_grad_enabled(grad):

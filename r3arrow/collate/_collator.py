@@ -98,7 +98,8 @@ class MegatronCollator:
     """Rollout table (or record batch) → `Microbatch` for this rank's routers.
 
     ``layers``: global ids of this stage's routers in Megatron's build order (default:
-    every router layer of ``spec``); a layer-projected table must hold them all.
+    every router layer of ``spec``; ``[]`` for a stage of dense layers only: no routes); a
+    layer-projected table must hold them all.
     ``parallel``: this rank's `Parallelism`. ``align`` combines by lcm with the TP/CP/FP8
     multiples (`alignment_multiple`) to round the row length (unpacked) or every sequence
     (packed). ``pad_token_id`` fills ``input_ids``/``labels`` at padding. ``validate``
@@ -146,8 +147,6 @@ class MegatronCollator:
             chosen = list(spec.router_layers)
         else:
             chosen = validate_layers([check_int(i, "layers") for i in layers], spec)
-        if spec is not None and not chosen:
-            raise ValueError(f"layers: expected at least one router layer, found {chosen}")
         if len(set(chosen)) != len(chosen):
             raise ValueError(f"layers: expected distinct router layers, found {chosen}")
         self.layers: tuple[int, ...] = tuple(chosen)

@@ -26,6 +26,8 @@ class Microbatch:
     whole packed row before context-parallel slicing (Megatron's ``PackedSeqParams``).
     R3 off: ``spec``, ``routes`` and ``layer_major`` are None, ``layers`` is empty and
     ``captured`` equals ``seq_lens``; `replay_tensor`/`replay_targets` raise `ReplayError`.
+    A stage of dense layers only: ``layers`` is empty, `replay_targets` is ``[]`` and the
+    masks are those of the stages with routers.
     """
 
     spec: RouteSpec | None

@@ -1,7 +1,8 @@
 """Megatron-core side of R3: schedule-scoped replay state and validated replay targets.
 
 `replay_schedule` scopes one pipeline schedule (its `ReplayProbe` measures agreement,
-``docs/replay-probe.md``); `install_replay` checks every target before Megatron sees it;
+``docs/replay-probe.md``); `install_replay` checks every target before the given model's
+routers see it;
 `replay_backward` switches to recompute replay; `record_schedule` and its `RouteRecorder`
 collect the routers' own top-k (``docs/train-routes.md``); `model_inputs` gives
 ``GPTModel.forward`` its keyword arguments; `apply_shims`/`remove_shims` patch the padding

@@ -1,4 +1,4 @@
-"""Replay targets checked, then handed to ``RouterReplay.set_replay_data``.
+"""Replay targets checked, then queued on the routers of the open replay schedule.
 
 Megatron accepts wrong targets silently; this is the replay trust boundary, where every
 target's shape, dtype and ids are checked once (``docs/design.md`` §4 Expert ids, §7).
@@ -16,13 +16,14 @@ from r3arrow.collate import Microbatch
 from r3arrow.errors import ReplayDuplicateError, ReplayError, ReplayRangeError
 from r3arrow.ids import check_routes
 from r3arrow.megatron._routers import (
+    _check_spec_fits,
     _global_layer,
+    _instances,
     _is_mtp,
     _replay_of,
-    _router_replay,
     _routers,
 )
-from r3arrow.megatron._schedule import _mark_native
+from r3arrow.megatron._schedule import _replaying
 
 
 def _check_target_ids(arr: torch.Tensor, num_experts: int | None, layer_ids: Sequence[int]) -> None:
@@ -76,24 +77,29 @@ def install_replay(
     check: bool = True,
     mtp: MtpPolicy = "exclude",
 ) -> list[torch.Tensor]:
-    """Validate replay targets, then hand them to Megatron's ``RouterReplay``; return them.
+    """Validate replay targets, then queue them on the routers of the open `replay_schedule`
+    with its action; return them in layer order.
 
     ``mb``: a `Microbatch` (targets, token count, layers and ``num_experts`` from it; R3 off
-    raises `ReplayError`) or ``[tokens, K]`` tensors in router-instance order (then
-    ``num_tokens`` is required). ``routers`` (a model, modules or routers): targets go to
-    routers by ``layer_number`` and ``num_experts``/top-k are checked against each router;
-    without it targets follow instance order, one per instance of this process.
-    ``check=False`` skips the id scan (shapes are always checked).
+    raises `ReplayError`) or ``[tokens, K]`` tensors (then ``num_tokens`` is required;
+    ``layers`` their global ids, default ``0..n-1``). ``routers`` (a model, model chunks or
+    routers): targets go to its own routers by ``layer_number``, which must be exactly the
+    targets' layers, and ``num_experts``/top-k and a microbatch's spec layer count
+    (``num_layers``, or plus ``mtp_num_layers``) are checked against them; routers outside
+    it are untouched. Without it: one target per ``RouterReplay`` instance of this process,
+    in instance order. ``check=False`` skips the id scan (shapes are always checked). A
+    microbatch of a stage without routers (no layers) installs nothing and returns ``[]``.
 
     MTP routers (``layer_number > config.num_layers``; Megatron registers them as replay
     instances too, Megatron-LM #7404): ``mtp="exclude"`` (default) leaves them routing
-    natively for the schedule, the return value holding one target per replayed instance;
-    ``"replay"`` replays them from routes of global layer ``layer_number - 1``; ``"error"``
-    refuses them. Without ``routers`` a count mismatch raises `ReplayError` naming MTP.
+    natively for the schedule; ``"replay"`` replays them from routes of global layer
+    ``layer_number - 1``; ``"error"`` refuses them. Without ``routers`` a count mismatch
+    raises `ReplayError` naming MTP.
 
     Raises `TypeError`/`ValueError` for argument misuse (raw targets without
     ``num_tokens``, ``layers`` not one per target, an unknown ``mtp``) and `ReplayError`
-    (`ReplayRangeError`, `ReplayDuplicateError` for ids) before anything reaches Megatron.
+    (`ReplayRangeError`, `ReplayDuplicateError` for ids) before anything reaches Megatron,
+    and outside a `replay_schedule` with an action.
     """
     mtp = check_choice(mtp, "mtp", get_args(MtpPolicy))  # type: ignore[assignment]
     if isinstance(mb, Microbatch) and (mb.spec is None or not mb.r3):
@@ -102,8 +108,7 @@ def install_replay(
             "off (MegatronCollator(spec=None)); leave the routers free (replay_schedule(None)) "
             "instead of installing targets"
         )
-    rr = _router_replay().RouterReplay
-    instances = list(rr.global_router_replay_instances)
+    schedule = _replaying("install_replay")
     if isinstance(mb, Microbatch):
         assert mb.spec is not None  # checked above
         targets = mb.replay_targets()
@@ -122,20 +127,25 @@ def install_replay(
         ids = list(layers) if layers is not None else list(range(len(targets)))
     if len(ids) != len(targets):
         raise ValueError(f"layers: expected one layer id per target ({len(targets)}), found {ids}")
-    ordered, receivers = targets, instances
     native: list[Any] = []
     if routers is not None:
-        plan = _order_by_routers(targets, ids, _routers(routers), instances, experts, topk, mtp)
-        ordered, receivers, native, experts, topk = plan
-    elif len(targets) != len(instances):
-        raise ReplayError(
-            f"expected one target per RouterReplay instance of this process ({len(instances)} "
-            f"routers), found {len(targets)} targets for layers {ids}; if the extra instances "
-            f"are MTP routers (Megatron registers them too, Megatron-LM #7404), pass "
-            f"routers=<the model> so install_replay can tell them apart, with {_MTP_OPTIONS}"
-        )
+        given = _routers(routers)
+        if isinstance(mb, Microbatch):
+            assert mb.spec is not None
+            _check_spec_fits(mb.spec, (getattr(r, "config", None) for r in given))
+        receivers, native, experts, topk = _match(ids, given, experts, topk, mtp)
+    else:
+        receivers = _instances()
+        if len(targets) != len(receivers):
+            raise ReplayError(
+                f"expected one target per RouterReplay instance of this process "
+                f"({len(receivers)} routers), found {len(targets)} targets for layers {ids}; "
+                f"pass routers=<the model> to replay its own routers only (MTP routers, which "
+                f"Megatron registers too, Megatron-LM #7404, are then told apart: "
+                f"{_MTP_OPTIONS})"
+            )
     _check_targets(targets, ids, tokens, topk)
-    if check and isinstance(mb, Microbatch):
+    if check and targets and isinstance(mb, Microbatch):
         # A microbatch's targets share one buffer: one blockwise scan of all its layers,
         # skipped when the collator's fused pass checked the same bound (docs/collation.md).
         assert mb.spec is not None
@@ -144,15 +154,21 @@ def install_replay(
     elif check:
         for name, t in zip(ids, targets, strict=True):
             _check_target_ids(t.unsqueeze(0), experts, [name])
-    if native:
-        # set_replay_data wants a tensor for every instance: hand the replayed ones theirs
-        # the way it does (set_target_indices) and leave the native ones free.
-        _mark_native(native)
-        for inst, t in zip(receivers, ordered, strict=True):
-            inst.set_target_indices(t)
-    else:
-        rr.set_replay_data(ordered)
-    return ordered
+    pad = None
+    if schedule.probe is not None and isinstance(mb, Microbatch):
+        pad = _router_padding(mb)  # the probe's padding for routers handed no mask
+    schedule.install(receivers, targets, native, pad)
+    return targets
+
+
+def _router_padding(mb: Microbatch) -> torch.Tensor:
+    """bool ``[num_router_tokens]``: `Microbatch.padding_mask` in the routers' token order
+    (flat ``s * b + b_idx``), this TP rank's slice under sequence parallelism."""
+    pad = mb.padding_mask.transpose(0, 1).reshape(-1)
+    if mb.sequence_parallel and mb.tp_size > 1:
+        per = pad.numel() // mb.tp_size
+        pad = pad[mb.tp_rank * per : (mb.tp_rank + 1) * per]
+    return pad
 
 
 def _mtp_numbers(routers: list[Any]) -> list[int]:
@@ -172,16 +188,11 @@ def _agreeing(router: Any, attr: str, want: int | None, layer: int, label: str) 
     return int(got) if want is None else want
 
 
-def _order_by_routers(
-    targets: list[torch.Tensor],
-    ids: list[int],
-    routers: list[Any],
-    instances: list[Any],
-    experts: int | None,
-    topk: int | None,
-    mtp: MtpPolicy,
-) -> tuple[list[torch.Tensor], list[Any], list[Any], int | None, int | None]:
-    """(targets, their instances, native MTP instances, experts, top-k) by ``layer_number``."""
+def _match(
+    ids: list[int], routers: list[Any], experts: int | None, topk: int | None, mtp: MtpPolicy
+) -> tuple[list[Any], list[Any], int | None, int | None]:
+    """(the instance of each of ``ids``, native MTP instances, experts, top-k): ``routers``
+    by ``layer_number`` (else in order), exactly one per target layer."""
     mtp_routers = [r for r in routers if _is_mtp(r)]
     if mtp_routers and mtp == "error":
         raise ReplayError(
@@ -195,10 +206,11 @@ def _order_by_routers(
             raise ReplayError(
                 f"expected {len(ids)} routers for layers {ids}, found {len(replayed)}"
             )
-        by_layer = dict(zip(ids, replayed, strict=True))
+        found = list(ids)
     else:
-        by_layer = {_global_layer(r): r for r in replayed}
-    if sorted(by_layer) != sorted(ids):
+        found = [_global_layer(r) for r in replayed]
+    by_layer = dict(zip(found, replayed, strict=True))
+    if len(by_layer) != len(found) or sorted(found) != sorted(ids):
         hint = ""
         if mtp == "replay" and mtp_routers:
             hint = (
@@ -210,23 +222,10 @@ def _order_by_routers(
             hint = f"; targets for MTP layers need mtp='replay' (found mtp={mtp!r})"
         raise ReplayError(
             f"expected routers for global layers {sorted(ids)}, found routers for "
-            f"{sorted(by_layer)}{hint}"
-        )
-    target_of = {id(_replay_of(by_layer[g])): t for g, t in zip(ids, targets, strict=True)}
-    native = [] if mtp == "replay" else [_replay_of(r) for r in mtp_routers]
-    known = target_of.keys() | {id(inst) for inst in native}
-    covered = [i for i, inst in enumerate(instances) if id(inst) in target_of]
-    missing = [i for i, inst in enumerate(instances) if id(inst) not in known]
-    if missing or len(covered) != len(target_of):
-        raise ReplayError(
-            f"expected targets for every RouterReplay instance of this process "
-            f"({len(instances)}), found {len(covered)} covered by layers {ids} and "
-            f"{len(native)} MTP routers left native (uncovered instances {missing}: routers "
-            f"not in `routers`, e.g. another model's, or MTP routers of a module not passed; "
-            f"pass the whole model)"
+            f"{sorted(found)}{hint}"
         )
     for g in ids:
         experts = _agreeing(by_layer[g], "num_experts", experts, g, "num_experts=")
         topk = _agreeing(by_layer[g], "topk", topk, g, "top-k ")
-    receivers = [instances[i] for i in covered]
-    return [target_of[id(inst)] for inst in receivers], receivers, native, experts, topk
+    native = [] if mtp == "replay" else [_replay_of(r) for r in mtp_routers]
+    return [_replay_of(by_layer[g]) for g in ids], native, experts, topk

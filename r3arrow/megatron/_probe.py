@@ -47,6 +47,9 @@ class ReplayProbe:
 
     def __init__(self) -> None:
         self._layers: dict[int, _Layer] = {}  # id(RouterReplay instance) -> its calls
+        # id(RouterReplay instance) -> padding rows of the microbatch installed last (None:
+        # raw targets), for routers not handed a padding mask
+        self._padding: dict[int, torch.Tensor | None] = {}
         self._problem: str | None = None
         self._state = "open"  # "open" -> "done" | "failed"
         self._counts: tuple[Any, ...] | None = None  # RouteAgreement fields, on the host
@@ -98,6 +101,8 @@ class ReplayProbe:
         router, pad = (None, None)
         if frame is not None and frame[0] is inst:  # called from this router's routing()
             router, pad = frame[1], frame[2]
+        if pad is None:
+            pad = self._padding.get(id(inst))
         tokens, k = int(scores.shape[0]), int(replayed[1].shape[-1])
         acc = self._layers.get(id(inst))
         if acc is None:
@@ -135,7 +140,7 @@ class ReplayProbe:
     def _finish(self, ok: bool) -> None:
         """Close: the rows become `agreement`'s counts (one host sync), or are dropped."""
         layers = sorted(self._layers.values(), key=lambda a: a.layer)
-        self._layers = {}
+        self._layers, self._padding = {}, {}
         self._state = "done" if ok else "failed"
         if ok and self._problem is None:
             try:

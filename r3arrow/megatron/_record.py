@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -12,10 +11,8 @@ import torch
 
 from r3arrow._checks import check_int
 from r3arrow.errors import ReplayError
-from r3arrow.megatron._routers import _global_layer, _instances, _is_mtp, _replay_of, _routers
-from r3arrow.megatron._schedule import _clear_replay_state, _set_replay_action
-
-_scope = threading.local()
+from r3arrow.megatron._routers import _global_layer, _is_mtp, _replay_of, _router_replay, _routers
+from r3arrow.megatron._schedule import _close, _open
 
 
 class RouteRecorder:
@@ -84,21 +81,14 @@ def record_schedule(
     ``model_or_routers``: a model, a router or a list of either, built with
     ``moe_enable_routing_replay``. ``layers``: their global ids in router order (default:
     ``layer_number``). ``mtp``: record multi-token-prediction routers too (default: they
-    route natively, unrecorded). Replay state is cleared on entry and on exit, errors
-    included. Yields a `RouteRecorder`: ``take()`` after each microbatch's forward.
+    route natively, unrecorded). The recorded routers' replay state is cleared on entry and
+    on exit, errors included; other routers are untouched. Yields a `RouteRecorder`:
+    ``take()`` after each microbatch's forward.
 
-    Raises `ReplayError` if a record or replay schedule is in progress (a router has an
-    action set), no router is found, or a router has no ``RouterReplay``/``layer_number``;
+    Raises `ReplayError` if a record or replay schedule of this thread is open (they do not
+    nest), no router is found, or a router has no ``RouterReplay``/``layer_number``;
     `TypeError`/`ValueError` for misuse of ``layers``.
     """
-    if getattr(_scope, "active", False):
-        raise ReplayError("record_schedule: expected no record schedule in progress, found one")
-    busy = [i for i in _instances() if i.router_replay_action is not None]
-    if busy:
-        raise ReplayError(
-            f"record_schedule: expected no replay action set, found {len(busy)} router(s) with "
-            f"one (a replay_schedule in progress?); record and replay schedules do not nest"
-        )
     routers = _routers(model_or_routers)
     if not mtp:
         routers = [r for r in routers if not _is_mtp(r)]
@@ -106,13 +96,11 @@ def record_schedule(
         raise ReplayError("record_schedule: expected at least one MoE router, found none")
     ids = _layer_ids(routers, layers)
     instances = [_replay_of(r) for r in routers]
-    _clear_replay_state()
-    _scope.active = True
+    schedule = _open("record_schedule", _router_replay().RouterReplayAction.RECORD)
     recorder = RouteRecorder(instances, ids)
     try:
-        _set_replay_action("record", routers)
+        schedule.take(instances, schedule.action)
         yield recorder
     finally:
         recorder._open = False
-        _scope.active = False
-        _clear_replay_state()
+        _close(schedule)

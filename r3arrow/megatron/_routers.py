@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from r3arrow.errors import ReplayError
+from r3arrow.spec import RouteSpec
 
 
 def _router_replay() -> types.ModuleType:
@@ -96,3 +98,16 @@ def _model_router_layers(model_or_routers: Any) -> list[int]:
                 f"{type(r).__name__}"
             )
     return [int(r.layer_number) - 1 for r in routers if not _is_mtp(r)]
+
+
+def _check_spec_fits(spec: RouteSpec, configs: Iterable[Any]) -> None:
+    """`ReplayError` unless ``spec`` has the layers of each config's model: ``num_layers``,
+    or ``num_layers + mtp_num_layers`` (routes of the MTP layers too)."""
+    for cfg in {id(c): c for c in configs if getattr(c, "num_layers", None) is not None}.values():
+        n, mtp = int(cfg.num_layers), int(getattr(cfg, "mtp_num_layers", None) or 0)
+        if spec.num_layers not in (n, n + mtp):
+            also = f" or {n + mtp} (with its {mtp} MTP layers)" if mtp else ""
+            raise ReplayError(
+                f"route spec: expected {n} layers (the model's num_layers){also}, found "
+                f"{spec.num_layers} (routes of another model?)"
+            )

@@ -11,7 +11,12 @@ import torch
 from r3arrow._checks import check_int
 from r3arrow.collate import MegatronCollator, Parallelism
 from r3arrow.errors import ReplayError
-from r3arrow.megatron._routers import _model_router_layers, _parallel_state
+from r3arrow.megatron._routers import (
+    _check_spec_fits,
+    _model_router_layers,
+    _parallel_state,
+    _routers,
+)
 from r3arrow.spec import RouteSpec
 
 _UNEVEN = (
@@ -152,17 +157,22 @@ def collator_for(
     **kwargs: Any,
 ) -> MegatronCollator:
     """A `MegatronCollator` for this rank: layers from ``model``'s routers or from ``config``
-    and the PP/VPP rank; TP/CP sizes, sequence parallelism and FP8 from ``config``; ranks
-    from Megatron's ``parallel_state`` when initialised (else 0). Extra keywords go to the
-    collator and win (``parallel=`` replaces the whole `Parallelism`). ``spec=None``: R3 off
-    (no layers). `TypeError` without a config or a model."""
+    and the PP/VPP rank (none on a stage of dense layers only: its microbatches carry no
+    routes); TP/CP sizes, sequence parallelism and FP8 from ``config``; ranks from Megatron's
+    ``parallel_state`` when initialised (else 0). Extra keywords go to the collator and win
+    (``parallel=`` replaces the whole `Parallelism`). ``spec=None``: R3 off (no layers).
+    `TypeError` without a config or a model; `ReplayError` for a spec whose layer count is
+    not the model's (``num_layers``, or plus ``mtp_num_layers``)."""
     if config is None and model is None:
         raise TypeError("collator_for: expected a config or a model, found neither")
     layers = None
-    if spec is not None and model is not None:
-        layers = router_layers(model)
-    elif spec is not None:
-        layers = router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
+    if spec is not None:
+        routers = [] if model is None else _routers(model)
+        _check_spec_fits(spec, [config, *(getattr(r, "config", None) for r in routers)])
+        if model is not None:
+            layers = _model_router_layers(routers)
+        else:
+            layers = router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
     params: dict[str, Any] = {}
     sizes: dict[str, Any] = {}
     if config is not None:

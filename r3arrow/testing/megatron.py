@@ -76,7 +76,7 @@ def cpu_router_harness() -> Iterator[CpuMegatron]:
     ``torch.cuda.current_device`` (patched only without a GPU), ``moe_utils.te_general_gemm``
     (added only when absent), the ``RouterReplay`` instance list and the MoE aux-loss tracker
     are all as they were before the block. Inside, the instance list starts empty (routers
-    built inside are the only ones `install_replay` sees) and is restored on exit.
+    built inside are the only instances of the process) and is restored on exit.
 
     Raises `RuntimeError` if Megatron model parallel is already initialised (this block would
     tear down state it does not own) and `ImportError` without megatron-core.

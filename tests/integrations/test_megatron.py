@@ -34,12 +34,12 @@ from r3arrow.megatron import (  # noqa: E402
     apply_shims,
     install_replay,
     model_inputs,
+    record_schedule,
     remove_shims,
     replay_backward,
     replay_schedule,
     router_layers,
 )
-from r3arrow.megatron._schedule import _set_replay_action  # noqa: E402
 from r3arrow.megatron._shim import _padding_mask_fix_present  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
@@ -96,21 +96,17 @@ MOE = [1, 2, 3]
 
 
 def _recorded_table(
-    meg: CpuMegatron,
     routers: list[Any],
     lengths: list[int],
     captured: list[int],
     hidden: torch.Tensor,
 ) -> Any:
-    """Run the routers in RECORD mode on ``hidden`` [S, b, H] and store routes per trajectory."""
-    _set_replay_action("record")
-    _forward(routers, hidden)
-    recorded = [
-        inst.get_recorded_indices() for inst in meg.RouterReplay.global_router_replay_instances
-    ]
-    _set_replay_action(None)
+    """Record the routers' top-k on ``hidden`` [S, b, H] and store routes per trajectory."""
+    with record_schedule(routers) as rec:
+        _forward(routers, hidden)
+        recorded = rec.take()
     s, b = hidden.shape[:2]
-    per_layer = [t.reshape(s, b, TOPK) for t in recorded]  # sequence-major token order
+    per_layer = [recorded[g].reshape(s, b, TOPK) for g in MOE]  # sequence-major token order
     routes = []
     for i, c in enumerate(captured):
         # dense layer 0 stays zero (as vLLM reports it)
@@ -171,7 +167,7 @@ def test_record_store_replay_round_trip(megatron: CpuMegatron, packed: bool, ali
     lengths, captured = [5, 9, 7], [4, 8, 5]  # ragged; trajectory 2 ends with a loss-free gap
     torch.manual_seed(1)
     hidden = torch.randn(max(lengths), len(lengths), HIDDEN)
-    table = _recorded_table(megatron, routers, lengths, captured, hidden)
+    table = _recorded_table(routers, lengths, captured, hidden)
     recorded = _forward(routers, hidden)  # free routing (no action) = what RECORD saw
     mb = MegatronCollator(SPEC, layers=MOE, packed=packed, align=align)(table)
     assert mb.num_router_tokens == mb.input_ids.numel()
@@ -205,7 +201,7 @@ def test_replay_by_instance_order_and_stage_subset(megatron: CpuMegatron) -> Non
     routers = _routers(megatron, MOE)
     lengths, captured = [6, 4], [5, 3]
     hidden = torch.randn(6, 2, HIDDEN)
-    table = _recorded_table(megatron, routers, lengths, captured, hidden)
+    table = _recorded_table(routers, lengths, captured, hidden)
     recorded = _forward(routers, hidden)
     weights = [r.state_dict() for r in routers[1:]]
     stage = _routers(megatron, [2, 3])
@@ -228,7 +224,7 @@ def test_replay_by_instance_order_and_stage_subset(megatron: CpuMegatron) -> Non
 
 def test_schedule_clears_state_even_when_it_raises(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, MOE)
-    table = _recorded_table(megatron, routers, [4, 3], [3, 2], torch.randn(4, 2, HIDDEN))
+    table = _recorded_table(routers, [4, 3], [3, 2], torch.randn(4, 2, HIDDEN))
     mb = MegatronCollator(SPEC, layers=MOE)(table)
     with pytest.raises(RuntimeError, match="boom"), replay_schedule():
         install_replay(mb, routers)
@@ -241,15 +237,19 @@ def test_schedule_clears_state_even_when_it_raises(megatron: CpuMegatron) -> Non
         assert inst.target_topk_idx is None
         assert inst.replay_backward_list == []
         assert inst.router_replay_action is None
-    with pytest.raises(ReplayError, match="nested"), replay_schedule(), replay_schedule():
+    with (
+        pytest.raises(ReplayError, match="found an open replay_schedule"),
+        replay_schedule(),
+        replay_schedule(),
+    ):
         pass
 
 
 def test_forward_only_then_training_does_not_leak(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, MOE)
     h1, h2 = torch.randn(5, 2, HIDDEN), torch.randn(6, 2, HIDDEN)
-    mb1 = MegatronCollator(SPEC, layers=MOE)(_recorded_table(megatron, routers, [5, 4], [4, 3], h1))
-    mb2 = MegatronCollator(SPEC, layers=MOE)(_recorded_table(megatron, routers, [6, 3], [5, 2], h2))
+    mb1 = MegatronCollator(SPEC, layers=MOE)(_recorded_table(routers, [5, 4], [4, 3], h1))
+    mb2 = MegatronCollator(SPEC, layers=MOE)(_recorded_table(routers, [6, 3], [5, 2], h2))
     with replay_schedule():  # forward-only log-prob pass
         install_replay(mb1, routers)
         _forward(routers, h1, mb1.padding_mask)
@@ -283,7 +283,7 @@ DUPLICATE_ON_LAYER_2 = (
 
 def test_wrong_targets_rejected_before_megatron(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, MOE)
-    table = _recorded_table(megatron, routers, [5, 4], [4, 3], torch.randn(5, 2, HIDDEN))
+    table = _recorded_table(routers, [5, 4], [4, 3], torch.randn(5, 2, HIDDEN))
     collate = MegatronCollator(SPEC, layers=MOE)
     good = collate(table).replay_targets()
     n = good[0].shape[0]
@@ -359,7 +359,7 @@ def test_shim_counts_padding_mask_like_a_hand_count(megatron: CpuMegatron) -> No
 
 def test_model_inputs_pass_padding_mask_and_packed_params(megatron: CpuMegatron) -> None:
     routers = _routers(megatron, MOE)
-    table = _recorded_table(megatron, routers, [5, 4], [4, 3], torch.randn(5, 2, HIDDEN))
+    table = _recorded_table(routers, [5, 4], [4, 3], torch.randn(5, 2, HIDDEN))
     mb = MegatronCollator(SPEC, layers=MOE, packed=True, align=4)(table)
     kw = model_inputs(mb)
     assert (

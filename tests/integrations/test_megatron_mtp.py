@@ -35,7 +35,6 @@ from r3arrow.megatron import (  # noqa: E402
     router_layers,
 )
 from r3arrow.megatron._routers import _global_layer  # noqa: E402
-from r3arrow.megatron._schedule import _set_replay_action  # noqa: E402
 from r3arrow.table import rollout_table  # noqa: E402
 from r3arrow.testing.megatron import CpuMegatron, build_routers, cpu_router_harness  # noqa: E402
 
@@ -119,15 +118,14 @@ def test_exclude_default_replays_decoder_and_routes_mtp_natively(megatron: CpuMe
         with replay_backward():  # recompute: decoder pops its targets, MTP stays native
             assert mtp_inst.router_replay_action is None
             recomputed = _route(routers, hidden, mb)
-        _set_replay_action("replay_forward")  # a global switch leaves the MTP router native
-        assert mtp_inst.router_replay_action is None
     for maps in (replayed, recomputed):
         for routing_map, target in zip(maps[:3], mb.replay_targets(), strict=True):
             assert _follows(routing_map, target)
         assert torch.equal(maps[3], free[3])  # the MTP router used its own weights
     assert not any(_follows(m, t) for m, t in zip(free[:3], mb.replay_targets(), strict=True))
-    assert not hasattr(mtp_inst, "_r3arrow_native")  # the schedule's end drops the mark
-    with replay_schedule():  # the next schedule (no install yet) replays every router again
+    with_mtp = MegatronCollator(WITH_MTP, layers=[*MOE, MTP])(_table(WITH_MTP, [4]))
+    with replay_schedule():  # the next schedule may replay the MTP router
+        install_replay(with_mtp, model, mtp="replay")
         assert mtp_inst.router_replay_action == megatron.RouterReplayAction.REPLAY_FORWARD
 
 
@@ -176,12 +174,17 @@ def test_count_mismatch_without_routers_names_mtp_and_the_options(megatron: CpuM
     assert "does not match instances" not in msg  # not Megatron's generic error
 
 
-def test_uncovered_instances_are_not_blamed_on_mtp(megatron: CpuMegatron) -> None:
-    """MTP routers of a module not passed (only the decoder given): the whole model is asked."""
+def test_routers_outside_the_given_ones_are_untouched(megatron: CpuMegatron) -> None:
+    """The decoder's routers only (the MTP block not passed): the MTP router is not the
+    schedule's and keeps its state."""
     _, routers = _model()
     mb = MegatronCollator(DECODER, layers=MOE)(_table(DECODER, [4]))
-    with replay_schedule(), pytest.raises(ReplayError, match=r"uncovered instances \[3\]"):
-        install_replay(mb, routers[:3])
+    mtp_inst = routers[3].router_replay
+    mtp_inst.set_router_replay_action(megatron.RouterReplayAction.RECORD)
+    with replay_schedule():
+        assert len(install_replay(mb, routers[:3])) == len(MOE)
+        assert mtp_inst.router_replay_action == megatron.RouterReplayAction.RECORD
+    assert mtp_inst.router_replay_action == megatron.RouterReplayAction.RECORD
 
 
 def test_harness_refuses_to_nest(megatron: CpuMegatron) -> None:

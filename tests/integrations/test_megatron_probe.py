@@ -36,6 +36,7 @@ from r3arrow.megatron import (  # noqa: E402
     ReplayProbe,
     install_replay,
     model_inputs,
+    record_schedule,
     replay_backward,
     replay_schedule,
 )
@@ -226,24 +227,28 @@ def test_known_disagreement_counts_exactly(
                 assert sorted(chosen.reshape(-1).tolist()) == sorted(case.targets[i][t, j])
 
 
-def test_padding_is_excluded_and_would_count(megatron: CpuMegatron) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_padding_is_excluded_with_or_without_a_router_mask(
+    megatron: CpuMegatron, packed: bool
+) -> None:
     """Padding rows replay dummy experts 0..K-1, which differ from the native choice here:
-    counted without a mask, excluded with r3arrow's mask."""
+    excluded by the router's padding mask or, without one, by the installed microbatch's."""
     routers = _routers(megatron)
     case = _case(routers, LENGTHS, CAPTURED, [], seed=2)
-    mb = _collate(case, packed=False)
+    mb = _collate(case, packed=packed)
     hidden, pad = _inputs(case, mb)
-    with replay_schedule(measure_agreement=True) as probe:
-        install_replay(mb, routers)
-        _forward(routers, hidden, pad)
-    assert probe is not None and probe.agreement == _expected(case)
-    assert probe.agreement.all_identical == probe.agreement.tokens == sum(CAPTURED)
-    with replay_schedule(measure_agreement=True) as unmasked:
-        install_replay(mb, routers)
+    assert hidden.shape[0] * hidden.shape[1] > sum(CAPTURED)
+    for mask in (pad, None):
+        with replay_schedule(measure_agreement=True) as probe:
+            install_replay(mb, routers)
+            _forward(routers, hidden, mask)
+        assert probe is not None and probe.agreement == _expected(case)
+        assert probe.agreement.all_identical == probe.agreement.tokens == sum(CAPTURED)
+    with replay_schedule(measure_agreement=True) as raw:  # raw targets: no padding known
+        install_replay(mb.replay_targets(), routers, num_tokens=mb.num_router_tokens, layers=MOE)
         _forward(routers, hidden, None)
-    assert unmasked is not None
-    assert unmasked.agreement.tokens == hidden.shape[0] * hidden.shape[1] > sum(CAPTURED)
-    assert unmasked.agreement.all_identical < unmasked.agreement.tokens
+    assert raw is not None and raw.agreement.tokens == hidden.shape[0] * hidden.shape[1]
+    assert raw.agreement.all_identical < raw.agreement.tokens
 
 
 def test_microbatches_sum_and_recompute_counts_once(megatron: CpuMegatron) -> None:
@@ -390,9 +395,9 @@ def test_counts_match_a_set_oracle(
 
 def _native_by_record(routers: list[Any], hidden: torch.Tensor) -> list[torch.Tensor]:
     """megatron-core's own choice (``RECORD``): the oracle the probe must reproduce."""
-    with replay_schedule("record"):
+    with record_schedule(routers) as rec:
         _forward(routers, hidden, None)
-        return [r.router_replay.get_recorded_indices().clone() for r in routers]
+        return list(rec.take().values())
 
 
 @pytest.mark.parametrize(
@@ -473,8 +478,8 @@ def test_calls_that_cannot_be_aligned_raise_on_read(megatron: CpuMegatron) -> No
     short, long = torch.randn(4, 1, EXPERTS), torch.randn(6, 1, EXPERTS)
     ids = torch.tensor([[0, 1, 2]], dtype=torch.int32)
     with replay_schedule(measure_agreement=True) as probe:
-        routers[0].router_replay.set_target_indices(ids.repeat(4, 1))
-        routers[1].router_replay.set_target_indices(ids.repeat(6, 1))
+        install_replay([ids.repeat(4, 1)], routers[:1], num_tokens=4, layers=MOE[:1])
+        install_replay([ids.repeat(6, 1)], routers[1:], num_tokens=6, layers=MOE[1:2])
         (_, m0), (_, m1) = _forward(routers[:1], short, None) + _forward(routers[1:], long, None)
     assert m0.shape == (4, EXPERTS) and m1.shape == (6, EXPERTS)  # replay itself ran
     assert probe is not None

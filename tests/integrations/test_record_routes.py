@@ -267,13 +267,13 @@ def test_take_once_per_forward(routers: list[Any]) -> None:
 def test_no_nesting(routers: list[Any]) -> None:
     with (
         record_schedule(routers),
-        pytest.raises(ReplayError, match="in progress"),
+        pytest.raises(ReplayError, match="found an open record_schedule"),
         record_schedule(routers),
     ):
         pass
     with (
         replay_schedule(),
-        pytest.raises(ReplayError, match="replay action"),
+        pytest.raises(ReplayError, match="found an open replay_schedule"),
         record_schedule(routers),
     ):
         pass
