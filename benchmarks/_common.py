@@ -14,6 +14,7 @@ itself comes from the installed (editable) package. From the repository root, us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -23,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -172,17 +174,152 @@ def markdown_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str
     return "\n".join([line, sep, *body])
 
 
+class _BenchParser(argparse.ArgumentParser):
+    """Every benchmark's parser: ``--quick``, and ``--against REV`` handled here, once.
+
+    With ``--against REV`` (a git revision, or the path of another checkout) the script is not
+    run in this process: `run_against` runs it twice in fresh processes, with this tree's
+    r3arrow and with REV's, and prints both outputs and the ratios of their tables.
+    """
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        ns = super().parse_args(*args, **kwargs)
+        if ns.against is not None:
+            argv = list(args[0]) if args and args[0] is not None else sys.argv[1:]
+            sys.exit(run_against(ns.against, _without_against(argv)))
+        return ns
+
+
 def parser(description: str) -> argparse.ArgumentParser:
-    """An ArgumentParser with the common ``--quick`` flag (small sizes, runs in seconds)."""
-    p = argparse.ArgumentParser(description=description)
+    """The benchmark ArgumentParser: ``--quick`` (small sizes, seconds) and ``--against REV``."""
+    p = _BenchParser(description=description)
     p.add_argument("--quick", action="store_true", help="small sizes; runs in a few seconds")
+    p.add_argument(
+        "--against",
+        metavar="REV",
+        help="also run on git revision REV (a temporary worktree) or the checkout at path REV, "
+        "in the same run, and print this tree's figures over REV's",
+    )
     return p
 
 
-def add_quick(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--quick`` to an existing parser."""
-    p.add_argument("--quick", action="store_true", help="small sizes; runs in a few seconds")
-    return p
+def _without_against(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--against":
+            skip = True
+        elif not a.startswith("--against="):
+            out.append(a)
+    return out
+
+
+def checkout(rev: str, stack: contextlib.ExitStack) -> Path:
+    """``rev`` as a directory: an existing checkout as is, else a temporary git worktree."""
+    if Path(rev).is_dir():
+        return Path(rev).resolve()
+    root = Path(__file__).resolve().parent.parent
+    tree = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="r3arrow-against-")))
+    tree = tree / "tree"
+    subprocess.run(
+        ["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(tree), rev], check=True
+    )
+    stack.callback(
+        subprocess.run, ["git", "-C", str(root), "worktree", "remove", "--force", str(tree)]
+    )
+    return tree
+
+
+def _run_script(script: Path, argv: Sequence[str], r3arrow_root: Path) -> tuple[int, str]:
+    """Run ``script`` with ``r3arrow`` imported from ``r3arrow_root``; (exit code, stdout)."""
+    env = {**os.environ, "PYTHONPATH": str(r3arrow_root), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), *argv],
+        cwd=script.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
+    return proc.returncode, proc.stdout
+
+
+def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """The markdown tables in ``text``: (headers, rows of cells), in order."""
+    tables: list[tuple[list[str], list[list[str]]]] = []
+    block: list[list[str]] = []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([c.strip() for c in line.strip().strip("|").split("|")])
+            continue
+        if len(block) >= 2 and set("".join(block[1])) <= set("-: "):
+            tables.append((block[0], block[2:]))
+        block = []
+    return tables
+
+
+def _number(cell: str) -> float | None:
+    try:
+        return float(cell.replace(",", "").rstrip("x×%").strip())
+    except ValueError:
+        return None
+
+
+def ratio_tables(this: str, other: str) -> str:
+    """Markdown tables of this run's numbers over the other's: each table of ``this`` matched
+    by position and headers, rows by their first cell; other cells are kept as text."""
+    out = []
+    theirs = markdown_tables(other)
+    for i, (headers, rows) in enumerate(markdown_tables(this)):
+        if i >= len(theirs) or theirs[i][0] != headers:
+            continue
+        by_label = {r[0]: r for r in theirs[i][1] if r}
+        cells = []
+        for r in rows:
+            o = by_label.get(r[0])
+            if o is None or len(o) != len(r):
+                continue
+            row: list[Any] = [r[0]]
+            for a, b in zip(r[1:], o[1:], strict=True):
+                x, y = _number(a), _number(b)
+                row.append(f"{x / y:.2f}" if x is not None and y else a if a == b else f"{a} / {b}")
+            cells.append(row)
+        if cells:
+            out.append(markdown_table(cells, headers))
+    return "\n\n".join(out)
+
+
+def run_against(rev: str, argv: Sequence[str]) -> int:
+    """Run the calling benchmark on this tree and on ``rev`` and print both and their ratios.
+
+    The same script (this tree's) runs against both packages; where it fails on ``rev``
+    (an API that changed), ``rev``'s own copy of the script runs instead, if it has one.
+    Returns the exit code: non-zero when this tree's run failed.
+    """
+    script = Path(sys.argv[0]).resolve()
+    here = script.parent.parent
+    with contextlib.ExitStack() as stack:
+        tree = checkout(rev, stack)
+        code, mine = _run_script(script, argv, here)
+        print(f"### this tree ({here})\n\n{mine}", flush=True)
+        if code != 0:
+            return code
+        other_code, theirs = _run_script(script, argv, tree)
+        how = "this tree's script"
+        own = tree / "benchmarks" / script.name
+        if other_code != 0 and own.exists():
+            other_code, theirs = _run_script(own, argv, tree)
+            how = "its own script"
+        print(f"### --against {rev} ({how})\n\n{theirs}", flush=True)
+        if other_code != 0:
+            print(f"(the run against {rev} failed with exit code {other_code})")
+            return 0
+        ratios = ratio_tables(mine, theirs)
+        title = f"### this tree / {rev} (each number over its counterpart)"
+        print(f"{title}\n\n{ratios or '(no tables to compare)'}")
+    return 0
 
 
 def machine_line() -> str:
@@ -200,15 +337,18 @@ def machine_line() -> str:
 __all__ = [
     "GB",
     "Timer",
-    "add_quick",
     "arrow_peak_mb",
     "best_of",
+    "checkout",
     "machine_line",
     "markdown_table",
+    "markdown_tables",
     "memcpy_gbps",
     "parser",
     "peak_rss_mb",
     "proc_status_mb",
+    "ratio_tables",
     "reset_peak_rss",
+    "run_against",
     "run_isolated",
 ]

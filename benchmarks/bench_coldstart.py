@@ -5,17 +5,14 @@ the compiled kernels (numba's disk cache, or a compile), and one write and read 
 4-trajectory table of a 48 x top-8 spec. Baseline: a fresh process that imports pyarrow and
 writes and reads the same table's columns with plain pyarrow. Each case runs in its own
 process ``--repeat`` times; the first run may fill numba's cache, so the best of the later
-runs is the steady cold start. ``--against DIR`` also runs a checkout at ``DIR`` (e.g. a git
-worktree of the previous main) with the same interpreter, side by side.
+runs is the steady cold start. ``--against REV`` runs the same against another revision.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from _common import markdown_table, parser
 
@@ -40,13 +37,13 @@ pq.read_table(p)
 """
 
 
-def _run(code: str, pythonpath: str | None, repeat: int) -> tuple[float, float]:
-    """(first, best of the rest) wall seconds of ``code`` in fresh processes."""
-    env = None if pythonpath is None else {**os.environ, "PYTHONPATH": pythonpath}
+def _run(code: str, repeat: int) -> tuple[float, float]:
+    """(first, best of the rest) wall seconds of ``code`` in fresh processes (this process's
+    environment: ``--against`` points ``PYTHONPATH`` at the other checkout)."""
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-c", code], check=True, env=env)
+        subprocess.run([sys.executable, "-c", code], check=True)
         times.append(time.perf_counter() - t0)
     return times[0], min(times[1:] or times)
 
@@ -54,18 +51,14 @@ def _run(code: str, pythonpath: str | None, repeat: int) -> tuple[float, float]:
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--repeat", type=int, default=0, help="runs per case (default 3, quick 2)")
-    p.add_argument("--against", type=Path, help="another checkout to run beside this tree")
     args = p.parse_args()
     repeat = args.repeat or (2 if args.quick else 3)
-    here = str(Path(__file__).resolve().parent.parent)
-    base_first, base = _run(_PYARROW, None, repeat)
-    rows: list[list[object]] = [["plain pyarrow (baseline)", base_first, base, 1.0]]
-    trees = [("this tree", here)]
-    if args.against is not None:
-        trees.append((f"--against {args.against}", str(args.against.resolve())))
-    for name, path in trees:
-        first, best = _run(_R3ARROW, path, repeat)
-        rows.append([f"r3arrow, {name}", first, best, best / base])
+    base_first, base = _run(_PYARROW, repeat)
+    first, best = _run(_R3ARROW, repeat)
+    rows = [
+        ["plain pyarrow (baseline)", base_first, base, 1.0],
+        ["r3arrow", first, best, best / base],
+    ]
     print(markdown_table(rows, ["process", "first s", "best later s", "x baseline"]))
 
 

@@ -45,6 +45,7 @@ from _common import (  # the script's folder is on sys.path when run as a script
     machine_line,
     markdown_table,
     memcpy_gbps,
+    parser,
     peak_rss_mb,
     proc_status_mb,
     run_isolated,
@@ -236,8 +237,7 @@ def prepare(work: Path, quick: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small sizes; runs in seconds")
+    p = parser(__doc__.splitlines()[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--keep", action="store_true", help="keep the files under /tmp")

@@ -11,22 +11,20 @@ route bytes), file sizes and the Arrow pool's peak.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from _common import best_of, memcpy_gbps
+from _common import best_of, memcpy_gbps, parser
 
 from r3arrow import RouteSpec, read_rollouts, write_rollouts
 from r3arrow.testing import random_rollouts
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8 x 1K tokens instead of 32 x 2K")
+    ap = parser(__doc__.splitlines()[0] + " (--quick: 8 x 1K tokens instead of 32 x 2K)")
     ap.add_argument("--json", action="store_true", help="print one JSON line")
     args = ap.parse_args()
     rows, tokens = (8, 1024) if args.quick else (32, 2048)

@@ -11,6 +11,7 @@ then exits 1; the file is written either way.
     .venv/bin/python benchmarks/report.py                 # full sizes (minutes to hours)
     .venv/bin/python benchmarks/report.py --quick         # small sizes (~15 min on 2 busy cores)
     .venv/bin/python benchmarks/report.py --only codec io --out /tmp/b.md
+    .venv/bin/python benchmarks/report.py --against 888451f   # the previous main (default HEAD~1)
 
 ``docs/benchmarks.md`` is only ever written by this script: edit the scripts, not the file.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import datetime as dt
 import importlib.metadata
 import os
@@ -31,6 +33,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from _common import checkout
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -92,10 +96,16 @@ def shown_python() -> str:
         return str(exe)
 
 
-def run_benchmark(name: str, path: Path, *, quick: bool, timeout: float) -> Result:
-    """Run one benchmark script from ``benchmarks/`` and capture its output."""
+def run_benchmark(
+    name: str, path: Path, *, quick: bool, timeout: float, against: tuple[str, Path] | None = None
+) -> Result:
+    """Run one benchmark script from ``benchmarks/`` and capture its output; ``against``:
+    (the revision as shown, its checkout) for the script's ``--against``."""
     args = [path.name, *(["--quick"] if quick else [])]
-    command = "cd benchmarks && " + " ".join([shown_python(), *args])
+    shown = [*args, *(["--against", against[0]] if against else [])]
+    command = "cd benchmarks && " + " ".join([shown_python(), *shown])
+    if against is not None:
+        args += ["--against", str(against[1])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     # Its own session, so a timeout also ends the processes the benchmark started itself.
@@ -336,6 +346,13 @@ def parse_args(argv: Sequence[str] | None, names: Sequence[str]) -> argparse.Nam
         "--timeout", type=float, default=3600.0, help="seconds per benchmark (default 3600)"
     )
     p.add_argument("--note", default="", help="a sentence added to the header line")
+    p.add_argument(
+        "--against",
+        default="HEAD~1",
+        metavar="REV",
+        help="the previous main, run beside this tree by every benchmark (a git worktree; "
+        "default HEAD~1; 'none' to skip)",
+    )
     return p.parse_args(argv)
 
 
@@ -346,11 +363,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = dt.datetime.now(dt.UTC)
     load_start = load_average()
     results: list[Result] = []
-    for name in selected:
-        print(f"report: {name} ...", file=sys.stderr, flush=True)
-        r = run_benchmark(name, available[name], quick=args.quick, timeout=args.timeout)
-        print(f"report: {name} {_status(r)} in {r.seconds:.1f} s", file=sys.stderr, flush=True)
-        results.append(r)
+    with contextlib.ExitStack() as stack:
+        against = None
+        if args.against != "none":
+            rev = subprocess.run(
+                ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", args.against],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            against = (rev, checkout(rev, stack))
+        for name in selected:
+            print(f"report: {name} ...", file=sys.stderr, flush=True)
+            r = run_benchmark(
+                name, available[name], quick=args.quick, timeout=args.timeout, against=against
+            )
+            print(f"report: {name} {_status(r)} in {r.seconds:.1f} s", file=sys.stderr, flush=True)
+            results.append(r)
     out: Path = args.out
     text = render(
         results,
