@@ -1,7 +1,4 @@
-"""Argument checks shared by every module.
-
-Argument misuse raises builtins (see :mod:`r3arrow.errors`).
-"""
+"""Argument checks shared by every module; misuse raises builtins (see :mod:`r3arrow.errors`)."""
 
 from __future__ import annotations
 
@@ -10,28 +7,22 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from r3arrow.errors import SchemaError
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
+
 
 def check_int(
     value: Any, name: str, *, minimum: int | None = None, maximum: int | None = None
 ) -> int:
-    """Return ``value`` as an ``int`` after checking it is one, within ``[minimum, maximum]``.
-
-    Parameters
-    ----------
-    value:
-        The argument. ``bool`` is refused; numpy integers are accepted; floats,
-        strings and other types are never coerced.
-    name:
-        The parameter's name, used in the message.
-    minimum, maximum:
-        Inclusive bounds, or ``None`` for unbounded.
-
-    Raises
-    ------
-    TypeError
-        ``value`` is not an integer (or is a ``bool``).
-    ValueError
-        ``value`` is outside the bounds.
+    """``value`` as an ``int`` in ``[minimum, maximum]`` (``None``: unbounded), else
+    ``ValueError``; ``TypeError`` for a non-int (numpy ints pass; bool, float, str never).
     """
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected an int, found {value!r}")
@@ -49,12 +40,10 @@ def check_int(
 
 
 def check_positive_int(value: Any, name: str) -> int:
-    """``check_int(value, name, minimum=1)``."""
     return check_int(value, name, minimum=1)
 
 
 def check_nonnegative_int(value: Any, name: str) -> int:
-    """``check_int(value, name, minimum=0)``."""
     return check_int(value, name, minimum=0)
 
 
@@ -73,27 +62,13 @@ def check_choice(value: Any, name: str, choices: tuple[str, ...] | list[str]) ->
 
 
 def check_regular(path: Path) -> None:
-    """Raise `SchemaError` (``path`` set) unless ``path`` is a regular file (after symlinks).
-
-    Opening a FIFO blocks until a writer appears and a device can be endless, so
-    readers refuse them up front. ``FileNotFoundError`` if it does not exist.
+    """`SchemaError` (``path`` set) unless ``path`` is a regular file: a FIFO blocks, a device
+    may be endless. ``FileNotFoundError`` if it does not exist.
     """
-    from r3arrow.errors import SchemaError
-
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
     if not stat.S_ISREG(mode):
-        kind = (
-            "a FIFO"
-            if stat.S_ISFIFO(mode)
-            else "a directory"
-            if stat.S_ISDIR(mode)
-            else "a socket"
-            if stat.S_ISSOCK(mode)
-            else "a device"
-            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-            else "not a regular file"
-        )
+        kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
         raise SchemaError(f"{path}: expected a regular file, found {kind}", path=path)

@@ -1,13 +1,7 @@
-"""Routes arrays: coercion of any input to ``[rows, L, K]`` (`as_route_rows`), the padding row
-(`dummy_route_row`), router-layer checks (`validate_layers`), and routes columns from
-per-trajectory rows that reference buffers instead of copying them (`chunked_routes`).
-
-Private to the package: shared by capture, table, codec, client, stats, collate and adapters.
-
-Shared by table building (`r3arrow.rollout_table`) and the capture store (`r3arrow.TurnStore`):
-a trajectory whose rows are back-to-back read-only slices of one buffer of at least
-`MIN_CHUNK_BYTES` becomes its own chunk of the column referencing that buffer; runs of the
-others are joined into one chunk each (``docs/capture.md``).
+"""Routes arrays: coercion to ``[rows, L, K]`` (`as_route_rows`), the padding row
+(`dummy_route_row`), router-layer checks (`validate_layers`), and routes columns that
+reference per-trajectory buffers instead of copying them (`chunked_routes`,
+``docs/capture.md``). Private to the package.
 """
 
 from __future__ import annotations
@@ -21,6 +15,8 @@ import pyarrow as pa
 from r3arrow.errors import RouteDTypeError, RouteShapeError
 from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
 
+#: A trajectory's rows become their own chunk (referenced, not copied) from this size on:
+#: a chunk costs a few microseconds in every consumer, about a memcpy of this many bytes.
 MIN_CHUNK_BYTES = 128 << 10
 
 
@@ -32,10 +28,8 @@ def _root(arr: np.ndarray) -> np.ndarray:
 
 
 def _span(parts: Sequence[np.ndarray], spec: RouteSpec) -> np.ndarray | None:
-    """``parts`` as one read-only view, if they are back-to-back slices of one buffer, else None.
-
-    Only read-only C-contiguous parts in ``spec.dtype`` qualify (a writable one may still
-    change under an immutable Arrow column). No parts: an empty array.
+    """``parts`` as one read-only view if they are back-to-back read-only C-contiguous slices
+    of one buffer in ``spec.dtype`` (no parts: an empty array), else None.
     """
     if not parts:
         return np.empty((0, *spec.row_shape), dtype=spec.dtype)
@@ -49,8 +43,7 @@ def _span(parts: Sequence[np.ndarray], spec: RouteSpec) -> np.ndarray | None:
     ptr = [p.__array_interface__["data"][0] for p in parts]
     if any(ptr[i] + parts[i].nbytes != ptr[i + 1] for i in range(len(parts) - 1)):
         return None
-    item = spec.dtype.itemsize
-    first = (ptr[0] - root.__array_interface__["data"][0]) // item
+    first = (ptr[0] - root.__array_interface__["data"][0]) // spec.dtype.itemsize
     rows = sum(p.shape[0] for p in parts)
     view = root.reshape(-1)[first : first + rows * spec.num_layers * spec.topk]
     view = view.reshape(rows, *spec.row_shape)
@@ -59,13 +52,10 @@ def _span(parts: Sequence[np.ndarray], spec: RouteSpec) -> np.ndarray | None:
 
 
 def chunk(parts: list[np.ndarray], lens: list[int], spec: RouteSpec) -> pa.LargeListArray[Any]:
-    """One ``large_list`` chunk of trajectories whose rows are ``parts``.
-
-    One read-only part in ``spec.dtype`` is referenced; anything else is joined (a writable
-    part is copied: the caller could change it under an immutable column).
+    """One ``large_list`` chunk of trajectories of ``lens`` rows; one read-only part in
+    ``spec.dtype`` is referenced, anything else joined.
     """
-    offsets = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
+    offsets = np.cumsum([0, *lens], dtype=np.int64)
     if len(parts) == 1 and parts[0].dtype == spec.dtype and not parts[0].flags.writeable:
         flat = parts[0]
     else:  # ids were range-checked for the storage dtype: the narrowing cast is exact
@@ -84,41 +74,32 @@ def chunked(chunks: Sequence[pa.Array[Any]], type: pa.DataType) -> pa.ChunkedArr
 
 
 def chunked_routes(
-    trajectories: Sequence[Sequence[np.ndarray] | pa.Array[Any]],
-    spec: RouteSpec,
-    *,
-    min_chunk_bytes: int | None = None,
+    trajectories: Sequence[Sequence[np.ndarray] | pa.Array[Any]], spec: RouteSpec
 ) -> pa.ChunkedArray[Any]:
-    """A routes column (``spec.routes_type``), one row per trajectory, without copying buffers.
-
-    ``trajectories[i]`` holds trajectory ``i``'s rows as ``[n, L, K]`` integer arrays in
-    order, or as one null-free Arrow array of ``spec.arrow_type`` (ids already checked for
-    ``spec``). An Arrow array, or a trajectory whose parts are back-to-back
-    read-only slices of one buffer (`_span`) of at least ``min_chunk_bytes`` becomes its
-    own chunk referencing that buffer; runs of the others are joined into one chunk each
-    (one copy of their rows, cast to ``spec.dtype``). Always at least one chunk.
-    ``min_chunk_bytes`` defaults to `MIN_CHUNK_BYTES` (read at call time).
+    """A routes column, a row per trajectory (``[n, L, K]`` integer parts in order, or one
+    checked Arrow array), referencing buffers: a trajectory of `MIN_CHUNK_BYTES` or more (an
+    Arrow array or one read-only span) is its own chunk, runs of the others are joined.
     """
-    least = MIN_CHUNK_BYTES if min_chunk_bytes is None else min_chunk_bytes
     chunks: list[pa.Array[Any]] = []
     run: list[np.ndarray] = []
     run_lens: list[int] = []
+
+    def own(piece: pa.Array[Any]) -> None:
+        nonlocal run, run_lens
+        if run_lens:
+            chunks.append(chunk(run, run_lens, spec))
+            run, run_lens = [], []
+        chunks.append(piece)
+
     for parts in trajectories:
         if isinstance(parts, pa.Array):
-            if len(parts) * spec.row_nbytes >= least:  # referenced as it is: no numpy round trip
-                if run_lens:
-                    chunks.append(chunk(run, run_lens, spec))
-                    run, run_lens = [], []
-                offsets = pa.array([0, len(parts)], type=pa.int64())
-                chunks.append(pa.LargeListArray.from_arrays(offsets, parts))
+            if len(parts) * spec.row_nbytes >= MIN_CHUNK_BYTES:  # no numpy round trip
+                own(pa.LargeListArray.from_arrays(pa.array([0, len(parts)], pa.int64()), parts))
                 continue
             parts = [routes_to_numpy(parts, spec)]
         view = _span(parts, spec)
-        if view is not None and view.nbytes >= least:
-            if run_lens:
-                chunks.append(chunk(run, run_lens, spec))
-                run, run_lens = [], []
-            chunks.append(chunk([view], [view.shape[0]], spec))
+        if view is not None and view.nbytes >= MIN_CHUNK_BYTES:
+            own(chunk([view], [view.shape[0]], spec))
         else:
             run.extend(parts)
             run_lens.append(sum(p.shape[0] for p in parts))
@@ -136,9 +117,8 @@ def rectangular(rows: Any, expected: str) -> np.ndarray:
 
 
 def as_route_rows(routes: Any, spec: RouteSpec, *, what: str = "routes") -> np.ndarray:
-    """Coerce numpy (any integer dtype) or Arrow per-token routes to numpy ``[rows, L, K]``.
-
-    Checks shape and dtype only; use `r3arrow.ids.check_routes` for the ids.
+    """Numpy or Arrow per-token routes as numpy ``[rows, L, K]``, shape and dtype checked
+    (ids: `r3arrow.ids.check_routes`).
     """
     if isinstance(routes, pa.Array | pa.ChunkedArray):
         return routes_to_numpy(routes, spec)
@@ -162,11 +142,10 @@ def dummy_route_row(spec: RouteSpec) -> np.ndarray:
 
 
 def validate_layers(layers: Iterable[int], spec: RouteSpec) -> list[int]:
-    """Check that ``layers`` are router layers of ``spec``; return them as a list."""
+    """``layers`` as a list; `RouteShapeError` unless each is a router layer of ``spec``."""
     out = [int(i) for i in layers]
     known = set(spec.router_layers)
-    bad = [i for i in out if i not in known]
-    if bad:
+    if bad := [i for i in out if i not in known]:
         raise RouteShapeError(
             f"expected router layers from {list(spec.router_layers)}, found {bad}"
         )

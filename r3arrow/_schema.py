@@ -1,11 +1,5 @@
-"""Schema rollout.v1 and the per-row lengths every other table module reads.
-
-The core columns, their Arrow types and the schema metadata (``docs/design.md``, "The
-Arrow data model"; ``schemas/rollout.v1.json``). With R3 on, the table has a ``routes``
-column and carries its `RouteSpec` under ``r3arrow.spec``; with R3 off it has neither
-(`has_routes`), and everything but the routes (building, validation, loss masks, input
-ids, row selection, dynamic sampling) works the same.
-"""
+"""Schema rollout.v1 (``docs/design.md``, "The Arrow data model";
+``schemas/rollout.v1.json``) and the per-row lengths every table module reads."""
 
 from __future__ import annotations
 
@@ -33,17 +27,12 @@ ROLLOUT_COLUMNS: tuple[str, ...] = (
 )
 SCHEMA_VERSION = "rollout.v1"
 VERSION_KEY = b"r3arrow.schema"
-#: Schema metadata key of a layer-projected table: JSON list of the global layer id of each
-#: route row present (see `route_layers`; ``docs/storage.md``, "Layer projection").
+#: Schema metadata key of a layer-projected table's global layer ids (`route_layers`).
 ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
 
 
 def rollout_schema(spec: RouteSpec | None, extra: Sequence[pa.Field[Any]] = ()) -> pa.Schema:
-    """Arrow schema of a rollout table for ``spec``, with ``extra`` fields after the core ones.
-
-    ``spec=None`` is the R3-off schema: no ``routes`` field and no ``r3arrow.spec``
-    metadata (only ``r3arrow.schema``).
-    """
+    """Arrow schema of a rollout table for ``spec`` (``None``: R3 off), ``extra`` fields last."""
     core = [
         pa.field("trajectory_id", pa.large_string(), nullable=False),
         pa.field("group_id", pa.large_string(), nullable=False),
@@ -65,11 +54,8 @@ def has_routes(table: pa.Table | pa.RecordBatch) -> bool:
 
 
 def route_spec(table: pa.Table | pa.RecordBatch) -> RouteSpec:
-    """The `RouteSpec` stored in a rollout table's schema metadata.
-
-    Raises `SchemaError` when it is absent; for an R3-off table (no ``routes`` column and
-    no spec) the message says so. Test `has_routes` first where R3 may be off.
-    """
+    """The `RouteSpec` in a rollout table's schema metadata; `SchemaError` when absent (the
+    message names R3 off for an R3-off table: test `has_routes` first where R3 may be off)."""
     meta = table.schema.metadata or {}
     if not has_routes(table) and SPEC_METADATA_KEY not in meta:
         raise SchemaError(
@@ -79,15 +65,8 @@ def route_spec(table: pa.Table | pa.RecordBatch) -> RouteSpec:
 
 
 def route_layers(table: pa.Table | pa.RecordBatch | pa.Schema) -> tuple[int, ...]:
-    """The global layer id of each route row present in the table's routes, ascending.
-
-    A full table holds every layer: ``tuple(range(spec.num_layers))``. A layer-projected
-    table (``r3arrow.read_rollouts(..., layers=...)``) holds ``spec.num_layers`` of them
-    and records their global ids under ``r3arrow.route_layers`` (a JSON list); route row
-    ``i`` of a token is global layer ``route_layers(table)[i]``. A schema is accepted too.
-
-    Raises `SchemaError` for an R3-off table (no spec) and for a ``r3arrow.route_layers``
-    value that is not a strictly ascending list of ``spec.num_layers`` non-negative ints.
+    """The global layer id of each route row of a table or schema, ascending (a projected
+    table's ``r3arrow.route_layers``); `SchemaError` for R3 off or a malformed value.
     """
     schema = table if isinstance(table, pa.Schema) else table.schema
     meta = schema.metadata or {}
@@ -129,10 +108,8 @@ def require_routes(table: pa.Table | pa.RecordBatch, what: str) -> None:
 
 
 def list_lengths(col: pa.Array[Any] | pa.ChunkedArray[Any]) -> np.ndarray:
-    """Length of every list in a (chunked) list column, int64 ``[rows]``.
-
-    Raises `SchemaError` for a null list (its length is undefined).
-    """
+    """Length of every list in a (chunked) list column, int64 ``[rows]``; `SchemaError`
+    for a null list."""
     lengths = pc.list_value_length(col)
     if lengths.null_count:
         raise SchemaError(f"expected no null lists, found {lengths.null_count}")
@@ -147,9 +124,8 @@ def captured_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
 
 def sequence_lengths(table: pa.Table | pa.RecordBatch) -> np.ndarray:
     """Prompt + response tokens per trajectory (int64 ``[B]``)."""
-    lengths: np.ndarray = list_lengths(table.column("prompt_ids")) + list_lengths(
-        table.column("response_ids")
-    )
+    prompt, response = (list_lengths(table.column(c)) for c in ("prompt_ids", "response_ids"))
+    lengths: np.ndarray = prompt + response
     return lengths
 
 

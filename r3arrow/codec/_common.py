@@ -1,6 +1,6 @@
 """Shared by every wire codec: size caps, wire dtypes, shape checks and the spec check.
 
-See ``docs/design.md``, "Wire formats". Range checks go through :mod:`r3arrow.ids`.
+``docs/design.md``, "Wire formats". Range checks go through :mod:`r3arrow.ids`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ DEFAULT_MAX_BYTES: Final[int] = 8 << 30
 WIRE_DTYPES: Final[tuple[str, ...]] = ("uint8", "uint16", "int16", "int32")
 WIRE_LE: Final[dict[str, np.dtype[Any]]] = {n: np.dtype(n).newbyteorder("<") for n in WIRE_DTYPES}
 
-#: Most ids one route row ``[L, K]`` may declare (``L * K``). Real models have ``L * K`` in
-#: the thousands; the bound keeps a header with zero rows and huge ``L``/``K`` (which holds no
-#: data, so no byte cap catches it) from reaching numpy's shape limits.
+#: Most ids one route row ``[L, K]`` may declare: a header with zero rows holds no data, so
+#: no byte cap stops its ``L`` and ``K`` from reaching numpy's shape limits.
 MAX_ROW_IDS: Final[int] = 1 << 24
 
 
@@ -44,14 +43,8 @@ def check_spec_arg(spec: object, what: str) -> None:
 
 @contextmanager
 def payload_boundary(what: str) -> Iterator[None]:
-    """Backstop at a decoder's boundary: nothing but an `R3ArrowError` leaves it.
-
-    The decoders validate everything they read before they allocate, so this should never
-    fire; if a library still raises (a corner no check foresaw), the failure becomes a
-    `PayloadError` (`PayloadTooLargeError` for ``MemoryError``) with the original exception
-    as ``__cause__``, so a caller that drops bad samples on `R3ArrowError` keeps working.
-    Argument checks run before a decoder enters it and keep raising builtins.
-    """
+    """Nothing but an `R3ArrowError` leaves a decoder: a library exception no check foresaw
+    becomes a `PayloadError` (`PayloadTooLargeError` for ``MemoryError``), its cause kept."""
     try:
         yield
     except R3ArrowError:
@@ -72,11 +65,8 @@ def guarded_decode(
     max_bytes: Any,
     what: str,
 ) -> np.ndarray:
-    """``decode(payload, spec, max_bytes, what)`` inside `payload_boundary`.
-
-    ``max_bytes`` and ``spec`` are checked first (`check_max_bytes`, `check_spec_arg`), so
-    argument misuse keeps raising builtins.
-    """
+    """``decode(payload, spec, max_bytes, what)`` inside `payload_boundary`, after the
+    argument checks (`check_max_bytes`, `check_spec_arg`), which raise builtins."""
     max_bytes = check_max_bytes(max_bytes)
     check_spec_arg(spec, what)
     with payload_boundary(what):
@@ -84,7 +74,6 @@ def guarded_decode(
 
 
 def check_max_bytes(max_bytes: Any) -> int:
-    """``max_bytes`` as an int ``>= 0`` (argument misuse raises ``TypeError``/``ValueError``)."""
     return check_nonnegative_int(max_bytes, "max_bytes")
 
 
@@ -123,15 +112,12 @@ def check_row_shape(layers: int, topk: int, what: str) -> None:
         )
 
 
-def check_against_spec(arr: np.ndarray, spec: RouteSpec | None, what: str) -> np.ndarray:
-    if spec is None:
-        return arr
-    if arr.shape[1:] != spec.row_shape:
+def check_spec_shape(shape: tuple[int, ...], spec: RouteSpec, what: str) -> None:
+    """`RouteShapeError` unless ``shape`` is ``[rows, L, K]`` of ``spec``."""
+    if shape[1:] != spec.row_shape:
         raise RouteShapeError(
-            f"{what}: expected [rows, {spec.num_layers}, {spec.topk}], found {list(arr.shape)}"
+            f"{what}: expected [rows, {spec.num_layers}, {spec.topk}], found {list(shape)}"
         )
-    check_routes(arr, spec, what=what, rules="range")
-    return arr
 
 
 def check_rows_for_encode(arr: Any, what: str) -> np.ndarray:
@@ -143,6 +129,17 @@ def check_rows_for_encode(arr: Any, what: str) -> np.ndarray:
             f"{what}: expected shape [rows, L, K] with L, K >= 1, found {list(a.shape)}"
         )
     return a
+
+
+def encode_spec(arr: np.ndarray, spec: RouteSpec | None, what: str) -> tuple[RouteSpec, int]:
+    """(the spec ``arr``'s ids were range-checked against, the largest id or -1); without
+    ``spec``: ids ``>= 0`` that fit int32.
+    """
+    if spec is None:
+        spec = RouteSpec(arr.shape[1], arr.shape[2], None)
+    else:
+        check_spec_shape(arr.shape, spec, what)
+    return spec, check_routes(arr, spec, what=what, rules="range")[1]
 
 
 def wire_name(dt: np.dtype[Any], what: str) -> str:
@@ -161,7 +158,11 @@ def decode_rows(
     what: str,
 ) -> np.ndarray:
     """Base64 ``s`` as ``[rows, L, K]`` rows from ``offset``, checked against ``spec``."""
-    return check_against_spec(view_rows(b64decode(s, what), offset, dt, shape), spec, what)
+    arr = view_rows(b64decode(s, what), offset, dt, shape)
+    if spec is not None:
+        check_spec_shape(arr.shape, spec, what)
+        check_routes(arr, spec, what=what, rules="range")
+    return arr
 
 
 def view_rows(

@@ -1,27 +1,16 @@
 """Arrow IPC streams of routes: zero-copy decoding, sizes bounded from the message metadata.
 
-`_declared_ipc_bytes` reads the buffer sizes each record batch declares from its
-flatbuffer metadata (a small bounds-checked reader, `_FlatTable`) before any body
-is decoded, so a stream cannot make the reader allocate more than ``max_bytes``.
-
-Streams must be little-endian (a big-endian schema is refused: Arrow would silently byteswap
-every id if one bit of the flag flipped), laid out as writers lay them out (buffers back to
-back, each padded to 8 or 64 bytes) and end at their end-of-stream marker (or the end of the
-input); anything else is a `PayloadError`.
-
-A compressed stream is also bounded relative to its own size: by default the record batches
-may declare at most ``max_ratio`` (`DEFAULT_MAX_RATIO`, 64) times the payload's bytes once
-decompressed, but never less than `RATIO_FLOOR_BYTES` (64 MiB), so that a few kilobytes of
-zstd cannot make a reader allocate gigabytes under the 8 GiB ``max_bytes`` default. Real
-route streams compress 2-10x (random ids barely compress); an uncompressed stream declares at
-most its own size, so only compression bombs reach the bound. ``max_ratio=None`` turns it off
-(``max_bytes`` still applies). Both bounds raise `PayloadTooLargeError` before anything is
-decompressed.
+``docs/design.md``, "Wire formats": `_declared_ipc_bytes` reads the buffer sizes each
+record batch declares from its flatbuffer metadata (`_FlatTable`, bounds-checked) before any
+body is decoded, against ``max_bytes`` and, for compressed bodies, ``max_ratio`` times the
+payload (at least `RATIO_FLOOR_BYTES`). Streams must be little-endian, laid out as writers
+lay them out and end at their end-of-stream marker; anything else is a `PayloadError`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +21,8 @@ from r3arrow.codec._common import (
     check_row_shape,
     check_rows_for_encode,
     check_spec_arg,
+    check_spec_shape,
+    encode_spec,
     payload_boundary,
 )
 from r3arrow.errors import (
@@ -51,8 +42,10 @@ from r3arrow.spec import (
     storage_dtype_for,
 )
 
-#: Schema metadata key holding the row count `encode_ipc` wrote; a stream cut at a
-#: message boundary reads as a valid shorter stream, this makes it detectable.
+T = TypeVar("T")
+
+#: Schema metadata key of the row count `encode_ipc` wrote: a stream cut at a message
+#: boundary reads as a valid shorter stream.
 IPC_ROWS_METADATA_KEY: Final[bytes] = b"r3arrow.num_rows"
 
 #: Default bound on decompressed bytes per payload byte of an Arrow IPC stream.
@@ -61,46 +54,26 @@ DEFAULT_MAX_RATIO: Final[float] = 64.0
 RATIO_FLOOR_BYTES: Final[int] = 64 << 20
 
 
-def _as_arrow_buffer(buf: object) -> Any:
-    if isinstance(buf, pa.Buffer):
-        return buf
-    if isinstance(buf, bytes | bytearray | memoryview):
-        return pa.py_buffer(buf)
-    raise PayloadError(f"Arrow IPC: expected bytes or a pyarrow.Buffer, found {type(buf).__name__}")
-
-
 def _prepare_routes(routes: Any, spec: RouteSpec | None) -> tuple[np.ndarray, RouteSpec]:
     if isinstance(routes, pa.Array | pa.ChunkedArray):
         arr = routes_to_numpy(routes, spec)
     else:
         arr = check_rows_for_encode(routes, "encode_ipc")
-    if spec is None:
-        # ids >= 0 that fit int32 (no expert count known); the dtype is kept or inferred
-        _, hi = check_routes(
-            arr, RouteSpec(arr.shape[1], arr.shape[2], None), what="encode_ipc", rules="range"
-        )
+    checked, hi = encode_spec(arr, spec, "encode_ipc")
+    if spec is None:  # the dtype is kept or inferred
         keep = arr.dtype.name in ("uint8", "uint16", "int32")
         dt = arr.dtype if keep else storage_dtype_for(hi + 1 if arr.size else 1)
         spec = RouteSpec(arr.shape[1], arr.shape[2], None, id_dtype=dt.name)
     else:
-        if arr.shape[1:] != spec.row_shape:
-            raise RouteShapeError(
-                f"encode_ipc: expected [rows, {spec.num_layers}, {spec.topk}], found "
-                f"{list(arr.shape)}"
-            )
-        _, hi = check_routes(arr, spec, what="encode_ipc", rules="range")
-        spec = spec.widened_for(hi)
+        spec = checked.widened_for(hi)
     target = spec.dtype.newbyteorder("=")  # check_routes ensured every layer fits it
     return np.ascontiguousarray(arr, dtype=target), spec
 
 
 def encode_ipc(routes: Any, spec: RouteSpec | None = None) -> Any:
-    """Serialise routes as an Arrow IPC stream; return a ``pyarrow.Buffer`` (``bytes()`` copies).
-
-    ``routes`` is ``[rows, L, K]`` numpy or a per-token Arrow routes array: the stream then has one
-    column ``"routes"`` of ``spec.arrow_type`` (ids checked against ``spec``; without a spec it is
-    inferred). A ``pa.Table``/``RecordBatch`` is written as is. The spec (when known) and the row
-    count travel in the schema metadata.
+    """Routes as an Arrow IPC stream (a ``pyarrow.Buffer``): ``[rows, L, K]`` numpy or per-token
+    Arrow routes as a ``"routes"`` column (ids checked against ``spec``, else it is inferred),
+    a ``pa.Table`` / ``RecordBatch`` as is; the spec and row count in the metadata.
     """
     if isinstance(routes, pa.RecordBatch):
         routes = pa.Table.from_batches([routes])
@@ -128,7 +101,7 @@ def encode_ipc(routes: Any, spec: RouteSpec | None = None) -> Any:
 
 
 class _FlatTable:
-    """Bounds-checked reader of one flatbuffer table (just what `_declared_ipc_bytes` needs)."""
+    """Bounds-checked reader of one flatbuffer table (what `_declared_ipc_bytes` needs)."""
 
     def __init__(self, buf: bytes, pos: int) -> None:
         self.buf, self.pos = buf, pos
@@ -185,9 +158,7 @@ def _declared_ipc_bytes(b: Any) -> int:
         root = _FlatTable(meta, int.from_bytes(meta[:4], "little"))
         kind = root.scalar(1, 1)
         schema = root.table(2) if kind == _MSG_SCHEMA else None
-        # Arrow would byteswap a big-endian stream on read: one flipped bit in the schema
-        # would then turn every id into its byteswapped value. Every writer r3arrow meets
-        # is little-endian, so the flag is refused rather than trusted.
+        # Arrow byteswaps a big-endian stream: one flipped bit would byteswap every id.
         if schema is not None and schema.scalar(0, 2) != 0:
             raise PayloadError(
                 "Arrow IPC: expected a little-endian stream (schema endianness 0), found "
@@ -211,9 +182,8 @@ def _declared_ipc_bytes(b: Any) -> int:
                     f"Arrow IPC: buffer [{offset}, {offset + length}) outside a "
                     f"{0 if body is None else body.size}-byte body"
                 )
-            # Writers lay buffers out back to back, each padded to 8 (or 64) bytes. Holding
-            # streams to that means an edited offset cannot slide a buffer over its padding
-            # or a neighbour and decode shifted ids of the right shape.
+            # Writers lay buffers out back to back, padded to 8 (or 64) bytes: an edited
+            # offset cannot slide a buffer over its padding and decode shifted ids.
             if offset not in (-(-end // 8) * 8, -(-end // 64) * 64):
                 raise PayloadError(
                     f"Arrow IPC: expected buffer {k} at offset {-(-end // 8) * 8} (after the "
@@ -238,18 +208,6 @@ _ARROW_READ_ERRORS: Final = (
     IndexError,
     EOFError,
 )
-
-
-def _route_chunks(col: Any) -> list[Any]:
-    """Per-token routes arrays of a ``routes`` column (per-token type or ``large_list`` of it)."""
-    out = []
-    for chunk in col.chunks:
-        out.append(
-            chunk.flatten()
-            if pa.types.is_large_list(chunk.type) or pa.types.is_list(chunk.type)
-            else chunk
-        )
-    return out
 
 
 def _schema_spec(schema: Any) -> RouteSpec | None:
@@ -321,7 +279,11 @@ def _routes_column(table: Any) -> Any:
 
 def _read_ipc(buf: Any, max_bytes: int, max_ratio: float | None) -> tuple[Any, RouteSpec | None]:
     """Read and structurally validate a complete stream; return (table, spec from its metadata)."""
-    b = _as_arrow_buffer(buf)
+    b = pa.py_buffer(buf) if isinstance(buf, bytes | bytearray | memoryview) else buf
+    if not isinstance(b, pa.Buffer):
+        raise PayloadError(
+            f"Arrow IPC: expected bytes or a pyarrow.Buffer, found {type(buf).__name__}"
+        )
     if b.size > max_bytes:
         raise PayloadTooLargeError(
             f"Arrow IPC: payload of {b.size:,} bytes exceeds max_bytes={max_bytes:,}"
@@ -374,12 +336,28 @@ def _read_ipc(buf: Any, max_bytes: int, max_ratio: float | None) -> tuple[Any, R
     return table, _schema_spec(table.schema)
 
 
-def _check_sent_spec(sent: RouteSpec | None, spec: RouteSpec) -> None:
-    if sent is not None and not sent.same_shape(spec):
+def _check_sent_spec(sent: RouteSpec | None, spec: RouteSpec | None) -> None:
+    if sent is not None and spec is not None and not sent.same_shape(spec):
         raise RouteShapeError(
             f"Arrow IPC: expected routes [rows, {spec.num_layers}, {spec.topk}] on router layers "
             f"{list(spec.router_layers)}, found metadata spec {sent.to_json().decode()}"
         )
+
+
+def _guarded(
+    decode: Callable[[Any, RouteSpec | None, int, float | None], T],
+    buf: Any,
+    spec: RouteSpec | None,
+    max_bytes: Any,
+    max_ratio: Any,
+    what: str,
+) -> T:
+    """``decode(buf, spec, max_bytes, max_ratio)`` inside the boundary, arguments checked."""
+    max_bytes = check_max_bytes(max_bytes)
+    ratio = _check_ratio(max_ratio)
+    check_spec_arg(spec, what)
+    with payload_boundary("Arrow IPC"):
+        return decode(buf, spec, max_bytes, ratio)
 
 
 def decode_ipc(
@@ -389,38 +367,35 @@ def decode_ipc(
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_ratio: float | None = DEFAULT_MAX_RATIO,
 ) -> Any:
-    """Read an Arrow IPC stream into a ``pyarrow.Table`` on ``buf``'s memory (zero-copy).
+    """An Arrow IPC stream as a ``pyarrow.Table`` on ``buf``'s memory (zero-copy).
 
-    With ``spec``: a spec in the schema metadata must have the same shape, and a ``"routes"``
-    column (per-token type, or a ``large_list`` of it) must match ``L``/``K`` with ids in range.
-    Raises only `R3ArrowError` subclasses for any ``buf``: `PayloadError` for anything that is
-    not a complete, valid stream, `PayloadTooLargeError` over ``max_bytes`` or ``max_ratio``
-    (module docstring), `SchemaError` / `RouteShapeError` / `ExpertRangeError` for the spec
-    checks. ``TypeError``/``ValueError`` only for bad ``spec``/``max_bytes``/``max_ratio``.
+    With ``spec``: a metadata spec of the same shape, a ``"routes"`` column (per-token type or
+    a ``large_list`` of it) of its ``L``/``K`` with ids in range. Raises as the package
+    docstring says (`PayloadTooLargeError` also over ``max_ratio``).
     """
-    max_bytes = check_max_bytes(max_bytes)
-    ratio = _check_ratio(max_ratio)
-    check_spec_arg(spec, "decode_ipc")
-    with payload_boundary("Arrow IPC"):
-        table, sent = _read_ipc(buf, max_bytes, ratio)
-        if spec is not None:
-            _check_sent_spec(sent, spec)
-            if "routes" in table.column_names:
-                col = _routes_column(table)
-                t = col.type  # per-token type, or a large_list of it (a rollout table)
-                per_token = t.value_type if pa.types.is_large_list(t) or pa.types.is_list(t) else t
-                _check_routes_type(per_token)
-                if (per_token.list_size, per_token.value_type.list_size) != spec.row_shape:
-                    raise RouteShapeError(
-                        f"Arrow IPC: expected routes [rows, {spec.num_layers}, {spec.topk}], "
-                        f"found {per_token}"
-                    )
-                for chunk in _route_chunks(col):
-                    _check_no_inner_nulls(chunk)
-                    check_routes(
-                        routes_to_numpy(chunk, spec), spec, what="Arrow IPC routes", rules="range"
-                    )
+    return _guarded(_decode_ipc, buf, spec, max_bytes, max_ratio, "decode_ipc")
+
+
+def _decode_ipc(buf: Any, spec: RouteSpec | None, max_bytes: int, max_ratio: float | None) -> Any:
+    table, sent = _read_ipc(buf, max_bytes, max_ratio)
+    if spec is None:
         return table
+    _check_sent_spec(sent, spec)
+    if "routes" not in table.column_names:
+        return table
+    col = _routes_column(table)
+    nested = pa.types.is_large_list(col.type) or pa.types.is_list(col.type)  # a rollout table
+    per_token = col.type.value_type if nested else col.type
+    _check_routes_type(per_token)
+    if (per_token.list_size, per_token.value_type.list_size) != spec.row_shape:
+        raise RouteShapeError(
+            f"Arrow IPC: expected routes [rows, {spec.num_layers}, {spec.topk}], found {per_token}"
+        )
+    for chunk in col.chunks:
+        tokens = chunk.flatten() if nested else chunk
+        _check_no_inner_nulls(tokens)
+        check_routes(routes_to_numpy(tokens, spec), spec, what="Arrow IPC routes", rules="range")
+    return table
 
 
 def decode_ipc_routes(
@@ -430,27 +405,19 @@ def decode_ipc_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_ratio: float | None = DEFAULT_MAX_RATIO,
 ) -> np.ndarray:
-    """Decode an `encode_ipc` stream to ``[rows, L, K]`` numpy, a read-only view on ``buf``.
-
-    Zero-copy when the stream holds one record batch (as `encode_ipc` writes); several batches are
-    concatenated (one copy). Requires one ``"routes"`` column of the per-token routes type; its
-    shape is checked against ``spec`` (else the metadata spec), ids only against ``spec``.
-    Raises what `decode_ipc` raises, and `RouteShapeError` for another column type or a
-    null layer row; only `R3ArrowError` subclasses for any ``buf``.
+    """An `encode_ipc` stream as ``[rows, L, K]`` numpy, a read-only view on ``buf`` for one
+    record batch: one ``"routes"`` column of the per-token type, its shape checked against
+    ``spec`` (else the metadata spec), ids against ``spec``. Raises as `decode_ipc`.
     """
-    max_bytes = check_max_bytes(max_bytes)
-    ratio = _check_ratio(max_ratio)
-    check_spec_arg(spec, "decode_ipc_routes")
-    with payload_boundary("Arrow IPC"):
-        return _decode_ipc_routes(buf, spec, max_bytes, ratio)
+    return _guarded(_decode_ipc_routes, buf, spec, max_bytes, max_ratio, "decode_ipc_routes")
 
 
 def _decode_ipc_routes(
     buf: Any, spec: RouteSpec | None, max_bytes: int, max_ratio: float | None
 ) -> np.ndarray:
     table, sent = _read_ipc(buf, max_bytes, max_ratio)
-    if spec is not None:
-        _check_sent_spec(sent, spec)
+    _check_sent_spec(sent, spec)
+    want = spec if spec is not None else sent
     col = _routes_column(table)
     t = col.type
     _check_routes_type(t)
@@ -466,17 +433,9 @@ def _decode_ipc_routes(
             (0, t.list_size, t.value_type.list_size), t.value_type.value_type.to_pandas_dtype()
         )
     else:
-        arr = routes_to_numpy(col, spec if spec is not None else sent)
+        arr = routes_to_numpy(col, want)
+    if want is not None:
+        check_spec_shape(arr.shape, want, "Arrow IPC")
     if spec is not None:
-        if arr.shape[1:] != spec.row_shape:
-            raise RouteShapeError(
-                f"Arrow IPC: expected [rows, {spec.num_layers}, {spec.topk}], found "
-                f"{list(arr.shape)}"
-            )
         check_routes(arr, spec, what="Arrow IPC routes", rules="range")
-    elif sent is not None and arr.shape[1:] != sent.row_shape:
-        raise RouteShapeError(
-            f"Arrow IPC: metadata spec says [rows, {sent.num_layers}, {sent.topk}], found "
-            f"{list(arr.shape)}"
-        )
     return arr

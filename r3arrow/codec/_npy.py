@@ -6,6 +6,7 @@ No pickle; the header is parsed, and the declared size checked, before the paylo
 from __future__ import annotations
 
 import ast
+import contextlib
 import io
 import math
 import re
@@ -35,9 +36,7 @@ from r3arrow.spec import RouteSpec
 
 _NPY_MAGIC: Final[bytes] = b"\x93NUMPY"
 _NPY_MAX_HEADER: Final[int] = 10_000  # numpy's own default bound (np.load max_header_size)
-# A plain dtype code (``|u1``, ``<i4``, ``uint16``) and nothing else: numpy parses comma
-# strings and sub-array forms (``u1,``, ``(2,)i4``) with its own parser, which raises
-# SyntaxError on malformed ones, and they are never a wire dtype anyway.
+# A plain dtype code only: numpy's parser of comma and sub-array forms raises SyntaxError.
 _PLAIN_DESCR: Final[re.Pattern[str]] = re.compile(r"[<>=|]?[A-Za-z][A-Za-z0-9]{0,15}")
 
 
@@ -76,14 +75,7 @@ def _parse_npy_header(
     try:
         # literal_eval parses literals only (no code execution); the size bound keeps it cheap.
         header = ast.literal_eval(bytes(raw[start:offset]).decode(enc))
-    except (
-        ValueError,
-        SyntaxError,
-        TypeError,
-        MemoryError,
-        RecursionError,
-        UnicodeDecodeError,
-    ) as exc:
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as exc:
         raise PayloadError(f"{what}: unreadable .npy header: {exc}") from exc
     if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
         keys = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
@@ -95,21 +87,15 @@ def _parse_npy_header(
             f"{what}: expected fortran_order False (C order), found {header['fortran_order']!r}"
         )
     descr = header["descr"]
-    if not isinstance(descr, str):
+    dt = None
+    if isinstance(descr, str) and _PLAIN_DESCR.fullmatch(descr):
+        with contextlib.suppress(TypeError, ValueError, SyntaxError):
+            dt = np.dtype(descr)
+    if dt is None:
         raise RouteDTypeError(
-            f"{what}: expected a plain integer dtype one of {list(WIRE_DTYPES)}, found "
-            f"{descr!r:.100}"
+            f"{what}: expected dtype one of {list(WIRE_DTYPES)} as a plain integer dtype code, "
+            f"found {descr!r:.100}"
         )
-    if not _PLAIN_DESCR.fullmatch(descr):
-        raise RouteDTypeError(
-            f"{what}: expected dtype one of {list(WIRE_DTYPES)}, found {descr!r:.100}"
-        )
-    try:
-        dt = np.dtype(descr)
-    except (TypeError, ValueError, SyntaxError) as exc:
-        raise RouteDTypeError(
-            f"{what}: expected dtype one of {list(WIRE_DTYPES)}, found {descr!r:.100} ({exc})"
-        ) from exc
     wire_name(dt, what)
     return offset, dt, check_shape(header["shape"], what)
 
@@ -117,14 +103,9 @@ def _parse_npy_header(
 def decode_vllm(
     b64_npy: B64Payload, spec: RouteSpec | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> np.ndarray:
-    """Decode vLLM's ``routed_experts`` (base64 of an ``.npy`` file) to ``[rows, L, K]``.
-
-    Accepts uint8/uint16/int16/int32 in either byte order (big-endian is byteswapped into a
-    new array); the result keeps the payload's dtype and is a writable view on the decoded
-    buffer. No pickle, no object/structured dtypes, no Fortran order.
-
-    Raises only `R3ArrowError` subclasses for any payload (see the package docstring);
-    ``TypeError``/``ValueError`` only for a bad ``spec`` or ``max_bytes`` argument.
+    """vLLM's ``routed_experts`` (base64 of an ``.npy`` file) as ``[rows, L, K]``: a writable
+    view in uint8/uint16/int16/int32 (big-endian byteswapped into a new array); no pickle,
+    object dtypes or Fortran order. Raises as the package docstring says.
     """
     return guarded_decode(_decode_vllm, b64_npy, spec, max_bytes, "vLLM routed_experts")
 
@@ -144,9 +125,8 @@ def _decode_vllm(
         raise too_large(what, declared, max_bytes, f".npy header (shape {list(shape)}, dtype {dt})")
     if offset + declared != found:
         raise PayloadError(
-            f"{what}: .npy header (shape {list(shape)}, dtype {dt}) expects {offset + declared:,} "
-            "bytes "
-            f"({offset} header + {declared:,} data), found {found:,}"
+            f"{what}: .npy header (shape {list(shape)}, dtype {dt}) expects "
+            f"{offset + declared:,} bytes ({offset} header + {declared:,} data), found {found:,}"
         )
     return decode_rows(s, offset, dt, shape, spec, what)
 

@@ -26,12 +26,8 @@ _SGLANG_DTYPE: Final[np.dtype[Any]] = np.dtype("<i4")
 def decode_sglang(
     b64: B64Payload, spec: RouteSpec, *, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> np.ndarray:
-    """Decode SGLang's ``meta_info["routed_experts"]`` (base64 of raw little-endian int32) to
-    ``[rows, spec.num_layers, spec.topk]`` int32, a writable view on the decoded buffer.
-
-    Raises only `R3ArrowError` subclasses for any payload; ``TypeError``/``ValueError`` only
-    for a bad ``spec`` or ``max_bytes`` argument. The payload carries no length or checksum:
-    any base64 of a multiple of the row size with in-range ids is valid data.
+    """SGLang's routes (no length or checksum) as ``[rows, L, K]`` int32 of ``spec``, a writable
+    view. Raises as the package docstring says.
     """
     what = "SGLang routed_experts"
     max_bytes = check_max_bytes(max_bytes)
@@ -55,8 +51,7 @@ def _decode_sglang(b64: B64Payload, spec: RouteSpec, max_bytes: int, what: str) 
     if found % row:
         raise PayloadError(
             f"{what}: expected a multiple of {row} bytes (int32 rows of [{spec.num_layers}, "
-            f"{spec.topk}]), "
-            f"found {found:,} bytes ({found / row:.3f} rows)"
+            f"{spec.topk}]), found {found:,} bytes ({found / row:.3f} rows)"
         )
     return decode_rows(s, 0, _SGLANG_DTYPE, (found // row, spec.num_layers, spec.topk), spec, what)
 

@@ -1,39 +1,10 @@
-"""Persistence: rollout tables to Parquet (and Arrow IPC), exact and atomic.
+"""Persistence: rollout tables to Parquet and Arrow IPC, exact, atomic, verified on read.
 
-This package is the only owner of the on-disk layout (see ``docs/design.md``,
-"Persistence", and ``docs/storage.md``). Public face:
-
-- **Write**: `write_rollouts` (Parquet; ``step=N`` appends a part to a root;
-  ``portable=True`` stores routes as nested integer lists for generic tools) and
-  `write_ipc` (Arrow IPC, memory-mappable). Both validate first and write atomically.
-- **Discover**: `rollout_files` — every file of a file, root or partition with its
-  footer checked (`RolloutFile`: step, spec, schema, rows, row groups, layer groups).
-- **Read**: `iter_rollouts` — the one reader: bounded, validated pieces (a root's
-  with their int64 ``step`` column) of a Parquet file, root, partition, IPC file or
-  `RolloutFile` s, with ``steps=``, ``columns=``, ``layers=`` (layer projection),
-  ``row_groups=`` and a ``max_memory`` budget (`DEFAULT_MAX_MEMORY`); `read_rollouts`
-  is the concatenation of its pieces. `project_layers` projects an in-memory table
-  like ``layers=``; `route_rows` gives the ``[T, L, K]`` rows of a routes column.
-- **Diagnostics**: `write_diagnostics` / `read_diagnostics` (the diagnostics schema,
-  `NATIVE_VS_REPLAY`), per-step route agreement beside the rollouts.
-- **Temp files**: `find_temps`, `remove_stale_temps` (`TempFile`), what ``r3arrow gc`` uses.
-
-Module map: `._layout` (``step=N/`` partitions, part names, atomic writes, temps),
-`._storage` (the dispatcher over the routes storage formats: the leaf formats
-`._groups`, layer groups, default, and `._portable`, nested lists, over the shared
-`._project`: storage metadata and layer projection; the interleave copy of a
-multi-group read is `._interleave`), `._stream` (row groups cut by bytes,
-`DEFAULT_ROW_GROUP_BYTES`; pieces under the memory budget), `._verify` (the trust
-boundary), `._parquet` (writer, discovery, reader), `._ipc`, `._diagnostics`.
-
-Contract: the spec travels in the file metadata. Files carry Parquet page checksums
-and a SHA-256 over the r3arrow metadata (``r3arrow.meta_sha256``); readers verify
-both, the schema version and the spec, and — unless ``validate=False`` — the rows they
-return (columns, types, no nulls, lengths, expert ids). Every error is an
-`R3ArrowError` (mostly `SchemaError`) with ``path`` naming the file; no Arrow or OS
-exception escapes for a corrupt or foreign file. A rollout table without ``routes``
-and without a spec (R3 off) is written and read back as is. Argument misuse (a
-negative or non-int ``step``, a bad ``row_groups``) raises ``ValueError`` / ``TypeError``.
+The only owner of the on-disk layout; the contract is ``docs/design.md``, "Persistence", and
+``docs/storage.md``. Write with `write_rollouts` / `write_ipc`, discover with
+`rollout_files`, read with `iter_rollouts` (bounded pieces) or `read_rollouts`; replay
+diagnostics with `write_diagnostics` / `read_diagnostics`; writers' temps with
+`find_temps` / `remove_stale_temps` (``r3arrow gc``).
 """
 
 from __future__ import annotations

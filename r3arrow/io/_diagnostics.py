@@ -1,29 +1,12 @@
 """Replay diagnostics on disk: per-step route agreement beside the rollouts it measures.
 
-A trainer that replays routes can measure, at no extra forward pass, how far its own
-routers' choice is from the replayed one (`r3arrow.megatron.replay_schedule` with
-``measure_agreement=True``; see ``docs/diagnostics.md``). `write_diagnostics` persists one
-such measurement (a `r3arrow.stats.RouteAgreement`, duck-typed: this core module imports
-no integration) for one training step, `read_diagnostics` reads every measurement of a
-root back as one table.
-
-Layout (inside the rollout root, invisible to the rollout readers)::
-
-    root/_diagnostics/step=N/<source>.parquet
-
-The rollout readers only look at ``root/step=N/part-*.parquet`` (`r3arrow.io._layout`),
-and Arrow's dataset discovery skips names starting with ``_``, so ``_diagnostics`` never
-shows up as rows, steps or a schema conflict. ``source`` says what was compared with what
-(default ``"native_vs_replay"``: the trainer's native top-k vs the replayed rollout routes);
-writing the same (step, source) again replaces that file (a step rerun after a restart).
-
-Each file holds one row per router layer (columns `DIAGNOSTICS_SCHEMA`), is written
-atomically like a part file (`r3arrow.io._layout.atomic_path`), carries Parquet page
-checksums and the r3arrow metadata SHA-256 of `r3arrow.io._verify.sealed`. Readers verify
-both, the schema, the counts' invariants (``identical <= tokens``, ``overlap <= tokens *
-topk``, ``all_identical <= min(identical)``, one ``tokens``/``topk``/``all_identical`` per
-file) and that the step in the file is the step in its path; any violation is a
-`SchemaError` whose ``path`` names the file.
+``docs/diagnostics.md``: `write_diagnostics` stores one `r3arrow.stats.RouteAgreement`
+(duck-typed: the core imports no integration) of one step as
+``root/_diagnostics/step=N/<source>.parquet``, one row per router layer
+(`DIAGNOSTICS_SCHEMA`), atomically, sealed and page-checksummed; the rollout readers never
+look there (Arrow skips ``_`` names too). `read_diagnostics` reads them all back, checking
+the seal, the schema, the counts' invariants and that a file's step and source match its
+path; a violation is a `SchemaError` whose ``path`` names the file.
 """
 
 from __future__ import annotations
@@ -38,9 +21,9 @@ import pyarrow.parquet as pq
 
 from r3arrow._checks import check_int, check_regular
 from r3arrow._typing import PathLike
-from r3arrow.errors import R3ArrowError, SchemaError
+from r3arrow.errors import SchemaError
 from r3arrow.io._layout import atomic_path, check_step, dir_step
-from r3arrow.io._verify import META_SHA_KEY, READ_ERRORS, at_path, meta_digest, sealed
+from r3arrow.io._verify import META_SHA_KEY, meta_digest, reading, sealed
 
 #: Directory under a rollout root that holds the diagnostics (skipped by rollout readers).
 DIAGNOSTICS_DIR = "_diagnostics"
@@ -82,16 +65,6 @@ def _check_source(source: Any) -> str:
     return source
 
 
-def diagnostics_path(root: PathLike, step: int, source: str = NATIVE_VS_REPLAY) -> Path:
-    """Where `write_diagnostics` puts ``(step, source)`` under ``root``."""
-    return (
-        Path(root)
-        / DIAGNOSTICS_DIR
-        / f"step={check_step(step)}"
-        / f"{_check_source(source)}.parquet"
-    )
-
-
 def _agreement_table(step: int, agreement: Any, source: str) -> pa.Table:
     """The rows of one agreement (duck-typed `RouteAgreement`); `TypeError` if it is not one."""
     try:
@@ -127,7 +100,7 @@ def _agreement_table(step: int, agreement: Any, source: str) -> pa.Table:
 
 
 def _check_counts(table: pa.Table) -> None:
-    """The invariants of the module docstring (vectorised); `SchemaError` without a path."""
+    """The counts' invariants (``docs/diagnostics.md``); `SchemaError` without a path."""
     cols = {c: table.column(c).to_numpy() for c in _INT_COLUMNS}
     if table.num_rows == 0:
         raise SchemaError("expected one row per router layer, found no rows")
@@ -165,19 +138,15 @@ def _check_counts(table: pa.Table) -> None:
 def write_diagnostics(
     root: PathLike, step: int, agreement: Any, *, source: str = NATIVE_VS_REPLAY
 ) -> Path:
-    """Persist ``agreement`` (a `r3arrow.stats.RouteAgreement`) of training step ``step``.
-
-    Writes ``root/_diagnostics/step=N/<source>.parquet`` atomically (replacing an earlier
-    file of the same step and source) and returns that path; ``root`` is the rollout root
-    (created if absent). Raises ``TypeError`` / ``ValueError`` for a bad ``step``,
-    ``source`` or an object that is not an agreement, `SchemaError` for counts that
-    violate the invariants (before touching the disk).
+    """Write ``agreement`` (a `r3arrow.stats.RouteAgreement`) of step ``step``, replacing that
+    step and source; return the path. ``TypeError`` / ``ValueError`` for bad arguments,
+    `SchemaError` for counts off the invariants, before touching the disk.
     """
     step = check_step(step)
     source = _check_source(source)
     table = _agreement_table(step, agreement, source)
     _check_counts(table)
-    dest = diagnostics_path(root, step, source)
+    dest = Path(root) / DIAGNOSTICS_DIR / f"step={step}" / f"{source}.parquet"
     with atomic_path(dest) as paths:
         pq.write_table(
             table, paths[0], compression="zstd", write_page_checksum=True, write_statistics=False
@@ -186,7 +155,7 @@ def write_diagnostics(
 
 
 def _read_file(path: Path, step: int) -> pa.Table:
-    try:
+    with reading(path, "diagnostics"):
         check_regular(path)
         with pq.ParquetFile(path, page_checksum_verification=True) as pf:
             meta = {bytes(k): bytes(v) for k, v in (pf.schema_arrow.metadata or {}).items()}
@@ -207,36 +176,23 @@ def _read_file(path: Path, step: int) -> pa.Table:
                 f"expected {pf.metadata.num_rows} rows (footer), read {table.num_rows}"
             )
         table = table.replace_schema_metadata(None)
-        want = DIAGNOSTICS_SCHEMA.remove_metadata()
-        if not table.schema.equals(want):
-            raise SchemaError(f"expected the diagnostics schema {want}, found {table.schema}")
-        _check_counts(table)
-        found_step = int(table.column("step")[0].as_py())
-        if found_step != step:
-            raise SchemaError(f"column 'step': expected {step} (the path's), found {found_step}")
-        if table.column("source")[0].as_py() != path.stem:
+        if not table.schema.equals(DIAGNOSTICS_SCHEMA):
             raise SchemaError(
-                f"column 'source': expected {path.stem!r} (the file name), found "
-                f"{table.column('source')[0].as_py()!r}"
+                f"expected the diagnostics schema {DIAGNOSTICS_SCHEMA}, found {table.schema}"
             )
-    except R3ArrowError as exc:
-        raise at_path(exc, path) from exc
-    except READ_ERRORS as exc:
-        raise SchemaError(
-            f"{path}: expected an r3arrow diagnostics Parquet file, found an unreadable or "
-            f"corrupt file ({type(exc).__name__}: {exc})",
-            path=path,
-        ) from exc
+        _check_counts(table)
+        for name, want, why in (
+            ("step", step, "the path's"),
+            ("source", path.stem, "the file name"),
+        ):
+            if (found := table.column(name)[0].as_py()) != want:
+                raise SchemaError(f"column {name!r}: expected {want!r} ({why}), found {found!r}")
     return table
 
 
 def diagnostics_files(root: PathLike) -> list[tuple[int, Path]]:
-    """``(step, file)`` of every diagnostics file under ``root``, by step then source name.
-
-    Empty when ``root`` has no ``_diagnostics`` directory. Raises ``FileNotFoundError``
-    if ``root`` does not exist, `SchemaError` (``path`` set) for an entry of
-    ``_diagnostics`` that is not a canonical ``step=N`` directory, or a file in one that
-    is not ``<source>.parquet``.
+    """``(step, file)`` of every diagnostics file under ``root``, by step then source;
+    ``FileNotFoundError`` without ``root``, `SchemaError` for a foreign entry.
     """
     base = Path(root)
     if not base.exists():
@@ -268,11 +224,9 @@ def diagnostics_files(root: PathLike) -> list[tuple[int, Path]]:
 
 
 def read_diagnostics(root: PathLike, *, source: str | None = None) -> pa.Table:
-    """Every diagnostics row under ``root`` (`DIAGNOSTICS_SCHEMA`), by step, source, layer.
-
-    ``source`` keeps one source only. A root without diagnostics gives an empty table.
-    Raises ``FileNotFoundError`` if ``root`` does not exist and `SchemaError` (``path``
-    naming the file) for a corrupt, foreign or inconsistent file (see the module docstring).
+    """Every diagnostics row under ``root`` (`DIAGNOSTICS_SCHEMA`) by step, source, layer
+    (``source``: that one only); ``FileNotFoundError`` without ``root``, `SchemaError`
+    (``path`` set) for a bad file.
     """
     wanted = None if source is None else _check_source(source)
     parts = [
@@ -281,22 +235,11 @@ def read_diagnostics(root: PathLike, *, source: str | None = None) -> pa.Table:
         if wanted is None or f.stem == wanted
     ]
     if not parts:
-        return DIAGNOSTICS_SCHEMA.remove_metadata().empty_table()
+        return DIAGNOSTICS_SCHEMA.empty_table()
     table = pa.concat_tables(parts)
     order: list[tuple[str, Literal["ascending", "descending"]]] = [
         ("step", "ascending"),
         ("source", "ascending"),
         ("layer", "ascending"),
     ]
-    return table.sort_by(order).cast(DIAGNOSTICS_SCHEMA.remove_metadata())
-
-
-__all__ = [
-    "DIAGNOSTICS_DIR",
-    "DIAGNOSTICS_SCHEMA",
-    "NATIVE_VS_REPLAY",
-    "diagnostics_files",
-    "diagnostics_path",
-    "read_diagnostics",
-    "write_diagnostics",
-]
+    return table.sort_by(order).cast(DIAGNOSTICS_SCHEMA)

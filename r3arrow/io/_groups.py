@@ -1,28 +1,9 @@
-"""Layer-group routes storage and layer projection (``docs/storage.md``).
-
-A routes-typed column is stored as
-
-    ``large_list<item: struct<l0_6: fixed_size_binary(6*K*itemsize), l6_12: ..., ...>>``
-
-(format ``layer_groups/v1``): one struct field per group of consecutive layers, each
-field the little-endian ``[layers, K]`` ids of that group for one token. Parquet keeps
-every struct field in its own column chunk, so a reader that needs some layers (a
-pipeline stage, a per-layer analysis) reads only the chunks of the groups that hold
-them. Field ``l{a}_{b}`` holds the file's route rows ``a`` to ``b - 1`` (half-open); the
-groups partition ``[0, num_layers)`` in order and are also recorded in the
-``r3arrow.routes_storage`` metadata (``{"format", "columns", "groups"}``), sealed by the
-metadata SHA-256 (`r3arrow.io._verify`), and the reader checks the two agree.
-
-Restoring gives the normal in-memory type ``large_list<fixed_size_list<fixed_size_list<
-dtype, K>, L>>``: zero-copy when one group is wanted whole, else one interleave copy of
-the wanted bytes (vectorised per group, never per token or layer). A projected table
-(``layers=``) holds only the wanted layers (ascending global ids) with a `RouteSpec` of
-that shape and the global ids under ``r3arrow.route_layers`` (`r3arrow.io._project`).
-A leaf format: it imports no other format and not the dispatcher (`r3arrow.io._storage`).
-"""
+"""Layer-group routes storage, ``layer_groups/v1`` (``docs/storage.md``, "Layout"): a leaf
+format, importing no other format nor the dispatcher."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 from collections.abc import Sequence
@@ -40,6 +21,7 @@ from r3arrow.io._project import (
     local_layers,
     projected_meta,
     projected_spec,
+    relist,
     set_columns,
     storage_info,
     wrap,
@@ -55,19 +37,14 @@ _FIELD = re.compile(r"^l([0-9]+)_([0-9]+)$")
 Groups = tuple[tuple[int, int], ...]
 
 
-# ------------------------------------------------------------------ grouping
 def plan_groups(num_layers: int, layer_group: int | Sequence[int] | None = None) -> Groups:
-    """The ``(start, stop)`` layer ranges of the stored groups.
-
-    ``None``: groups of ``max(1, num_layers // 8)`` layers (the last one holds the
-    rest). An int ``n >= 1``: groups of ``n`` layers. A sequence of positive ints
-    summing to ``num_layers``: those group sizes (e.g. the layers of each pipeline
-    stage). Raises ``TypeError`` / ``ValueError`` for anything else.
-    """
+    """The ``(start, stop)`` layer ranges of the stored groups (`write_rollouts`'s
+    ``layer_group``); ``TypeError`` / ``ValueError`` for anything but ``None``, an int
+    ``>= 1`` or positive ints summing to ``num_layers``."""
     if layer_group is None:
-        sizes = [max(1, num_layers // DEFAULT_GROUPS)]
+        n = max(1, num_layers // DEFAULT_GROUPS)
     elif isinstance(layer_group, int) and not isinstance(layer_group, bool):
-        sizes = [check_int(layer_group, "layer_group", minimum=1)]
+        n = check_int(layer_group, "layer_group", minimum=1)
     elif isinstance(layer_group, Sequence) and not isinstance(layer_group, str | bytes):
         given = [check_int(n, "layer_group", minimum=1) for n in layer_group]
         if sum(given) != num_layers:
@@ -75,19 +52,16 @@ def plan_groups(num_layers: int, layer_group: int | Sequence[int] | None = None)
                 f"layer_group: expected group sizes summing to num_layers={num_layers}, "
                 f"found {given} (sum {sum(given)})"
             )
-        bounds = np.concatenate([[0], np.cumsum(given)]).tolist()
-        return tuple((int(a), int(b)) for a, b in itertools.pairwise(bounds))
+        return tuple(itertools.pairwise([0, *itertools.accumulate(given)]))
     else:
         raise TypeError(
             f"layer_group: expected None, an int or a sequence of ints, "
             f"found {type(layer_group).__name__}"
         )
-    n = sizes[0]
     return tuple((a, min(a + n, num_layers)) for a in range(0, num_layers, n))
 
 
-def field_name(group: tuple[int, int]) -> str:
-    """The struct field of a group: ``l{start}_{stop}``."""
+def _field_name(group: tuple[int, int]) -> str:
     return f"l{group[0]}_{group[1]}"
 
 
@@ -95,31 +69,25 @@ def group_storage_type(spec: RouteSpec, groups: Groups) -> pa.DataType:
     """``large_list<struct<l{a}_{b}: fixed_size_binary((b-a)*K*itemsize), ...>>``, no nulls."""
     width = spec.topk * spec.dtype.itemsize
     struct = pa.struct(
-        [pa.field(field_name(g), pa.binary((g[1] - g[0]) * width), nullable=False) for g in groups]
+        [pa.field(_field_name(g), pa.binary((g[1] - g[0]) * width), nullable=False) for g in groups]
     )
     return pa.large_list(pa.field("item", struct, nullable=False))
 
 
 def file_groups(info: dict[str, Any], spec: RouteSpec) -> Groups:
-    """The checked groups of ``layer_groups/v1`` storage metadata.
-
-    Raises `SchemaError` unless they are ``[start, stop]`` int pairs that partition
-    ``[0, spec.num_layers)`` in order.
-    """
+    """The groups of ``layer_groups/v1`` storage metadata; `SchemaError` unless they are
+    ``[start, stop]`` int pairs partitioning ``[0, spec.num_layers)`` in order."""
     raw = info.get("groups")
-    try:
-        groups = tuple((int(a), int(b)) for a, b in raw)  # type: ignore[union-attr]
-        ok = all(type(v) is int for pair in raw for v in pair)  # type: ignore[union-attr]
-    except (TypeError, ValueError):
-        groups, ok = (), False
-    bounds = [g[0] for g in groups] + [groups[-1][1]] if groups else []
-    if (
-        not ok
-        or not groups
-        or bounds[0] != 0
-        or bounds[-1] != spec.num_layers
-        or any(a >= b for a, b in groups)
-        or any(groups[i][1] != groups[i + 1][0] for i in range(len(groups) - 1))
+    groups: Groups = ()
+    with contextlib.suppress(TypeError, ValueError):
+        groups = tuple((a, b) for a, b in raw)  # type: ignore[union-attr]
+    stops = [b for _, b in groups]
+    if not (
+        groups
+        and all(type(v) is int for g in groups for v in g)
+        and groups == tuple(itertools.pairwise([0, *stops]))
+        and stops[-1] == spec.num_layers
+        and all(a < b for a, b in groups)
     ):
         raise SchemaError(
             f"routes storage metadata: expected layer groups [start, stop] partitioning "
@@ -128,33 +96,30 @@ def file_groups(info: dict[str, Any], spec: RouteSpec) -> Groups:
     return groups
 
 
+def _group_info(schema: pa.Schema) -> dict[str, Any] | None:
+    info = storage_info(cast("dict[bytes, bytes] | None", schema.metadata))
+    return info if info is not None and info["format"] == GROUP_FORMAT else None
+
+
 def stored_layer_groups(
     schema: pa.Schema, spec: RouteSpec | None
 ) -> tuple[tuple[int, ...], ...] | None:
-    """The global layer ids of each stored group of a checked file schema, or ``None``.
-
-    ``None`` unless the file is in ``layer_groups/v1`` storage (portable and R3-off
-    files). A layer-projected file maps its route rows through
-    ``r3arrow.route_layers``. Raises `SchemaError` like `file_groups`.
-    """
-    info = storage_info(cast("dict[bytes, bytes] | None", schema.metadata))
-    if spec is None or info is None or info["format"] != GROUP_FORMAT:
+    """The global layer ids of each stored group of a checked file schema (``None`` for
+    portable and R3-off files); raises like `file_groups`."""
+    info = _group_info(schema)
+    if spec is None or info is None:
         return None
     present = route_layers(schema)
     return tuple(tuple(present[a:b]) for a, b in file_groups(info, spec))
 
 
 def check_group_schema(schema: pa.Schema, spec: RouteSpec) -> None:
-    """Footer check of a ``layer_groups/v1`` file: every stored column has the recorded groups.
-
-    Raises `SchemaError` (the caller adds the path) if a listed column is not
-    ``group_storage_type(spec, groups)`` (missing, reordered or resized fields).
-    """
-    info = storage_info(cast("dict[bytes, bytes] | None", schema.metadata))
-    if info is None or info["format"] != GROUP_FORMAT:
+    """`SchemaError` (no path) unless every stored column of a ``layer_groups/v1`` schema
+    is ``group_storage_type(spec, groups)`` of the recorded groups."""
+    info = _group_info(schema)
+    if info is None:
         return
-    groups = file_groups(info, spec)
-    want = group_storage_type(spec, groups)
+    want = group_storage_type(spec, file_groups(info, spec))
     for name in info["columns"]:
         if name not in schema.names:
             if name == "routes":
@@ -172,49 +137,31 @@ def check_group_schema(schema: pa.Schema, spec: RouteSpec) -> None:
             )
 
 
-# ------------------------------------------------------------------- encode
-def _encode(col: pa.Array[Any], spec: RouteSpec, groups: Groups) -> pa.Array[Any]:
-    """One ``large_list<nested>`` chunk as layer-group storage (one copy per group, vectorised)."""
-    lists = cast("pa.LargeListArray[Any]", col)
-    offsets = np.asarray(lists.offsets, dtype=np.int64)
-    rows = routes_to_numpy(lists.flatten(), spec)  # [T, L, K], a view when contiguous
-    t = rows.shape[0]
-    width = spec.topk * spec.dtype.itemsize
-    as_bytes = np.ascontiguousarray(rows).reshape(t, spec.num_layers * spec.topk).view(np.uint8)
-    children: list[pa.Array[Any]] = []
-    for a, b in groups:
-        part = np.ascontiguousarray(as_bytes[:, a * width : b * width])
-        children.append(
-            pa.Array.from_buffers(
-                pa.binary((b - a) * width),
-                t,
-                [None, pa.py_buffer(part)],  # type: ignore[arg-type]  # ndarray is a buffer
-            )
-        )
-    typ = group_storage_type(spec, groups)
-    struct = pa.StructArray.from_arrays(children, fields=list(typ.value_type))  # type: ignore[attr-defined]
-    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), struct, type=typ)
-
-
 def to_group_storage(table: pa.Table, groups: Groups) -> pa.Table:
-    """The table with every routes-typed column in ``layer_groups/v1`` storage.
-
-    The spec comes from the schema metadata (`SchemaError` without it); a
-    multi-chunk column is converted chunk by chunk (never combined). The metadata
-    gains ``r3arrow.routes_storage`` = ``{"format", "columns", "groups"}``.
-    """
+    """Every routes-typed column in ``layer_groups/v1`` storage, chunk by chunk (one copy
+    per group, vectorised); `SchemaError` without a spec. The metadata gains `STORAGE_KEY`."""
     spec = RouteSpec.from_schema(table.schema)
-    names = [f.name for f in table.schema if f.type == spec.routes_type]
+    width = spec.topk * spec.dtype.itemsize
     typ = group_storage_type(spec, groups)
-    for name in names:
-        idx = table.schema.get_field_index(name)
-        chunks = [_encode(c, spec, groups) for c in table.column(idx).chunks]
-        col = pa.chunked_array(chunks, type=typ)  # type: ignore[call-overload]  # any DataType
-        table = table.set_column(idx, table.schema.field(idx).with_type(typ), col)
+
+    def encode(chunk: pa.Array[Any], name: str) -> pa.Array[Any]:
+        rows = routes_to_numpy(cast("pa.LargeListArray[Any]", chunk).flatten(), spec)
+        t = rows.shape[0]
+        as_bytes = np.ascontiguousarray(rows).reshape(t, spec.num_layers * spec.topk)
+        as_bytes = as_bytes.view(np.uint8)
+        children = []
+        for a, b in groups:
+            part = np.ascontiguousarray(as_bytes[:, a * width : b * width])
+            buf = pa.py_buffer(part)  # type: ignore[arg-type]  # ndarray is a buffer
+            children.append(pa.Array.from_buffers(pa.binary((b - a) * width), t, [None, buf]))
+        fields = list(typ.value_type)  # type: ignore[attr-defined]  # a large_list's struct
+        struct = pa.StructArray.from_arrays(children, fields=fields)
+        return relist(chunk, struct, typ)
+
+    names = [f.name for f in table.schema if f.type == spec.routes_type]
     info = {"format": GROUP_FORMAT, "columns": names, "groups": [list(g) for g in groups]}
-    return table.replace_schema_metadata(
-        {**(table.schema.metadata or {}), STORAGE_KEY: orjson.dumps(info)}
-    )
+    meta = {**(table.schema.metadata or {}), STORAGE_KEY: orjson.dumps(info)}
+    return set_columns(table, names, encode, typ, meta)
 
 
 def _parts(values: pa.Array[Any], spec: RouteSpec, name: str) -> list[tuple[int, int, Any]]:
@@ -232,11 +179,7 @@ def _parts(values: pa.Array[Any], spec: RouteSpec, name: str) -> list[tuple[int,
     for field, child in zip(struct.type, struct.flatten(), strict=True):
         m = _FIELD.match(field.name)
         a, b = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-        if (
-            m is None
-            or not 0 <= a < b <= spec.num_layers
-            or field.type != pa.binary((b - a) * width)
-        ):
+        if not (0 <= a < b <= spec.num_layers and field.type == pa.binary((b - a) * width)):
             raise SchemaError(
                 f"column {name!r}: expected layer-group fields l<start>_<stop> of "
                 f"fixed_size_binary((stop-start)*{width}) within {spec.num_layers} layers, "
@@ -288,82 +231,48 @@ def _assemble(
     return wrap(interleave(arrays, runs, t, n * width), t, spec, n, 0)
 
 
-def _restore_chunk(
-    chunk: pa.Array[Any], spec: RouteSpec, local: Sequence[int], name: str
-) -> pa.Array[Any]:
-    lists = cast("pa.LargeListArray[Any]", chunk)
-    if not pa.types.is_large_list(lists.type):
-        raise SchemaError(
-            f"column {name!r}: expected large_list routes storage, found {lists.type}"
-        )
-    offsets = np.asarray(lists.offsets, dtype=np.int64)
-    tokens = _assemble(_parts(lists.flatten(), spec, name), local, spec, name)
-    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), tokens)
-
-
 def restore_groups(
     table: pa.Table, spec: RouteSpec, info: dict[str, Any], layers: Sequence[int] | None
 ) -> pa.Table:
-    """A ``layer_groups/v1`` table (parsed storage ``info``) restored, maybe projected.
-
-    ``layers`` (global ids, see `r3arrow.io._project.local_layers`): only the groups
-    read are decoded and only those route rows come back; ``None``: every layer. The
-    storage key is dropped from the metadata. Raises `SchemaError` for storage that
-    does not match its metadata, and the errors of ``local_layers``.
-    """
+    """A ``layer_groups/v1`` table (parsed storage ``info``) restored, projected to the
+    global ``layers`` (decoding only their groups); `SchemaError` for storage that does not
+    match its metadata, and what `local_layers` raises."""
     meta = cast("dict[bytes, bytes]", dict(table.schema.metadata or {}))
     file_groups(info, spec)
     local = list(range(spec.num_layers)) if layers is None else local_layers(table.schema, layers)
     meta.pop(STORAGE_KEY)
-    new_meta = meta if layers is None else projected_meta(meta, spec, local)
     new = spec if layers is None else projected_spec(spec, local)
-    out = set_columns(
-        table,
-        info["columns"],
-        lambda c, n: _restore_chunk(c, spec, local, n),
-        new.routes_type,
-    )
-    return out.replace_schema_metadata(new_meta)
+
+    def restore_chunk(chunk: pa.Array[Any], name: str) -> pa.Array[Any]:
+        if not pa.types.is_large_list(chunk.type):
+            raise SchemaError(
+                f"column {name!r}: expected large_list routes storage, found {chunk.type}"
+            )
+        values = cast("pa.LargeListArray[Any]", chunk).flatten()
+        return relist(chunk, _assemble(_parts(values, spec, name), local, spec, name))
+
+    new_meta = meta if layers is None else projected_meta(meta, spec, local)
+    return set_columns(table, info["columns"], restore_chunk, new.routes_type, new_meta)
 
 
 def token_rows(values: pa.Array[Any], spec: RouteSpec, name: str) -> np.ndarray:
     """``[T, L, K]`` rows of stored per-token values (a struct of every layer group)."""
-    return routes_to_numpy(
-        _assemble(_parts(values, spec, name), list(range(spec.num_layers)), spec, name), spec
-    )
+    every = list(range(spec.num_layers))
+    return routes_to_numpy(_assemble(_parts(values, spec, name), every, spec, name), spec)
 
 
 def group_leaves(
     schema: pa.Schema, info: dict[str, Any], names: list[str] | None, layers: Sequence[int]
 ) -> list[str]:
-    """The Parquet column paths of ``names`` (``None``: all) holding the global ``layers``.
-
-    A stored routes column becomes the paths of the groups holding those layers
-    (``routes.list.item.l0_6``); other names pass through. Raises like ``local_layers``.
-    """
+    """The Parquet column paths of ``names`` (``None``: all) holding the global ``layers``:
+    a stored routes column becomes its groups' (``routes.list.item.l0_6``)."""
     spec = RouteSpec.from_schema(schema)
-    groups = file_groups(info, spec)
     local = local_layers(schema, layers)
-    need = [g for g in groups if any(g[0] <= i < g[1] for i in local)]
+    need = [g for g in file_groups(info, spec) if any(g[0] <= i < g[1] for i in local)]
     out: list[str] = []
     for name in names if names is not None else schema.names:
         if name in info["columns"]:
-            out.extend(f"{name}.list.item.{field_name(g)}" for g in need)
+            out.extend(f"{name}.list.item.{_field_name(g)}" for g in need)
         else:
             out.append(name)
     return out
-
-
-__all__ = [
-    "DEFAULT_GROUPS",
-    "GROUP_FORMAT",
-    "check_group_schema",
-    "file_groups",
-    "group_leaves",
-    "group_storage_type",
-    "plan_groups",
-    "restore_groups",
-    "stored_layer_groups",
-    "to_group_storage",
-    "token_rows",
-]

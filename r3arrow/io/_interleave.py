@@ -1,28 +1,8 @@
-"""The interleave copy of a layer-group restore: stored groups into per-token route rows.
+"""The interleave copy of a layer-group restore (``docs/storage.md``, "Full reads").
 
-A full (or multi-group) read of ``layer_groups/v1`` storage (`r3arrow.io._groups`) gets
-one ``[T, group bytes]`` array per stored group and must produce the in-memory
-``[T, L' * K * itemsize]`` rows. `interleave` does that one copy, described as *runs*:
-``(part, src_byte, dst_byte, nbytes)`` = copy bytes ``src_byte .. +nbytes`` of every
-token of ``parts[part]`` to bytes ``dst_byte .. +nbytes`` of the same token's output row.
-A run is a range of consecutive wanted layers inside one stored group.
-
-Why this module (``docs/storage.md``, "Full reads"): the copy moves many small pieces
-(48 bytes per group and token for 6 layers of top-8 uint8), so a per-group numpy copy
-spends its time in per-row loop overhead, not moving memory.
-
-* On the numba backend (`r3arrow._kernels`; extra ``fast``) with numba already imported
-  (see `_numba`: importing it costs about 1 s) and an output of at least `NUMBA_MIN_BYTES`,
-  a compiled kernel (`r3arrow._kernels._numba.copy_runs`) walks the
-  tokens once and copies every run of a token in machine words (8, 4, 2 or 1 bytes:
-  the widest dividing every offset and length), reading up to 8 groups per pass. Row
-  ranges run on up to `THREADS` threads (the kernel releases the GIL).
-* Without numba, numpy copies blocks of rows whose output stays in cache (about 2 MiB),
-  run by run, viewed as the same machine words.
-
-The output is allocated from Arrow's memory pool (``pa.allocate_buffer``): the pool keeps
-freed pages mapped, so consecutive pieces of a stream reuse them instead of faulting in
-fresh pages from the OS, and Arrow's pool statistics count it like the rest of a piece.
+A run ``(part, src_byte, dst_byte, nbytes)`` copies those bytes of every token of
+``parts[part]`` into its output row: a numba kernel (`r3arrow._kernels`) once numba is
+imported, else numpy over cache-sized blocks of rows, into Arrow pool memory.
 """
 
 from __future__ import annotations
@@ -57,12 +37,8 @@ _POOL_PID = 0
 
 
 def _numba(nbytes: int = 0, *, force: bool = False) -> ModuleType | None:
-    """`r3arrow._kernels.compiled` (the numba kernels, or None on the numpy backend).
-
-    numba is imported here (the backend decided) only when something else already imported
-    it (the id checks of a validating read, the statistics kernels), when ``force`` is set
-    (`warm_up`), or once this process has interleaved `IMPORT_AFTER_BYTES` with numpy:
-    importing it and loading the cached kernel costs about 1 s, which pays off only over gigabytes.
+    """The numba kernels (`r3arrow._kernels.compiled`), importing numba (about 1 s) only once
+    something else did, with ``force`` or after `IMPORT_AFTER_BYTES` copied with numpy.
     """
     global _SEEN
     if not decided() and not force and "numba" not in sys.modules and _SEEN < IMPORT_AFTER_BYTES:
@@ -83,20 +59,14 @@ def _pool() -> ThreadPoolExecutor:
 def word_size(widths: Sequence[int], runs: Sequence[Run], row_bytes: int) -> int:
     """The widest of 8, 4, 2, 1 bytes dividing every part width, run offset and length."""
     values = [*widths, row_bytes, *(v for r in runs for v in r[1:])]
-    for word in (8, 4, 2):
-        if all(v % word == 0 for v in values):
-            return word
-    return 1
+    return next((w for w in (8, 4, 2) if all(v % w == 0 for v in values)), 1)
 
 
 def interleave(
     parts: Sequence[np.ndarray], runs: Sequence[Run], tokens: int, row_bytes: int
 ) -> pa.Buffer:
-    """A new buffer of ``tokens`` rows of ``row_bytes``, filled by ``runs`` from ``parts``.
-
-    ``parts``: C-contiguous ``[tokens, width]`` uint8 arrays (one per stored group).
-    The runs must cover every output byte (the caller checks the layers are covered);
-    bytes no run writes are left undefined. Raises nothing for valid input.
+    """A new buffer of ``tokens`` rows of ``row_bytes`` filled by ``runs`` from ``parts``
+    (C-contiguous ``[tokens, width]`` uint8 arrays); bytes no run writes are undefined.
     """
     nbytes = tokens * row_bytes
     out = pa.allocate_buffer(nbytes)
@@ -104,7 +74,8 @@ def interleave(
         return out
     word = word_size([p.shape[1] for p in parts], runs, row_bytes)
     dtype = np.dtype(f"u{word}")
-    dst = np.frombuffer(out, dtype=dtype).reshape(tokens, row_bytes // word)  # type: ignore[call-overload]  # pa.Buffer is a buffer
+    raw = np.frombuffer(out, dtype=dtype)  # type: ignore[call-overload]  # pa.Buffer is a buffer
+    dst = raw.reshape(tokens, row_bytes // word)
     dst.flags.writeable = True
     src = [p.view(dtype) for p in parts]
     for view in src:  # one numba type for every source: read-only (aligned, checked below)
@@ -168,14 +139,3 @@ def warm_up() -> None:
         out = np.zeros((2, 2), dtype=dtype)
         arrays = (part.view(dtype),) * kernels.ARITY
         kernels.copy_runs(out, arrays, np.asarray([[0, 0, 0, 2]], dtype=np.int64), 0, 2)
-
-
-__all__ = [
-    "IMPORT_AFTER_BYTES",
-    "NUMBA_MIN_BYTES",
-    "THREADS",
-    "Run",
-    "interleave",
-    "warm_up",
-    "word_size",
-]

@@ -1,23 +1,5 @@
-"""Portable routes storage: plain nested integer lists that generic tools read as numbers.
-
-The default storage form (layer groups, `r3arrow.io._groups`) is opaque
-``fixed_size_binary`` values: fast and compact, but pandas, Polars, DuckDB and
-Hugging Face ``datasets`` see bytes, not expert ids. A portable file
-stores every routes-typed column as
-
-    ``large_list<list<list<dtype>>>``  (trajectory -> token -> layer -> top-k ids)
-
-with the spec's id dtype (uint8, uint16 or int32), which every one of those tools
-reads as integers (``docs/portable.md`` has the per-tool recipe and the
-measured costs). The schema metadata key ``r3arrow.routes_storage`` records the
-format ``nested_list/v1`` and the converted columns, so `from_portable` restores
-the exact nested ``fixed_size_list`` type on read (zero-copy: the leaf values
-buffer is reused, only the list lengths are checked).
-
-Both conversions are vectorised: offsets are built with ``numpy.arange`` and
-the id buffer is shared, never copied per token. A leaf format: it imports no other
-format and not the dispatcher (`r3arrow.io._storage`).
-"""
+"""Portable routes storage, ``nested_list/v1``: nested integer lists generic tools read
+(``docs/portable.md``), restored zero-copy. A leaf format like `r3arrow.io._groups`."""
 
 from __future__ import annotations
 
@@ -28,7 +10,7 @@ import orjson
 import pyarrow as pa
 
 from r3arrow.errors import SchemaError
-from r3arrow.io._project import STORAGE_KEY
+from r3arrow.io._project import STORAGE_KEY, relist, set_columns
 from r3arrow.spec import RouteSpec, routes_to_numpy
 
 PORTABLE_FORMAT = "nested_list/v1"
@@ -44,21 +26,10 @@ def is_portable_type(token_type: pa.DataType) -> bool:
     return pa.types.is_list(token_type) and pa.types.is_list(token_type.value_type)
 
 
-def _offsets(n: int, step: int) -> pa.Int32Array:
-    """``[0, step, 2*step, ... n*step]`` as int32 list offsets."""
-    return cast("pa.Int32Array", pa.array(np.arange(0, (n + 1) * step, step, dtype=np.int32)))
-
-
-def _to_nested(col: pa.Array[Any], spec: RouteSpec) -> pa.Array[Any]:
-    """``large_list<fixed_size_list<fixed_size_list>>`` → ``large_list<list<list>>``."""
-    lists = cast("pa.LargeListArray[Any]", col)
-    offsets = np.asarray(lists.offsets, dtype=np.int64)
-    rows = np.ascontiguousarray(routes_to_numpy(lists.flatten(), spec))  # [T, L, K] view
-    t = rows.shape[0]
-    leaf = pa.array(rows.reshape(-1))
-    inner = pa.ListArray.from_arrays(_offsets(t * spec.num_layers, spec.topk), leaf)
-    middle = pa.ListArray.from_arrays(_offsets(t, spec.num_layers), inner)
-    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), middle)
+def _lists(values: pa.Array[Any], n: int, size: int) -> pa.Array[Any]:
+    """``values`` as ``n`` lists of ``size`` each."""
+    offsets = pa.array(np.arange(0, (n + 1) * size, size, dtype=np.int32))
+    return pa.ListArray.from_arrays(cast("pa.Int32Array", offsets), values)
 
 
 def _check_lengths(arr: pa.Array[Any], n: int, size: int, what: str) -> None:
@@ -73,12 +44,8 @@ def _check_lengths(arr: pa.Array[Any], n: int, size: int, what: str) -> None:
 
 
 def portable_tokens(middle: pa.Array[Any], spec: RouteSpec, name: str) -> pa.Array[Any]:
-    """Per-token ``list<list<dtype>>`` values as the nested per-token ``fixed_size_list`` type.
-
-    Zero-copy over the leaf buffer; `SchemaError` naming column ``name`` if a
-    token does not have ``num_layers`` lists of ``topk`` non-null ids of the
-    spec's dtype.
-    """
+    """Per-token ``list<list<dtype>>`` values as the nested ``fixed_size_list`` type,
+    zero-copy; `SchemaError` unless each token has ``L`` lists of ``K`` non-null ids."""
     t = len(middle)
     _check_lengths(middle, t, spec.num_layers, f"column {name!r} (layers per token)")
     inner = cast("pa.ListArray[Any]", middle).flatten()
@@ -94,70 +61,40 @@ def portable_tokens(middle: pa.Array[Any], spec: RouteSpec, name: str) -> pa.Arr
     )
 
 
-def _from_nested(col: pa.Array[Any], spec: RouteSpec, name: str) -> pa.Array[Any]:
-    """``large_list<list<list<dtype>>>`` → ``large_list`` of the nested routes type."""
-    lists = cast("pa.LargeListArray[Any]", col)
-    tokens = portable_tokens(lists.flatten(), spec, name)
-    offsets = np.asarray(lists.offsets, dtype=np.int64)
-    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), tokens)
-
-
-def _routes_columns(table: pa.Table, spec: RouteSpec) -> list[str]:
-    return [f.name for f in table.schema if f.type == spec.routes_type]
-
-
 def to_portable(table: pa.Table) -> pa.Table:
-    """The table with every routes-typed column as ``large_list<list<list<dtype>>>``.
-
-    The input has the in-memory routes type (``large_list`` of the spec's nested
-    ``fixed_size_list``) and the spec in its schema metadata (`SchemaError`
-    without it). The result carries ``r3arrow.routes_storage`` =
-    ``{"format": "nested_list/v1", "columns": [...]}`` so every r3arrow reader
-    restores the exact type (`from_portable`). Other columns are unchanged.
-    """
+    """Every routes-typed column as ``large_list<list<list<dtype>>>``, `STORAGE_KEY`
+    recorded; `SchemaError` without a spec."""
     spec = RouteSpec.from_schema(table.schema)
-    names = _routes_columns(table, spec)
-    typ = portable_type(spec)
-    for name in names:
-        idx = table.schema.get_field_index(name)
-        chunks = [_to_nested(c, spec) for c in table.column(idx).chunks]
-        col = pa.chunked_array(chunks, type=typ)  # type: ignore[call-overload]  # any DataType
-        table = table.set_column(idx, table.schema.field(idx).with_type(typ), col)
-    meta = {
-        **(table.schema.metadata or {}),
-        STORAGE_KEY: orjson.dumps({"format": PORTABLE_FORMAT, "columns": names}),
-    }
-    return table.replace_schema_metadata(meta)
+
+    def nest(chunk: pa.Array[Any], name: str) -> pa.Array[Any]:
+        lists = cast("pa.LargeListArray[Any]", chunk)
+        rows = np.ascontiguousarray(routes_to_numpy(lists.flatten(), spec))  # [T, L, K] view
+        t = rows.shape[0]
+        inner = _lists(pa.array(rows.reshape(-1)), t * spec.num_layers, spec.topk)
+        return relist(chunk, _lists(inner, t, spec.num_layers))
+
+    names = [f.name for f in table.schema if f.type == spec.routes_type]
+    info = {"format": PORTABLE_FORMAT, "columns": names}
+    meta = {**(table.schema.metadata or {}), STORAGE_KEY: orjson.dumps(info)}
+    return set_columns(table, names, nest, portable_type(spec), meta)
 
 
 def from_portable(table: pa.Table, names: list[str]) -> pa.Table:
-    """Restore the portable columns ``names`` (those present) to the nested routes type.
-
-    Called by the dispatcher (`r3arrow.io._storage.restore`) for the ``nested_list/v1``
-    format (the storage key is left for it to drop). Raises `SchemaError` naming the
-    column if a column is not ``large_list<list<list<dtype>>>`` of the spec's shape and dtype.
-    """
+    """The portable columns ``names`` (those present) restored to the nested routes type;
+    `SchemaError` naming a column that is not `portable_type`."""
     spec = RouteSpec.from_schema(table.schema)
     for name in names:
         idx = table.schema.get_field_index(name)
-        if idx < 0:  # projected away
-            continue
-        typ = table.schema.field(idx).type
-        if not (pa.types.is_large_list(typ) and is_portable_type(typ.value_type)):
+        typ = table.schema.field(idx).type if idx >= 0 else None
+        if typ is not None and not (
+            pa.types.is_large_list(typ) and is_portable_type(typ.value_type)
+        ):
             raise SchemaError(
                 f"column {name!r}: expected portable routes {portable_type(spec)}, found {typ}"
             )
-        chunks = [_from_nested(c, spec, name) for c in table.column(idx).chunks]
-        col = pa.chunked_array(chunks, type=spec.routes_type)  # type: ignore[call-overload]
-        table = table.set_column(idx, table.schema.field(idx).with_type(spec.routes_type), col)
-    return table
 
+    def restore(chunk: pa.Array[Any], name: str) -> pa.Array[Any]:
+        values = cast("pa.LargeListArray[Any]", chunk).flatten()
+        return relist(chunk, portable_tokens(values, spec, name))
 
-__all__ = [
-    "PORTABLE_FORMAT",
-    "from_portable",
-    "is_portable_type",
-    "portable_tokens",
-    "portable_type",
-    "to_portable",
-]
+    return set_columns(table, names, restore, spec.routes_type)

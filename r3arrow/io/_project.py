@@ -1,19 +1,10 @@
-"""Routes helpers every storage format shares: the storage metadata and layer projection.
-
-Parquet stores routes-typed columns in a storage form (layer groups, `r3arrow.io._groups`,
-or portable nested lists, `r3arrow.io._portable`); which one, and which columns, is
-recorded under the schema metadata key ``r3arrow.routes_storage`` (`STORAGE_KEY`,
-``{"format", "columns"[, "groups"]}`` JSON, parsed by `storage_info`). Layer projection
-(``docs/storage.md``): a projected table holds only some layers (ascending global ids) as
-the normal nested routes type, a `RouteSpec` of that shape and the global ids under
-``r3arrow.route_layers`` (`r3arrow.table.route_layers`); `project_layers` projects an
-in-memory table. Routes are stored as little-endian bytes: big-endian hosts are refused.
-"""
+"""What the storage formats share: the storage metadata (`STORAGE_KEY`) and layer projection
+(``docs/storage.md``, "Layer projection"). Big-endian hosts are refused."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -26,7 +17,6 @@ from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
 from r3arrow.table import route_layers
 
-#: Schema metadata key of the routes storage form (``{"format", "columns"[, "groups"]}``).
 STORAGE_KEY = b"r3arrow.routes_storage"
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -36,10 +26,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 
 
 def storage_info(meta: dict[bytes, bytes] | None) -> dict[str, Any] | None:
-    """The parsed ``r3arrow.routes_storage`` metadata (``None`` without it).
-
-    Raises `SchemaError` if it is not ``{format, columns[, groups]}`` JSON.
-    """
+    """The parsed `STORAGE_KEY` metadata (``None`` without it); `SchemaError` if malformed."""
     raw = (meta or {}).get(STORAGE_KEY)
     if raw is None:
         return None
@@ -56,11 +43,8 @@ def storage_info(meta: dict[bytes, bytes] | None) -> dict[str, Any] | None:
 
 
 def projected_spec(spec: RouteSpec, local: Sequence[int]) -> RouteSpec:
-    """The spec of the route rows ``local`` (ascending indices into ``spec``'s layers).
-
-    ``moe_layers`` become the local indices of the router layers kept (``None`` if
-    all are). Raises ``ValueError`` if none of ``local`` is a router layer.
-    """
+    """The spec of route rows ``local`` (ascending indices into ``spec``'s layers);
+    ``ValueError`` if none is a router layer."""
     router = set(spec.router_layers)
     moe = [i for i, layer in enumerate(local) if layer in router]
     if not moe:
@@ -78,11 +62,9 @@ def projected_spec(spec: RouteSpec, local: Sequence[int]) -> RouteSpec:
 
 
 def local_layers(schema: pa.Schema, layers: Sequence[int]) -> list[int]:
-    """Indices into the table's route rows of the global ``layers`` (sorted, unique).
-
-    Raises ``TypeError`` for a non-int or a non-sequence, ``ValueError`` for an
-    empty list or a layer outside ``[0, num_layers)`` of a full table, and
-    `RouteShapeError` naming the layers a projected table does not hold.
+    """Indices into the route rows of the global ``layers`` (sorted, unique): ``TypeError`` for
+    non-ints, ``ValueError`` for none or one outside a full table, `RouteShapeError` for one a
+    projected table lacks.
     """
     if isinstance(layers, str | bytes) or not isinstance(layers, Sequence | set | frozenset):
         raise TypeError(f"layers: expected a sequence of ints, found {type(layers).__name__}")
@@ -93,8 +75,7 @@ def local_layers(schema: pa.Schema, layers: Sequence[int]) -> list[int]:
     index = {g: i for i, g in enumerate(present)}
     missing = [g for g in wanted if g not in index]
     if missing:
-        meta = schema.metadata or {}
-        if ROUTE_LAYERS_KEY not in meta:
+        if ROUTE_LAYERS_KEY not in (schema.metadata or {}):
             raise ValueError(f"layers: expected ids in [0, {len(present)}), found {missing}")
         raise RouteShapeError(
             f"expected layers {missing} in the routes, found a projected table with layers "
@@ -104,6 +85,7 @@ def local_layers(schema: pa.Schema, layers: Sequence[int]) -> list[int]:
 
 
 def projected_meta(meta: dict[bytes, bytes], spec: RouteSpec, local: Sequence[int]) -> Any:
+    """``meta`` with the spec and global layer ids of route rows ``local``."""
     present = route_layers(pa.schema([], metadata=cast("Any", meta)))
     out = dict(meta)
     out[SPEC_METADATA_KEY] = projected_spec(spec, local).to_json()
@@ -122,20 +104,23 @@ def wrap(data: Any, rows: int, spec: RouteSpec, num_layers: int, offset: int) ->
     )
 
 
-def _project_nested(
-    chunk: pa.Array[Any], spec: RouteSpec, local: Sequence[int], name: str
+def relist(
+    lists: pa.Array[Any], values: pa.Array[Any], typ: pa.DataType | None = None
 ) -> pa.Array[Any]:
-    """A restored ``large_list<nested>`` chunk's route rows ``local`` (one gather copy)."""
-    lists = cast("pa.LargeListArray[Any]", chunk)
-    rows = routes_to_numpy(lists.flatten(), spec)
-    kept = np.ascontiguousarray(rows[:, np.asarray(local, dtype=np.int64)])
-    offsets = np.asarray(lists.offsets, dtype=np.int64)
-    tokens = wrap(pa.py_buffer(kept), kept.shape[0], spec, len(local), 0)  # type: ignore[arg-type]
-    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), tokens)
+    """``values`` under the offsets of the ``large_list`` chunk ``lists`` (rebased to 0)."""
+    offsets = np.asarray(cast("pa.LargeListArray[Any]", lists).offsets, dtype=np.int64)
+    return pa.LargeListArray.from_arrays(pa.array(offsets - offsets[0]), values, type=typ)
 
 
-def set_columns(table: pa.Table, names: Sequence[str], fn: Any, typ: pa.DataType) -> pa.Table:
-    """``table`` with each present column of ``names`` mapped by ``fn(chunk, name)`` to ``typ``."""
+def set_columns(
+    table: pa.Table,
+    names: Sequence[str],
+    fn: Callable[[pa.Array[Any], str], pa.Array[Any]],
+    typ: pa.DataType,
+    meta: Any = None,
+) -> pa.Table:
+    """Each present column of ``names`` mapped chunk by chunk by ``fn(chunk, name)`` to
+    ``typ``; ``meta``: the result's schema metadata (default: kept)."""
     for name in names:
         idx = table.schema.get_field_index(name)
         if idx < 0:  # projected away
@@ -143,37 +128,23 @@ def set_columns(table: pa.Table, names: Sequence[str], fn: Any, typ: pa.DataType
         chunks = [fn(c, name) for c in table.column(idx).chunks]
         col = pa.chunked_array(chunks, type=typ)  # type: ignore[call-overload]  # any DataType
         table = table.set_column(idx, table.schema.field(idx).with_type(typ), col)
-    return table
+    return table if meta is None else table.replace_schema_metadata(meta)
 
 
 def project_layers(table: pa.Table, layers: Sequence[int]) -> pa.Table:
-    """An in-memory rollout table with only the global ``layers`` in its routes columns.
-
-    The result follows layer projection (``docs/storage.md``): routes-typed columns hold
-    the wanted layers in ascending global order as the normal nested type with
-    ``L' = len(set(layers))``; the schema metadata carries the projected spec and
-    the global ids under ``r3arrow.route_layers``. One gather copy per chunk; chunks
-    are never combined. Raises like `local_layers`, and `SchemaError` for a table
-    without a spec.
-    """
+    """An in-memory rollout table with only the global ``layers`` in its routes columns
+    (``docs/storage.md``, "Layer projection"; one gather copy per chunk). Raises like
+    `local_layers`, `SchemaError` without a spec."""
     spec = RouteSpec.from_schema(table.schema)
     local = local_layers(table.schema, layers)
+    index = np.asarray(local, dtype=np.int64)
+
+    def gather(chunk: pa.Array[Any], name: str) -> pa.Array[Any]:
+        rows = routes_to_numpy(cast("pa.LargeListArray[Any]", chunk).flatten(), spec)
+        kept = np.ascontiguousarray(rows[:, index])
+        buf = pa.py_buffer(kept)  # type: ignore[arg-type]  # ndarray is a buffer
+        return relist(chunk, wrap(buf, kept.shape[0], spec, len(local), 0))
+
     names = [f.name for f in table.schema if f.type == spec.routes_type]
     meta = projected_meta(dict(table.schema.metadata or {}), spec, local)
-    new = projected_spec(spec, local)
-    out = set_columns(
-        table, names, lambda c, n: _project_nested(c, spec, local, n), new.routes_type
-    )
-    return out.replace_schema_metadata(meta)
-
-
-__all__ = [
-    "STORAGE_KEY",
-    "local_layers",
-    "project_layers",
-    "projected_meta",
-    "projected_spec",
-    "set_columns",
-    "storage_info",
-    "wrap",
-]
+    return set_columns(table, names, gather, projected_spec(spec, local).routes_type, meta)

@@ -1,19 +1,5 @@
-"""Routes storage dispatcher: the in-memory nested routes type to and from its stored forms.
-
-Parquet stores a nested ``fixed_size_list`` value by value (slow, ~4x larger), so
-writers convert every routes-typed column to a storage form and readers restore it;
-the form and the converted columns travel in the schema metadata under
-``r3arrow.routes_storage`` (``docs/storage.md``, ``docs/design.md`` "Persistence"):
-
-- ``layer_groups/v1`` (`r3arrow.io._groups`, the default): a struct of
-  ``fixed_size_binary`` layer groups per token, so a reader of some layers reads only
-  their groups;
-- ``nested_list/v1`` (`r3arrow.io._portable`, ``write_rollouts(portable=True)``):
-  plain nested integer lists for generic tools.
-
-This module is the only one that knows both: it imports the leaf formats (which import
-neither each other nor this module) and the shared helpers of `r3arrow.io._project`.
-"""
+"""Routes storage dispatcher, the only module that knows both stored forms:
+``layer_groups/v1`` (`r3arrow.io._groups`) and ``nested_list/v1`` (`r3arrow.io._portable`)."""
 
 from __future__ import annotations
 
@@ -48,11 +34,8 @@ from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
 def to_storage(
     table: pa.Table, *, portable: bool = False, layer_group: int | Sequence[int] | None = None
 ) -> pa.Table:
-    """What Parquet stores: routes-typed columns in layer groups (or portable lists).
-
-    ``layer_group`` as `r3arrow.io._groups.plan_groups`. A table without a spec (R3
-    off) is returned as is. Raises `SchemaError` for a table whose routes do not
-    match its spec, ``TypeError`` / ``ValueError`` for a bad ``layer_group``.
+    """What Parquet stores: routes in layer groups (``layer_group`` as `plan_groups`) or
+    portable lists; an R3-off table as is.
     """
     if SPEC_METADATA_KEY not in (table.schema.metadata or {}):
         return table
@@ -63,14 +46,8 @@ def to_storage(
 
 
 def restore(table: pa.Table, layers: Sequence[int] | None = None) -> pa.Table:
-    """A storage-form table (either format) with its routes restored, maybe projected.
-
-    ``layers`` (global ids): only those route rows come back (layer projection); a
-    layer-group table decodes only the groups read, a portable one is projected in
-    memory. The storage key is dropped. A table without a spec or without the storage
-    key is returned as is (projected if ``layers``). Raises `SchemaError` for
-    malformed storage metadata, an unknown format or columns that do not match it, and
-    ``TypeError`` / ``ValueError`` / `RouteShapeError` for bad ``layers``.
+    """A storage-form table restored and projected to the global ``layers`` (a layer-group
+    table decodes only their groups), the storage key dropped.
     """
     meta = cast("dict[bytes, bytes]", dict(table.schema.metadata or {}))
     if SPEC_METADATA_KEY not in meta:
@@ -93,10 +70,8 @@ def restore(table: pa.Table, layers: Sequence[int] | None = None) -> pa.Table:
 def read_leaves(
     schema: pa.Schema, columns: Sequence[str] | None, layers: Sequence[int] | None
 ) -> list[str] | None:
-    """The Parquet column paths to read for ``columns`` (names) and ``layers`` (global ids).
-
-    ``step`` (not a file column) is dropped; a layer-group file with ``layers`` reads
-    only the groups holding them (`r3arrow.io._groups.group_leaves`). ``None``: all.
+    """The Parquet column paths to read for ``columns`` and ``layers`` (``None``: all; ``step``
+    is no file column; a layer-group file reads only the groups holding ``layers``).
     """
     names = None if columns is None else [c for c in columns if c in schema.names or c != "step"]
     info = storage_info(cast("dict[bytes, bytes] | None", schema.metadata))
@@ -106,14 +81,9 @@ def read_leaves(
 
 
 def route_rows(col: ArrowArray, spec: RouteSpec, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rows ``[T, L, K]``, lengths int64 ``[B]``) of a ragged routes column, any form.
-
-    ``col`` is a ``list`` / ``large_list`` of per-token routes: the nested type, the
-    portable ``list<list<dtype>>`` form or the layer-group struct (a column read without
-    restoring). The rows are a view of the column's buffer when it has one chunk (and,
-    stored, one group); several chunks are combined first, several groups interleaved by
-    one copy. Raises `SchemaError` naming column ``name`` if it is not such a column or
-    does not fit ``spec``.
+    """(rows ``[T, L, K]``, lengths int64 ``[B]``) of a ragged routes column, nested, portable
+    or layer-group storage: a view for one chunk and group, else one copy. `SchemaError`
+    naming column ``name`` for another column or one that does not fit ``spec``.
     """
     arr: pa.Array[Any]
     if isinstance(col, pa.ChunkedArray):
@@ -130,6 +100,3 @@ def route_rows(col: ArrowArray, spec: RouteSpec, name: str) -> tuple[np.ndarray,
     if is_portable_type(values.type):
         values = portable_tokens(values, spec, name)
     return routes_to_numpy(values, spec), list_lengths(arr)
-
-
-__all__ = ["read_leaves", "restore", "route_rows", "to_storage"]

@@ -1,25 +1,9 @@
-"""Streaming rollout reads under a memory budget, and row groups sized for them.
-
-Readers never materialise a step (``docs/storage.md``, "Streaming"). `iter_pieces`
-reads the files of a root (or one file) row group by row group, in read order, and
-yields ``(step, table)`` pieces: restored rollout rows of one step whose size stays
-within a quarter of ``max_memory`` (the piece the caller holds, the next one being
-read, the restore copy of a layer-group read and the validation temporaries all fit
-in the budget). Consecutive small row groups of one step (across its part files)
-are merged into one piece; a row group larger than the piece size is read in record
-batches of proportionally fewer rows. Sizes come from the footer (a row group's
-decoded bytes over all its columns: an upper bound for a column or layer
-projection, so projected pieces hold fewer rows than they could, never more).
-``max_memory=None`` lifts the bound (one piece per step, `read_rollouts`).
-
-`row_group_bounds` is the writer's half: row groups cut by bytes (default
-`DEFAULT_ROW_GROUP_BYTES` of decoded data each), so a streamed read of a file
-written by r3arrow holds about one row group at a time whatever the step size.
-"""
+"""Streaming reads under a memory budget and row groups sized for them (``docs/storage.md``,
+"Streaming")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import groupby, pairwise
 from pathlib import Path
 from typing import Any, cast
@@ -37,36 +21,29 @@ from r3arrow.io._verify import (
     check_rows,
     check_storage,
     check_table,
-    footer_spec,
     reading,
+    table_spec,
     unsealed,
 )
-from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
 
 #: Default budget of a streaming reader, in bytes: fits a laptop.
 DEFAULT_MAX_MEMORY = 1 << 30
 #: Default decoded bytes per row group written (64 MiB: 16 pieces per default budget).
 DEFAULT_ROW_GROUP_BYTES = 64 << 20
-#: A piece is at most this fraction of ``max_memory`` (see the module docstring).
+#: A piece is at most this fraction of ``max_memory``: the piece held, the next one read,
+#: the restore copy and the validation temporaries all fit in the budget.
 PIECE_FRACTION = 4
 #: Read buffer for row groups split into batches: pages stream instead of whole chunks.
 _BUFFER = 4 << 20
-
-
-def check_budget(max_memory: Any) -> int | None:
-    """``max_memory`` as a positive int of bytes, or ``None`` (unbounded)."""
-    if max_memory is None:
-        return None
-    return check_int(max_memory, "max_memory", minimum=1)
+#: Placeholder column of a unit read for ``step`` alone (dropped by `shape`).
+ROWS_COLUMN = "__r3arrow_rows"
 
 
 def open_parquet(
     path: Path, *, buffered: bool = False, metadata: pq.FileMetaData | None = None
 ) -> pq.ParquetFile:
-    """A ParquetFile verifying page checksums; ``buffered`` streams pages of a column chunk.
-
-    ``metadata``: the file's footer, already read and checked (it is not read again).
-    """
+    """A ParquetFile verifying page checksums; ``buffered`` streams the pages of a chunk;
+    ``metadata``: the footer, already read and checked."""
     return pq.ParquetFile(
         path,
         page_checksum_verification=True,
@@ -75,23 +52,16 @@ def open_parquet(
     )
 
 
-# -------------------------------------------------------------------- write
 def row_group_bounds(table: pa.Table, target: int) -> list[tuple[int, int]]:
-    """``(start, stop)`` row ranges of about ``target`` decoded bytes each (>= 1 row each).
-
-    A row's bytes are its routes (route rows × bytes per row, every routes-typed
-    column) plus an even share of the other columns; a group closes at the first
-    row starting past a multiple of ``target``, so a group exceeds ``target`` by at
-    most one row. An empty table has no ranges.
+    """``(start, stop)`` row ranges of about ``target`` decoded bytes (>= 1 row) each: a row's
+    route rows plus an even share of the other columns.
     """
     n = table.num_rows
     if n == 0:
         return []
-    meta = table.schema.metadata or {}
     route_bytes = np.zeros(n, dtype=np.float64)
     other = float(table.nbytes)
-    if SPEC_METADATA_KEY in meta:
-        spec = RouteSpec.from_schema(table.schema)
+    if (spec := table_spec(table)) is not None:
         for field in table.schema:
             if field.type == spec.routes_type:
                 per = list_lengths(table.column(field.name)).astype(np.float64) * spec.row_nbytes
@@ -105,58 +75,36 @@ def row_group_bounds(table: pa.Table, target: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in pairwise(edges)]
 
 
-# --------------------------------------------------------------------- read
-#: Placeholder column of a unit read for ``step`` alone (dropped by `shape`).
-ROWS_COLUMN = "__r3arrow_rows"
-
-
-def _rows_only(rows: int, schema: pa.Schema) -> pa.Table:
-    """``rows`` rows of one all-null placeholder column, with the file's metadata.
-
-    Arrow drops the row count of a table without columns on ``replace_schema_metadata``
-    and ``concat_tables``, so a read of no file column (``columns=["step"]``) carries
-    its rows in this column; `shape` removes it.
-    """
-    meta = cast("Any", schema.metadata)
-    return pa.table({ROWS_COLUMN: pa.nulls(rows)}).replace_schema_metadata(meta)
-
-
 def _file_units(
     path: Path,
     columns: Sequence[str] | None,
     layers: Sequence[int] | None,
     target: int | None,
     batch_rows: int | None,
-    footer: pq.FileMetaData | None = None,
-    row_groups: Sequence[int] | None = None,
+    footer: pq.FileMetaData,
+    row_groups: Sequence[int] | None,
 ) -> Iterator[tuple[pa.Table, int]]:
-    """(storage-form table, footer bytes) of a file's row groups, split to fit ``target``.
-
-    ``footer``: the file's footer, already checked by `r3arrow.io._verify.footer_spec`
-    (else it is read and checked here). Each row group is held to the footer's row
-    count (see `r3arrow.io._verify.check_rows`). ``row_groups``: only those (valid
-    indices, in that order). Errors carry ``path``.
-    """
+    """(storage-form table, footer bytes) of a file's row groups, split to fit ``target``,
+    each held to the checked ``footer``'s row count."""
     with reading(path), open_parquet(path, buffered=target is not None, metadata=footer) as pf:
         schema = pf.schema_arrow
-        if footer is None:
-            footer_spec(pf, path)
         leaves = read_leaves(schema, columns, layers)
         md = pf.metadata
         for g in range(md.num_row_groups) if row_groups is None else row_groups:
             rg = md.row_group(g)
             rows = rg.num_rows
-            # The row group's decoded size over all columns: an upper bound of what a column or
-            # layer projection reads. Column-chunk metadata is not consulted: Arrow aborts the
-            # process (no exception) on some corrupt column-chunk footers.
+            # Decoded size over all columns (an upper bound for a projection). Column-chunk
+            # metadata is not consulted: Arrow aborts the process on some corrupt ones.
             nbytes = rg.total_byte_size
             fits = target is None or nbytes <= target
             if leaves is not None and not leaves:  # only ``step``: the rows, no file column
-                yield _rows_only(rows, schema), 0
+                # Arrow drops the row count of a table without columns: a placeholder keeps it.
+                rows_only = pa.table({ROWS_COLUMN: pa.nulls(rows)})
+                yield rows_only.replace_schema_metadata(cast("Any", schema.metadata)), 0
                 continue
             if fits and (batch_rows is None or rows <= batch_rows):
                 part = pf.read_row_group(g, columns=leaves)
-                check_rows(part, rows, path, f"row group {g}")
+                check_rows(part.num_rows, rows, f"row group {g}")
                 yield part.replace_schema_metadata(schema.metadata), nbytes
                 continue
             size = rows if fits or target is None else max(1, rows * target // max(nbytes, 1))
@@ -166,25 +114,7 @@ def _file_units(
                 seen += batch.num_rows
                 part = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
                 yield part, nbytes * batch.num_rows // max(rows, 1)
-            if seen != rows:
-                raise SchemaError(
-                    f"{path}: expected {rows} rows in row group {g} (footer), read {seen} "
-                    f"(corrupt file)",
-                    path=path,
-                )
-
-
-def empty_table(
-    path: Path, columns: Sequence[str] | None, layers: Sequence[int] | None
-) -> pa.Table:
-    """No rows, with the restored schema of ``path`` under ``columns`` / ``layers``."""
-    with reading(path), open_parquet(path) as pf:
-        schema = pf.schema_arrow
-        footer_spec(pf, path)
-        table = schema.empty_table()
-        if columns is not None:
-            table = table.select([c for c in dict.fromkeys(columns) if c in schema.names])
-        return restore(table, layers)
+            check_rows(seen, rows, f"row group {g}")
 
 
 def restore_unit(
@@ -200,11 +130,7 @@ def restore_unit(
         if check:
             check_storage(table)
         out = unsealed(restore(table, layers))
-        if not validate:
-            return out
-        meta = out.schema.metadata or {}
-        spec = RouteSpec.from_schema(out.schema) if SPEC_METADATA_KEY in meta else None
-        return check_table(out, spec, projected=projected)
+        return check_table(out, table_spec(out), projected=projected) if validate else out
 
 
 def shape(
@@ -223,6 +149,24 @@ def shape(
     return mark_validated(table) if validated else table
 
 
+def empty_piece(
+    file: tuple[int | None, Path, pq.FileMetaData],
+    columns: Sequence[str] | None,
+    layers: Sequence[int] | None,
+    validate: bool,
+) -> pa.Table:
+    """No rows of ``(step, path, checked footer)``, its schema under ``columns`` / ``layers``."""
+    step, path, footer = file
+    with reading(path):
+        schema = footer.schema.to_arrow_schema()
+        table = schema.empty_table()
+        if columns is not None:
+            table = table.select([c for c in dict.fromkeys(columns) if c in schema.names])
+        table = restore(table, layers)
+    table = restore_unit(table, path, None, False, validate, columns is not None)
+    return shape(table, step, columns, validate)
+
+
 def concat(parts: list[pa.Table], where: Path) -> pa.Table:
     """Restored pieces as one table (chunks kept), the first one's metadata; `SchemaError`."""
     meta = parts[0].schema.metadata
@@ -235,7 +179,7 @@ def concat(parts: list[pa.Table], where: Path) -> pa.Table:
 
 
 def iter_pieces(
-    files: Sequence[tuple[int | None, Path]],
+    files: Sequence[tuple[int | None, Path, pq.FileMetaData]],
     *,
     columns: Sequence[str] | None,
     layers: Sequence[int] | None,
@@ -243,30 +187,21 @@ def iter_pieces(
     batch_rows: int | None,
     validate: bool,
     check: bool | None = None,
-    footers: Mapping[Path, pq.FileMetaData] | None = None,
     row_groups: Sequence[int] | None = None,
 ) -> Iterator[pa.Table]:
-    """Table pieces of ``(step, file)`` pairs in order, each within ``max_memory / 4`` bytes.
-
-    Pieces are restored (and projected to ``layers``), checked like `read_rollouts`
-    when ``validate`` (``check``, default ``validate``: the storage null checks),
-    carry a ``step`` column for a root's files and never span two steps. A step (or
-    file) without rows yields one empty table. ``footers``: checked footers by path
-    (each file is then opened once, its footer not parsed again); ``row_groups``: of a
-    single file, only those (`_file_units`). See the module docstring.
-    """
-    budget = check_budget(max_memory)
+    """The pieces `iter_rollouts` yields for ``(step, path, checked footer)`` triples;
+    ``check`` (default ``validate``): the storage null checks."""
+    budget = None if max_memory is None else check_int(max_memory, "max_memory", minimum=1)
     target = None if budget is None else max(1, budget // PIECE_FRACTION)
     rows_cap = None if batch_rows is None else check_int(batch_rows, "batch_rows", minimum=1)
     projected = columns is not None
     storage_check = validate if check is None else check
     for step, group in groupby(files, key=lambda f: f[0]):
-        paths = [f for _, f in group]
+        step_files = list(group)
         pending: list[pa.Table] = []
         held = rows = 0
         emitted = False
-        for path in paths:
-            footer = None if footers is None else footers.get(path)
+        for _, path, footer in step_files:
             units = _file_units(path, columns, layers, target, rows_cap, footer, row_groups)
             for unit, nbytes in units:
                 if pending and (
@@ -280,24 +215,6 @@ def iter_pieces(
                 held += nbytes
                 rows += unit.num_rows
         if pending:
-            yield shape(concat(pending, paths[-1]), step, columns, validate)
+            yield shape(concat(pending, step_files[-1][1]), step, columns, validate)
         elif not emitted:
-            empty = restore_unit(
-                empty_table(paths[0], columns, layers), paths[0], None, False, validate, projected
-            )
-            yield shape(empty, step, columns, validate)
-
-
-__all__ = [
-    "DEFAULT_MAX_MEMORY",
-    "DEFAULT_ROW_GROUP_BYTES",
-    "PIECE_FRACTION",
-    "check_budget",
-    "concat",
-    "empty_table",
-    "iter_pieces",
-    "open_parquet",
-    "restore_unit",
-    "row_group_bounds",
-    "shape",
-]
+            yield empty_piece(step_files[0], columns, layers, validate)

@@ -1,25 +1,9 @@
 """The rollout table: one row per trajectory, routes ragged beside every other column.
 
-Building (`rollout_table`), validating (`validate_rollouts`), derived columns
-(`router_padding_mask`, `sequence_loss_mask`, `input_ids`), row selection that keeps
-every column attached (`take_rows`, `filter_rows`) and dynamic sampling (`filter_groups`,
-`replace_groups`, `reduce_tokens`). All vectorised with Arrow
-compute/numpy. See ``docs/design.md``, "The Arrow data model" and "Dynamic sampling".
-
-R3 on or off: a table built with ``routes`` and ``spec`` has a ``routes`` column and its
-spec in the schema metadata; one built without (``routes=None, spec=None``) has neither
-(`has_routes` is False). Everything but the routes works on both; `router_padding_mask`,
-`flat_routes`, `captured_lengths` and `route_spec` raise `SchemaError` with R3 off.
-
-One check per trust boundary: `rollout_table` validates what it is given and marks the
-table it returns as validated (:mod:`r3arrow._validated`), so writing it does not validate
-it again; so do `take_rows`, `filter_rows`, `filter_groups` and `replace_groups` for
-results of a validated table. Validation errors carry ``row`` and ``trajectory_id``;
-argument misuse raises ``ValueError``/``TypeError``.
-
-Modules: ``_schema`` (schema, spec, lengths), ``_build`` (`rollout_table`), ``_validate``
-(`validate_rollouts`), ``_derived`` (derived columns, row selection), ``_sampling``
-(dynamic sampling).
+``docs/design.md``, "The Arrow data model" (R3 off included) and "Dynamic sampling":
+building, validation, derived columns, row selection that keeps every column attached and
+dynamic sampling, all vectorised. `rollout_table` and selections of a validated table mark
+their result validated; errors carry ``row`` and ``trajectory_id``.
 """
 
 from __future__ import annotations

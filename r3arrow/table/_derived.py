@@ -1,10 +1,7 @@
 """Columns derived from a rollout table, and row selection that keeps every column attached.
 
-Derived (``docs/design.md``, "Router padding mask and dummy rows"): `router_padding_mask`
-and `flat_routes` need routes and raise `SchemaError` on an R3-off table (nothing is
-replayed there, so there is no mask to give); `sequence_loss_mask` and `input_ids` work
-with R3 on or off. Selection (`take_rows`, `filter_rows`, `with_columns`) keeps the
-schema metadata and, for a validated source, marks the result validated.
+``docs/design.md``, "Router padding mask and dummy rows". Selection keeps the schema
+metadata and, for a validated source, marks the result validated.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ from r3arrow.spec import routes_to_numpy
 
 def _ragged_positions(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(offsets [B+1], parent [T], position-in-row [T]) for rows of the given lengths."""
-    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     parent = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
     pos = np.arange(offsets[-1], dtype=np.int64) - offsets[:-1][parent]
     return offsets, parent, pos
@@ -39,8 +35,7 @@ def _ragged_positions(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
 def router_padding_mask(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray[Any]:
     """``large_list<bool>`` over prompt+response: True where no route was captured.
 
-    Raises `SchemaError` for an R3-off table (no ``routes`` column: nothing is replayed,
-    so a mask of "no route here" everywhere would only hide the mistake of replaying).
+    Raises `SchemaError` for an R3-off table (a mask there would only hide a replay mistake).
     """
     require_routes(table, "router_padding_mask")
     total = sequence_lengths(table)
@@ -85,10 +80,8 @@ def input_ids(table: pa.Table | pa.RecordBatch) -> pa.LargeListArray[Any]:
 
 
 def flat_routes(table: pa.Table | pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
-    """(routes ``[sum(captured), L, K]``, offsets ``[B+1]``); zero-copy for a one-chunk column.
-
-    Raises `SchemaError` for an R3-off table.
-    """
+    """(routes ``[sum(captured), L, K]``, offsets ``[B+1]``), zero-copy for one chunk;
+    `SchemaError` for an R3-off table."""
     require_routes(table, "flat_routes")
     raw = table.column("routes")
     if isinstance(raw, pa.ChunkedArray):
@@ -100,7 +93,6 @@ def flat_routes(table: pa.Table | pa.RecordBatch) -> tuple[np.ndarray, np.ndarra
     return values, offsets - offsets[0]
 
 
-# --------------------------------------------------------------- row selection
 def _keep_metadata(result: pa.Table, source: pa.Table) -> pa.Table:
     return (
         result

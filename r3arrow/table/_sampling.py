@@ -1,36 +1,14 @@
 """Dynamic sampling: drop or replace groups whose value carries no advantage signal.
 
-``docs/design.md``, "Dynamic sampling". The rules follow SkyRL and verl (SkyRL 0.3.0,
-``skyrl/train/utils/trainer_utils.py``: ``zero_variance_filter``, ``handle_filter_sampling``,
-``handle_replace_sampling``, ``get_bad_sample_replacements``; verl 0.9.1,
-``verl/trainer/ppo/v1/replay_buffer.py``: ``ReplayBuffer._dapo_filtered_keys``):
-
-* A group is **uniform** (no signal) when it has at least two *live* trajectories and
-  their values differ by at most ``tolerance`` (``max - min <= tolerance``; 0 = exact
-  equality, as verl's ``np.std == 0``). Every other group is kept, so a **group of one is
-  kept** (it has no spread to test), as in both.
-* With ``ignore_masked=True`` (SkyRL's ``zero_variance_filter``) a trajectory whose loss
-  mask is all zero is not live: it is left out of the spread test, so a masked member
-  cannot make a uniform group look varied, but it **shares its group's fate** (kept with a
-  kept group, dropped or replaced with a uniform one).
-* Token-level values (a list column such as ``token_rewards``) are reduced per trajectory
-  by a named rule, ``reduce="sum" | "mean" | "last" | "max"`` (`reduce_tokens`); SkyRL and
-  verl sum token rewards.
-* `filter_groups` keeps the rows of kept groups in their original order (DAPO).
-  `replace_groups` keeps the row count: each uniform group takes the rows of a kept
-  group (distinct kept groups while there are enough, else drawn with replacement, as
-  SkyRL's ``get_bad_sample_replacements``), provided more than ``min_replace_ratio`` of
-  the groups are kept; otherwise its `ReplaceResult` holds the table unchanged with
-  ``enough=False`` (SkyRL's keep-sampling signal).
-
-Whole rows are selected with Arrow ``take``/``filter``: every per-trajectory column,
-routes included, stays with its trajectory; R3-off tables work the same.
+The rules, SkyRL's and verl's, are ``docs/design.md``, "Dynamic sampling". Whole rows are
+selected with Arrow ``take``/``filter``, so routes stay with their trajectory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -63,26 +41,30 @@ def _no_nulls(table: pa.Table, col: pa.Array[Any] | pa.ChunkedArray[Any], name: 
         )
 
 
-def reduce_tokens(table: pa.Table, column: str, *, reduce: Reduce | str) -> np.ndarray:
-    """One float64 value per trajectory from the list column ``column``, by the rule ``reduce``.
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
-    ``"sum"`` (0 for an empty list), ``"mean"``, ``"last"`` and ``"max"`` (NaN for an empty
-    list: there is no value to take). The column is a ``list`` / ``large_list`` of
-    integers, floats or bools. Raises ``ValueError`` for an unknown rule, `SchemaError` for
-    a missing or non-list column and for null lists or null values (``row`` set).
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def _codes(col: pa.ChunkedArray[Any]) -> tuple[np.ndarray, int]:
+    """(int64 dictionary code per row, number of distinct values)."""
+    enc = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(col).combine_chunks())
+    codes = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    return codes, len(enc.dictionary)
+
+
+def reduce_tokens(table: pa.Table, column: str, *, reduce: Reduce | str) -> np.ndarray:
+    """One float64 value per trajectory of the list column ``column`` (numbers or bools):
+    ``reduce`` is ``"sum"`` (0 when empty), ``"mean"``, ``"last"`` or ``"max"`` (NaN when
+    empty), else ``ValueError``; `SchemaError` for a missing, non-list or null column.
     """
     check_choice(reduce, "reduce", REDUCTIONS)
     col = _column(table, column, "reduce")
-    t = col.type
-    if not (
-        (pa.types.is_list(t) or pa.types.is_large_list(t))
-        and (
-            pa.types.is_integer(t.value_type)
-            or pa.types.is_floating(t.value_type)
-            or pa.types.is_boolean(t.value_type)
-        )
-    ):
-        raise SchemaError(f"{column}: expected a list of numbers per trajectory, found {t}")
+    if not (_is_list(col.type) and _is_number(col.type.value_type)):
+        raise SchemaError(f"{column}: expected a list of numbers per trajectory, found {col.type}")
     _no_nulls(table, col, column)
     lens = list_lengths(col)
     flat = pc.list_flatten(col)
@@ -111,19 +93,10 @@ def reduce_tokens(table: pa.Table, column: str, *, reduce: Reduce | str) -> np.n
     return out
 
 
-def _group_codes(table: pa.Table, by: str) -> tuple[np.ndarray, int]:
-    col = _column(table, by, "group by")
-    _no_nulls(table, col, by)
-    enc = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(col).combine_chunks())
-    return np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64), len(
-        enc.dictionary
-    )
-
-
 def _values(table: pa.Table, value: str, reduce: str | None) -> tuple[np.ndarray, bool]:
     """(float64 value per row, whether the values are numbers) for the spread test."""
     col = _column(table, value, "compare")
-    is_list = pa.types.is_list(col.type) or pa.types.is_large_list(col.type)
+    is_list = _is_list(col.type)
     if is_list != (reduce is not None):
         if is_list:
             raise ValueError(
@@ -134,11 +107,9 @@ def _values(table: pa.Table, value: str, reduce: str | None) -> tuple[np.ndarray
     if is_list:
         return reduce_tokens(table, value, reduce=cast("str", reduce)), True
     _no_nulls(table, col, value)
-    t = col.type
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
+    if _is_number(col.type):
         return np.asarray(col.to_numpy(), dtype=np.float64), True
-    enc = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(col).combine_chunks())
-    return np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.float64), False
+    return _codes(col)[0].astype(np.float64), False
 
 
 def _live(table: pa.Table) -> np.ndarray:
@@ -149,17 +120,18 @@ def _live(table: pa.Table) -> np.ndarray:
     if flat.null_count:
         raise SchemaError(f"loss_mask: expected no null mask values, found {flat.null_count}")
     nonzero = np.concatenate([[0], np.cumsum(flat.to_numpy(zero_copy_only=False) != 0)])
-    ends = np.cumsum(list_lengths(mask))
-    return np.asarray(nonzero[ends] - nonzero[ends - list_lengths(mask)] > 0, dtype=bool)
+    lens = list_lengths(mask)
+    ends = np.cumsum(lens)
+    return np.asarray(nonzero[ends] - nonzero[ends - lens] > 0, dtype=bool)
 
 
-def _tolerance(tolerance: Any) -> float:
-    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float | np.floating):
-        raise TypeError(f"tolerance: expected a number >= 0, found {tolerance!r:.80}")
-    tol = float(tolerance)
-    if not (tol >= 0 and math.isfinite(tol)):
-        raise ValueError(f"tolerance: expected a finite number >= 0, found {tolerance!r}")
-    return tol
+def _number(value: Any, name: str, want: str, ok: Callable[[float], bool]) -> float:
+    """``value`` as a float: ``TypeError`` unless a number, ``ValueError`` unless ``ok``."""
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+        raise TypeError(f"{name}: expected {want}, found {value!r:.80}")
+    if not ok(float(value)):
+        raise ValueError(f"{name}: expected {want}, found {value!r}")
+    return float(value)
 
 
 def _kept_groups(
@@ -170,9 +142,13 @@ def _kept_groups(
     ignore_masked: bool,
     reduce: str | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(group code per row, bool per group: kept) under the module's rules."""
-    tol = _tolerance(tolerance)
-    codes, n = _group_codes(table, by)
+    """(group code per row, bool per group: kept) under the rules of dynamic sampling."""
+    tol = _number(
+        tolerance, "tolerance", "a finite number >= 0", lambda t: t >= 0 and math.isfinite(t)
+    )
+    group_col = _column(table, by, "group by")
+    _no_nulls(table, group_col, by)
+    codes, n = _codes(group_col)
     vals, numeric = _values(table, value, reduce)
     if tol and not numeric:
         raise ValueError(f"tolerance={tolerance!r} needs numeric values, found {value!r} values")
@@ -202,10 +178,7 @@ def varied_groups(
     ignore_masked: bool = True,
     reduce: Reduce | None = None,
 ) -> np.ndarray:
-    """Bool per row: True where `filter_groups` keeps the row's group (not uniform).
-
-    Parameters as `filter_groups`.
-    """
+    """Bool per row: True where `filter_groups` keeps the row's group (parameters as there)."""
     codes, kept = _kept_groups(table, by, value, tolerance, ignore_masked, reduce)
     return np.asarray(kept[codes], dtype=bool)
 
@@ -219,44 +192,25 @@ def filter_groups(
     ignore_masked: bool = True,
     reduce: Reduce | None = None,
 ) -> pa.Table:
-    """Drop uniform groups (DAPO dynamic sampling); kept rows stay in their order.
+    """Drop uniform groups (DAPO dynamic sampling; ``docs/design.md``, "Dynamic sampling").
 
-    Parameters
-    ----------
-    by:
-        The group column (any type without nulls).
-    value:
-        The compared column: numbers, strings (compared for equality) or, with
-        ``reduce``, a list column of token-level values.
-    tolerance:
-        Values within ``tolerance`` of each other count as equal (numbers only).
-    ignore_masked:
-        Leave trajectories whose loss mask is all zero out of the spread test (they still
-        follow their group).
-    reduce:
-        The rule for a list ``value`` column (`reduce_tokens`); ``None`` for a scalar one.
-
-    Raises `SchemaError` for a missing column, nulls, or NaN on a live trajectory;
-    ``ValueError`` / ``TypeError`` for a bad ``tolerance`` or ``reduce``.
+    ``by``: the group column; ``value``: numbers, strings or, with ``reduce``, a list column;
+    ``tolerance``: numbers this close are equal; ``ignore_masked``: all-zero-mask rows follow
+    their group but are left out of the test. `SchemaError` for a missing column, nulls or
+    NaN on a live row, ``ValueError`` / ``TypeError`` for bad ``tolerance`` / ``reduce``.
     """
-    return filter_rows(
-        table,
-        varied_groups(
-            table, by, value, tolerance=tolerance, ignore_masked=ignore_masked, reduce=reduce
-        ),
+    kept = varied_groups(
+        table, by, value, tolerance=tolerance, ignore_masked=ignore_masked, reduce=reduce
     )
+    return filter_rows(table, kept)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ReplaceResult:
-    """What `replace_groups` did.
-
-    ``table``: the result (the input unchanged when ``enough`` is False);
-    ``source_rows``: int64 ``[B]``, output row ``i`` is input row ``source_rows[i]``;
-    ``num_groups`` / ``kept_groups`` / ``replaced_groups``: group counts (``replaced_groups``
-    is 0 when nothing was replaced); ``enough``: more than ``min_replace_ratio`` of the
-    groups were kept (or nothing needed replacing); False is SkyRL's ``keep_sampling``: sample
-    another batch.
+    """What `replace_groups` did: ``table`` (the input when not ``enough``); ``source_rows``
+    (int64 ``[B]``: output row ``i`` is input row ``source_rows[i]``); the group counts;
+    ``enough``: more than ``min_replace_ratio`` of the groups were kept (False is SkyRL's
+    ``keep_sampling``).
     """
 
     table: pa.Table
@@ -278,32 +232,21 @@ def replace_groups(
     ignore_masked: bool = True,
     reduce: Reduce | None = None,
 ) -> ReplaceResult:
-    """Replace the rows of each uniform group by the rows of a kept group; a `ReplaceResult`.
-
-    Uniform groups draw kept groups with a ``numpy`` generator seeded by ``seed``: distinct
-    ones when there are at least as many kept groups as uniform ones, else uniformly with
-    replacement. The k-th row of a uniform group becomes the ``k mod size``-th row of its
-    replacement group (which keeps its own trajectory and group ids). Row count and kept
-    rows' positions are unchanged. When ``kept_groups <= min_replace_ratio * num_groups``
-    (SkyRL's threshold; with the default 0, when every group is uniform) nothing is replaced
-    and ``enough`` is False: the result signals, never raises for it. Other parameters and
-    errors as `filter_groups`; ``min_replace_ratio`` must lie in ``[0, 1]``.
+    """Replace the rows of each uniform group by a kept group's (drawn with ``seed``); the
+    k-th row becomes row ``k mod size`` of the replacement. With ``kept_groups <=
+    min_replace_ratio * num_groups`` (a ratio in ``[0, 1]``) nothing is replaced and
+    ``enough`` is False. Otherwise as `filter_groups`.
     """
     seed = check_int(seed, "seed", minimum=0)
-    if isinstance(min_replace_ratio, bool) or not isinstance(
-        min_replace_ratio, int | float | np.floating
-    ):
-        raise TypeError(f"min_replace_ratio: expected a number, found {min_replace_ratio!r:.80}")
-    if not 0.0 <= float(min_replace_ratio) <= 1.0:
-        raise ValueError(
-            f"min_replace_ratio: expected a number in [0, 1], found {min_replace_ratio}"
-        )
+    ratio = _number(
+        min_replace_ratio, "min_replace_ratio", "a number in [0, 1]", lambda r: 0 <= r <= 1
+    )
     codes, kept = _kept_groups(table, by, value, tolerance, ignore_masked, reduce)
     n, good = kept.size, int(kept.sum())
     identity = np.arange(codes.size, dtype=np.int64)
     if good == n:
         return ReplaceResult(table, identity, n, good, 0, True)
-    if not good > n * float(min_replace_ratio):
+    if not good > n * ratio:
         return ReplaceResult(table, identity, n, good, 0, False)
     kept_ids, dropped_ids = np.flatnonzero(kept), np.flatnonzero(~kept)
     rng = np.random.default_rng(seed)
@@ -315,8 +258,7 @@ def replace_groups(
     draw[dropped_ids] = chosen
     order = np.argsort(codes, kind="stable")
     sizes = np.bincount(codes, minlength=n)
-    first = np.zeros(n, dtype=np.int64)
-    np.cumsum(sizes[:-1], out=first[1:])
+    first = np.cumsum(sizes) - sizes
     rank = np.empty(codes.size, dtype=np.int64)
     rank[order] = np.arange(codes.size) - first[codes[order]]
     src = identity.copy()

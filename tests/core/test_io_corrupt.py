@@ -21,12 +21,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from r3arrow._schema import VERSION_KEY
 from r3arrow._validated import is_validated
 from r3arrow.errors import R3ArrowError, SchemaError
 from r3arrow.io import iter_rollouts, read_rollouts, rollout_files, write_rollouts
 from r3arrow.io._portable import to_portable
 from r3arrow.io._storage import to_storage
-from r3arrow.io._verify import META_SHA_KEY, VERSION_KEY, sealed
+from r3arrow.io._verify import META_SHA_KEY, sealed
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec
 from r3arrow.table import captured_lengths, rollout_table
 from r3arrow.testing import assert_rollouts_equal, random_rollouts
