@@ -11,11 +11,11 @@ reference's. Sections:
   has a zero lane exactly when two ids at distance ``r`` are equal, and
   ``(x - 0x01..01) & ~x & 0x80..80`` is nonzero exactly when ``x`` has one; the test is
   OR-accumulated without branches (vectorised), and a failing range is rescanned row by row.
-  Other rows compare the ``K // 2`` rotations per row (any strides: transposed chunks). The
+  Other rows compare the ``K // 2`` rotations per row; strided ids are copied in blocks. The
   specialisations per top-k and lane width are generated (`_word_kernels`, `_elems_kernel`):
   closures over constants only, which numba folds (about twice the speed of runtime shift
   amounts) and its disk cache keys on, so every later process loads them.
-* **Statistics** (`count_codes`, `count_bytes`, `agree`; `r3arrow.stats`): one pass over the
+* **Statistics** (`count_codes`, `agree`; `r3arrow.stats`): one pass over the
   ids; they never raise, bad input is flagged.
 * **Interleave** (`copy_runs`; `r3arrow.io`): the runs of a layer-group restore.
 * **Replay probe** (`overlap_rows`, `overlap_rows_bf16`; `r3arrow.megatron`,
@@ -35,7 +35,8 @@ from typing import Any
 import numba
 import numpy as np
 
-_CHUNK = 1024  # rows per chunk of the strided path: the transposed ids stay in L1
+_CHUNK = 1024  # rows per chunk of the elementwise duplicate test
+_BLOCK = 1 << 16  # ids per contiguous copy of a strided input: the copy stays in L2
 _GATHER_BLOCK = 256  # positions per block of the fused gather: the block's words stay in L1
 _WORD: dict[int, np.dtype[Any]] = {
     2: np.dtype(np.uint16),
@@ -287,70 +288,6 @@ def _elems_kernel(k: int) -> Callable[..., Any]:
     return first_token
 
 
-@numba.njit(cache=True, nogil=True)
-def _chunk_fail(xt: Any, m: int, k: int) -> int:
-    """First column ``< m`` of ``xt`` ``[K, chunk]`` holding two equal ids, else -1."""
-    acc = False
-    for r in range(1, k // 2 + 1):
-        for i in range(k):
-            i2 = (i + r) % k
-            for c in range(m):  # contiguous: vectorised
-                acc |= xt[i, c] == xt[i2, c]
-    if not acc:
-        return -1
-    for c in range(m):
-        for r in range(1, k // 2 + 1):
-            for i in range(k):
-                if xt[i, c] == xt[(i + r) % k, c]:
-                    return c
-    return -1  # pragma: no cover - acc said some column fails
-
-
-@numba.njit(cache=True, nogil=True)
-def _first_token_general(x: Any, layers_first: bool) -> int:
-    """`first_duplicate_token` for any ``K``, dtype and strides (transposed chunks)."""
-    n_a, n_b, k = x.shape
-    xt = np.empty((k, _CHUNK), dtype=x.dtype)
-    if not layers_first and n_b > _CHUNK:  # tokens wider than a chunk: piece by piece
-        for a in range(n_a):
-            for b0 in range(0, n_b, _CHUNK):
-                m = min(_CHUNK, n_b - b0)
-                for q in range(m):
-                    for i in range(k):
-                        xt[i, q] = x[a, b0 + q, i]
-                if _chunk_fail(xt, m, k) >= 0:
-                    return a
-        return -1
-    if not layers_first:  # whole tokens per chunk, rows in (token, layer) order
-        per = _CHUNK // n_b
-        for a0 in range(0, n_a, per):
-            a1 = min(a0 + per, n_a)
-            m = 0
-            for a in range(a0, a1):
-                for b in range(n_b):
-                    for i in range(k):
-                        xt[i, m] = x[a, b, i]
-                    m += 1
-            c = _chunk_fail(xt, m, k)
-            if c >= 0:
-                return int(a0 + c // n_b)
-        return -1
-    limit = n_b  # layers first: tokens along axis 1, the smallest failing one over layers
-    for a in range(n_a):
-        t0 = 0
-        while t0 < limit:
-            m = min(_CHUNK, limit - t0)
-            for q in range(m):
-                for i in range(k):
-                    xt[i, q] = x[a, t0 + q, i]
-            c = _chunk_fail(xt, m, k)
-            if c >= 0:
-                limit = t0 + c
-                break
-            t0 += m
-    return limit if limit < n_b else -1
-
-
 def _word_views(x: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """``x`` ``[A, B, K]`` as (whole uint64 words, one word per row), or None where rows are
     not 2, 4 or 8 bytes of a C-contiguous little-endian array."""
@@ -373,12 +310,19 @@ def first_duplicate_token(x: np.ndarray, layers_first: bool) -> int:
     # Equality of bit patterns: signed ids as the unsigned type of their size (exact, and
     # half as many compiled signatures).
     x = x.view(np.dtype(f"u{x.dtype.itemsize}"))
+    if not x.flags.c_contiguous:  # strided: contiguous copies of ~_BLOCK rows at a time
+        axis = 1 if layers_first else 0
+        step = max(1, _BLOCK // max(1, x.shape[1 - axis] * x.shape[2]))
+        for t0 in range(0, x.shape[axis], step):
+            block = x[:, t0 : t0 + step] if layers_first else x[t0 : t0 + step]
+            t = first_duplicate_token(np.ascontiguousarray(block), layers_first)
+            if t >= 0:
+                return t0 + t
+        return -1
     n_a, n_b, k = (int(v) for v in x.shape)
     views = _word_views(x)
-    if views is None and x.flags.c_contiguous:
-        return int(_elems_kernel(k)(x.reshape(-1), n_a, n_b, layers_first))
     if views is None:
-        return int(_first_token_general(x, layers_first))
+        return int(_elems_kernel(k)(x.reshape(-1), n_a, n_b, layers_first))
     words, rows = views
     first_token, _ = _word_kernels(k, 8 * x.dtype.itemsize)
     return int(first_token(words, rows, n_a, n_b, layers_first))
@@ -581,7 +525,8 @@ def count_codes(ids: Any, sel: Any, base: Any, e: int, out: Any) -> None:  # pra
     ``ids`` ``[T, L, K]`` unsigned integers (the caller views signed ids as unsigned);
     ``sel`` uint8 ``[T]`` (empty: every row); ``base`` int64 ``[L]`` (a router layer's
     rank × (e + 1), a dense layer's the discard range). An id ``>= e`` lands in the layer's
-    overflow bucket ``e`` (branch-free), so one count there flags a bad id. ``out`` int64,
+    overflow bucket ``e`` (branch-free), so one count there flags a bad id (uint8 ids with
+    ``e = 255`` and 256 counters per layer: a counter per value). ``out`` int64 or uint32,
     accumulated (not cleared). Numba-compiled (the coverage tool does not see the body).
     """
     n, nl, k = ids.shape
@@ -593,25 +538,6 @@ def count_codes(ids: Any, sel: Any, base: Any, e: int, out: Any) -> None:  # pra
             b = base[layer]
             for j in range(k):
                 out[b + min(ids[t, layer, j], e)] += 1
-
-
-@numba.njit(cache=True, nogil=True)
-def count_bytes(ids: Any, sel: Any, base: Any, out: Any) -> None:  # pragma: no cover
-    """``out[base[l] + ids[t, l, k]] += 1`` for the selected rows: uint8 ids, 256 per layer.
-
-    The fast path of `count_codes` for one-byte ids: every id has a counter (no clamp), and
-    ids ``>= e`` are found afterwards in the counters above ``e``. ``out`` uint32 or int64
-    (the caller keeps a call below 2**32 ids per counter).
-    """
-    n, nl, k = ids.shape
-    use_sel = sel.size > 0
-    for t in range(n):
-        if use_sel and sel[t] == 0:
-            continue
-        for layer in range(nl):
-            b = base[layer]
-            for j in range(k):
-                out[b + ids[t, layer, j]] += 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -879,7 +805,6 @@ __all__ = [
     "UNSURE",
     "agree",
     "copy_runs",
-    "count_bytes",
     "count_codes",
     "first_duplicate_token",
     "gather_widen",

@@ -27,6 +27,7 @@ from r3arrow.stats._kernels import (
     bincount,
     check_selection,
     chunks,
+    exact_sum,
     map_chunks,
     raise_range,
 )
@@ -38,8 +39,8 @@ class ExpertCounts:
 
     ``counts``: int64 ``[len(layers), num_experts]``, ``counts[i, e]`` the selected tokens
     layer ``layers[i]`` sent to expert ``e`` (each row sums to ``topk * tokens``). Counts
-    add (``a + b``); with an unknown ``num_experts`` the expert axis spans the ids seen and
-    addition pads the narrower side with zeros.
+    add (``a + b``, exact: `SchemaError` past int64); with an unknown ``num_experts`` the
+    expert axis spans the ids seen and addition pads the narrower side with zeros.
     """
 
     layers: tuple[int, ...]
@@ -74,10 +75,9 @@ class ExpertCounts:
                 f"found {list(other.layers)}"
             )
         e = max(self.num_experts, other.num_experts)
-        out = np.zeros((len(self.layers), e), dtype=np.int64)
-        out[:, : self.num_experts] += self.counts
-        out[:, : other.num_experts] += other.counts
-        return ExpertCounts(self.layers, out, self.tokens + other.tokens)
+        a, b = (np.pad(p.counts, ((0, 0), (0, e - p.num_experts))) for p in (self, other))
+        tokens = int(exact_sum("ExpertCounts.tokens", self.tokens, other.tokens))
+        return ExpertCounts(self.layers, exact_sum("ExpertCounts.counts", a, b), tokens)
 
     @classmethod
     def empty(cls, spec: RouteSpec) -> ExpertCounts:
@@ -202,8 +202,9 @@ def _count_numba(
     else:
         e_kernel = e
     layers = list(spec.router_layers)
-    # One-byte ids: a counter for each of the 256 values (no clamp; faster), uint32 counters
-    # (a chunk holds < 2**32 ids) that stay in L1; wider ids: e + 1 int64 counters per layer.
+    # One-byte ids: a counter for each of the 256 values (the clamp at 255 never moves one),
+    # uint32 counters (a chunk holds < 2**32 ids) that stay in L1; wider ids: e + 1 int64
+    # counters per layer.
     one_byte = ids.dtype.itemsize == 1
     if one_byte:
         e_kernel = min(e_kernel, 256)
@@ -219,7 +220,7 @@ def _count_numba(
         part_sel = sel_b if sel is None else sel_b[chunk]
         if one_byte:
             small = np.zeros((nl + 1) * w, dtype=np.uint32)
-            nb.count_bytes(ids[chunk], part_sel, base, small)
+            nb.count_codes(ids[chunk], part_sel, base, 255, small)
             return small
         out = np.zeros((nl + 1) * w, dtype=np.int64)
         nb.count_codes(ids[chunk], part_sel, base, e_kernel, out)
