@@ -145,8 +145,8 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
 
     ``first_token(words, rows, n_a, n_b, layers_first)``: the smallest token of C-contiguous
     ``[A, B]`` rows (``rows``: one unsigned word each; ``words``: the same bytes as whole uint64
-    words) whose row repeats an id, -1 for none. ``gather(words, n_layers, layer_index, pos_row,
-    out, span, dummy, mode, c, check)`` (``k * bits == 64`` only): the fused gather of
+    words) whose row repeats an id, -1 for none. ``gather(rows, n_layers, layer_index, pos_row,
+    out, span, dummy, mode, c, check)`` (``rows`` as for ``first_token``): the fused gather of
     `gather_widen`; each position's local-layer words are tested (range ``mode``/``c`` of
     `_range_bits`, and duplicates) in registers, still compact, and widened straight into
     ``out`` ``[n_local, P * C * K]`` (no staging buffer); per block of positions the tests are
@@ -170,7 +170,7 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
 
     @numba.njit(cache=True, nogil=True)
     def gather(
-        words: Any,
+        rows: Any,
         n_layers: int,
         layer_index: Any,
         pos_row: Any,
@@ -193,7 +193,7 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
                     base = r * n_layers
                     o = (p * n_c + col) * k
                     for li in range(n_local):
-                        w = dummy if r < 0 else words[base + layer_index[li]]
+                        w = dummy if r < 0 else np.uint64(rows[base + layer_index[li]])
                         if check:
                             acc |= _bad_word(w, mode, c, g)
                         d = out[li]
@@ -204,7 +204,7 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
                     for col in range(c_lo, c_hi):
                         r = pos_row[p, col]
                         for li in range(n_local):
-                            w = dummy if r < 0 else words[r * n_layers + layer_index[li]]
+                            w = dummy if r < 0 else np.uint64(rows[r * n_layers + layer_index[li]])
                             if _bad_word(w, mode, c, g) != 0:
                                 return int(p * n_c + col)
         return -1
@@ -369,65 +369,63 @@ def _range_bits(w: Any, mode: int, c: Any, highs: Any) -> Any:
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _widen_runs(
-    lanes: Any, dst: Any, p0: int, p1: int, n_c: int, c_lo: int, width: int, k: int
-) -> None:
-    """``dst`` (one layer's flat int32 output) at positions ``[p0, p1)`` x columns
-    ``[c_lo, c_lo + width)`` from the block's compact ``lanes`` (same order)."""
-    if width == n_c:
-        base = p0 * n_c * k
-        for j in range((p1 - p0) * width * k):  # one contiguous run: vectorised
-            dst[base + j] = lanes[j]
-        return
-    run = width * k
-    for p in range(p0, p1):
-        base = (p * n_c + c_lo) * k
-        src = (p - p0) * run
-        for j in range(run):
-            dst[base + j] = lanes[src + j]
+def _elems_bad(src: Any, r: int, layer: int, k: int, bound: Any, bounded: bool) -> bool:
+    """Whether row ``src[r, layer]`` (``r < 0``: the dummy row ``[0 .. k-1]``) has an id
+    ``>= bound`` (when ``bounded``) or repeats one; branch-free, ``k`` folded by the caller."""
+    bad = False
+    for q in range(k):
+        v = np.uint64(q) if r < 0 else np.uint64(src[r, layer, q])
+        bad |= bounded and v >= bound
+        if r >= 0:
+            for q2 in range(q + 1, k):
+                bad |= v == np.uint64(src[r, layer, q2])
+    return bad
 
 
-@numba.njit(cache=True, nogil=True)
-def _gather_elems(
-    src: Any,
-    layer_index: Any,
-    pos_row: Any,
-    out: Any,
-    span: Any,
-    bound: Any,
-    bounded: bool,
-    check: bool,
-) -> int:
-    """`gather_widen` for any row size: ``src`` ``[T, L, K]`` unsigned (bit patterns)."""
-    n_c = pos_row.shape[1]
-    p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
-    width = c_hi - c_lo
-    n_local = layer_index.shape[0]
-    k = src.shape[2]
-    buf = np.empty(_GATHER_BLOCK * width * k, dtype=src.dtype)
-    for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
-        p1 = min(p_hi, p0 + _GATHER_BLOCK)
-        m = (p1 - p0) * width
-        for li in range(n_local):
-            layer = layer_index[li]
-            j = 0
+@functools.cache
+def _elems_gather(k: int) -> Callable[..., Any]:
+    """`gather_widen` for rows that are not one machine word (``K * itemsize`` not 2, 4 or 8),
+    generated with ``K`` constant (the comparisons unroll): ``gather(src, layer_index, pos_row,
+    out, span, bound, bounded, check)``, ``src`` ``[T, L, K]`` unsigned (bit patterns)."""
+
+    @numba.njit(cache=True, nogil=True)
+    def gather(
+        src: Any,
+        layer_index: Any,
+        pos_row: Any,
+        out: Any,
+        span: Any,
+        bound: Any,
+        bounded: bool,
+        check: bool,
+    ) -> int:
+        n_c = pos_row.shape[1]
+        p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
+        n_local = layer_index.shape[0]
+        for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
+            p1 = min(p_hi, p0 + _GATHER_BLOCK)
+            acc = False
             for p in range(p0, p1):
                 for col in range(c_lo, c_hi):
                     r = pos_row[p, col]
-                    for q in range(k):
-                        buf[j * k + q] = q if r < 0 else src[r, layer, q]
-                    j += 1
-            if check:
-                for j in range(m):
-                    for q in range(k):
-                        v = buf[j * k + q]
-                        bad = bounded and np.uint64(v) >= bound
-                        for q2 in range(q + 1, k):
-                            bad = bad or v == buf[j * k + q2]
-                        if bad:
-                            return int((p0 + j // width) * n_c + c_lo + j % width)
-            _widen_runs(buf, out[li], p0, p1, n_c, c_lo, width, k)
-    return -1
+                    o = (p * n_c + col) * k
+                    for li in range(n_local):
+                        layer = layer_index[li]
+                        if check:
+                            acc |= _elems_bad(src, r, layer, k, bound, bounded)
+                        d = out[li]
+                        for q in range(k):
+                            d[o + q] = q if r < 0 else src[r, layer, q]
+            if acc:
+                for p in range(p0, p1):
+                    for col in range(c_lo, c_hi):
+                        r = pos_row[p, col]
+                        for li in range(n_local):
+                            if _elems_bad(src, r, layer_index[li], k, bound, bounded):
+                                return int(p * n_c + col)
+        return -1
+
+    return gather
 
 
 def range_constant(bits: int, bound: int | None, signed: bool) -> tuple[int, int]:
@@ -461,8 +459,8 @@ def gather_widen(
     are read and written. With ``check``, every block is tested (ids below ``bound``,
     ``>= 0`` when signed, no id twice in a row) before it is widened; the return value is the
     flat index ``p * C + c`` of the first failing position of the first failing block
-    (``out`` then partly written), -1 if none. Rows of one uint64 word run the generated
-    `_word_kernels` gather, any other row size `_gather_elems`.
+    (``out`` then partly written), -1 if none. Rows of 2, 4 or 8 bytes run the generated
+    `_word_kernels` gather, any other row size the generated `_elems_gather`.
     """
     signed = src.dtype.kind == "i"
     bits = 8 * src.dtype.itemsize
@@ -470,14 +468,14 @@ def gather_widen(
     k = int(src.shape[2])
     flat = out.reshape(out.shape[0], -1)
     where = np.asarray(span, dtype=np.int64)
-    if k * src.dtype.itemsize == 8 and sys.byteorder == "little":
+    row = _WORD.get(k * src.dtype.itemsize)
+    if row is not None and sys.byteorder == "little":
         mode, c = range_constant(bits, bound, signed)
         dummy = sum(q << (q * bits) for q in range(k))
-        words = u.reshape(-1).view(np.uint64)
         _, gather = _word_kernels(k, bits)
         return int(
             gather(
-                words,
+                u.reshape(-1).view(row),
                 int(src.shape[1]),
                 layer_index,
                 pos_row,
@@ -491,8 +489,9 @@ def gather_widen(
         )
     half = 1 << (bits - 1)
     lim = (half if bound is None else min(bound, half)) if signed else bound
+    gather_elems = _elems_gather(k)
     return int(
-        _gather_elems(
+        gather_elems(
             u, layer_index, pos_row, flat, where, np.uint64(lim or 0), lim is not None, check
         )
     )

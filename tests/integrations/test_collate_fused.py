@@ -101,7 +101,13 @@ _GATHER_SHAPES = [
     (np.uint8, 8, 256),  # no bound needed
     (np.uint16, 4, 1000),
     (np.int32, 2, 50),  # signed words
+    (np.uint8, 2, 8),  # rows of 16 bits
+    (np.uint8, 4, 60),  # rows of 32 bits
+    (np.uint16, 2, 512),
+    (np.int8, 4, 100),  # signed, 32-bit rows
+    (np.int16, 2, 300),
     (np.uint8, 6, 64),  # element path
+    (np.uint16, 8, 512),  # element path, 128-bit rows
     (np.uint16, 3, 3),
 ]
 
