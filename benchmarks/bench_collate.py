@@ -27,6 +27,11 @@ output, peak memory (targets: >= 10x faster than the baseline, <= 3x memcpy;
 ``1,2``: one core, both cores), every side with the same threads; the memcpy is
 single-threaded.
 
+Then the fused gather kernel alone (`r3arrow.ids.gather_router_ids`, ``--kernels-only`` for just
+this) for top-k 2, 4, 6, 8 of uint8 and uint16 ids, 12 local layers of 48: ns per (token, layer)
+row and the ratio to the limit, about 0.7x a memcpy of the int32 output (a stage's rows are a
+fraction of each token's cache lines of ids; the output is the bytes that must be written).
+
 Run: ``.venv/bin/python benchmarks/bench_collate.py`` (``--quick`` for a small size).
 """
 
@@ -195,6 +200,38 @@ def run_case(args: Any) -> dict[str, Any]:
     }
 
 
+def print_kernels(args: Any) -> None:
+    """The gather kernel per top-k and id width: ns per (token, layer) row, x the limit."""
+    from r3arrow._kernels import backend
+    from r3arrow.ids import gather_router_ids
+
+    tokens = 8192 if args.quick else 131072
+    layers, local = 48, list(range(12, 24))
+    rng = np.random.default_rng(0)
+    pos_row = np.arange(tokens, dtype=np.int64).reshape(tokens, 1)
+    rows = []
+    for dtype, experts in ((np.uint8, 128), (np.uint16, 512)):
+        for k in (2, 4, 6, 8):
+            src = np.argsort(rng.random((tokens, layers, experts), dtype=np.float32), axis=2)
+            src = np.ascontiguousarray(src[:, :, :k].astype(dtype))
+            out = np.empty((len(local), tokens, 1, k), dtype=np.int32)
+            index = np.asarray(local, dtype=np.int64)
+
+            def run() -> None:
+                gather_router_ids(src, index, pos_row, out, experts, local)  # noqa: B023
+
+            t = best_of(run, args.repeat)
+            copy = best_of(lambda: np.copyto(out, out[::-1]), args.repeat)  # noqa: B023
+            ns = t / (tokens * len(local)) * 1e9
+            rows.append([f"top-{k} {np.dtype(dtype).name}", ns, t / copy, t / (0.7 * copy)])
+    print(
+        f"fused gather ({backend()} backend): {tokens:,} tokens, 12 of {layers} layers, "
+        "best of --repeat; memcpy = a copy of the int32 output"
+    )
+    print(markdown_table(rows, ["ids", "ns per row", "x memcpy", "x limit (0.7x memcpy)"]))
+    print()
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--trajectories", type=int, default=64)
@@ -222,6 +259,7 @@ def main() -> None:
     p.add_argument("--chain-tokens", type=int, default=4096, help="chain: tokens per trajectory")
     p.add_argument("--chain-align", type=int, default=8, help="chain: packed alignment")
     p.add_argument("--chain-only", action="store_true", help="only the chain table")
+    p.add_argument("--kernels-only", action="store_true", help="only the gather-kernel table")
     p.add_argument(
         "--chain-threads", default="1,2", help="chain: thread counts to run, comma-separated"
     )
@@ -256,6 +294,9 @@ def main() -> None:
         print(json.dumps(run_case(args)))
         return
 
+    print_kernels(args)
+    if args.kernels_only:
+        return
     forward = [a for a in sys.argv[1:]]
     print_chain(args, forward)
     if args.chain_only:
