@@ -10,10 +10,15 @@ import re
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import polars as pl
+
+from r3arrow._extras import require
+
+with require(extra="plot", feature="r3arrow.plot"):
+    import matplotlib
+    import polars as pl
 
 from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
@@ -39,11 +44,9 @@ _METRICS = {
 
 
 def _figure(width: float, height: float) -> Figure:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as exc:  # pragma: no cover - matplotlib is in the plot/dev extras
-        raise ImportError("r3arrow.plot needs matplotlib: pip install 'r3arrow[plot]'") from exc
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
@@ -112,14 +115,30 @@ def _matrix(
     return rows.tolist(), cols.tolist(), out
 
 
-def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = None) -> Path:
-    """Heatmap (layer × expert) of each expert's load ÷ its layer's mean, log2 scale.
+#: The expert-load heatmap: dead experts (0 tokens) black, layers that routed nothing grey;
+#: the scale is RdBu_r without its near-black ends, so no load is drawn close to dead.
+_DEAD, _EMPTY = (0.0, 0.0, 0.0, 1.0), (0.73, 0.73, 0.73, 1.0)
 
-    ``load``: an `r3arrow.stats.expert_load` frame (a ``step`` column is summed over).
-    Blue under-used, white balanced, red hot; black dead (0 tokens); grey a layer that
-    routed nothing.
-    """
-    out = _png(path)
+
+def _load_scale() -> Any:
+    from matplotlib.colors import ListedColormap
+
+    return ListedColormap(matplotlib.colormaps["RdBu_r"](np.linspace(0.15, 0.85, 256)))
+
+
+class _LoadImage(NamedTuple):
+    """The expert-load heatmap's data: ``rgba`` shows log2 of ``rel`` (load ÷ layer mean)
+    clipped to ``[-lim, lim]`` on `_load_scale`, `_DEAD` where ``counts`` is exactly 0."""
+
+    layers: list[int]
+    experts: list[int]
+    counts: np.ndarray
+    rel: np.ndarray
+    rgba: np.ndarray
+    lim: float
+
+
+def _load_image(load: pl.DataFrame) -> _LoadImage:
     if not {"layer", "expert", "tokens"} <= set(load.columns):
         raise SchemaError(
             f"expected an expert_load frame (layer, expert, tokens), found {load.columns}"
@@ -136,23 +155,40 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
         logs = np.log2(rel)
     finite = np.isfinite(logs)
     lim = float(np.clip(np.ceil(np.abs(logs[finite]).max()), 1, 4)) if finite.any() else 1.0
-    shown = np.where(rel == 0, -lim - 1.0, np.clip(logs, -lim, lim))  # dead: below the scale
+    rgba = _load_scale()((np.clip(np.nan_to_num(logs), -lim, lim) + lim) / (2 * lim))
+    rgba[rel == 0] = _DEAD
+    rgba[np.isnan(rel)] = _EMPTY
+    return _LoadImage(layers, experts, counts, rel, rgba, lim)
+
+
+def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = None) -> Path:
+    """Heatmap (layer × expert) of each expert's load ÷ its layer's mean, log2 scale.
+
+    ``load``: an `r3arrow.stats.expert_load` frame (a ``step`` column is summed over).
+    Blue under-used, white balanced, red hot (clipped at 1/16× and 16× at most); black
+    dead (exactly 0 tokens, a colour no load gets); grey a layer that routed nothing.
+    """
+    out = _png(path)
+    layers, experts, counts, rel, rgba, lim = _load_image(load)
     height = _clamp(1.8 + 0.2 * len(layers), 3.2, 12)
     fig = _figure(_clamp(3.5 + 0.045 * len(experts), 6.5, 16), height)
     ax = fig.add_subplot()
-    cmap = _cmap("RdBu_r", under="black")
-    img = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmin=-lim, vmax=lim)
+    ax.imshow(rgba, aspect="auto", interpolation="nearest")
     _ticks(ax, layers, "y", 24)
     _ticks(ax, experts, "x", 16)
     ax.set_xlabel("expert id")
     ax.set_ylabel("MoE layer (global id)")
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    scale = ScalarMappable(Normalize(-lim, lim), _load_scale())
     bar = _colorbar(
-        fig, img, ax, "load ÷ layer mean (log scale)\nblack = dead", inches=height, extend="min"
+        fig, scale, ax, "load ÷ layer mean (log scale)\nblack = dead (0 tokens)", inches=height
     )
     ticks = np.arange(-lim, lim + 1)
-    bar.set_ticks(
-        list(ticks), labels=[f"{2.0**t:g}×" if t >= 0 else f"1/{2.0**-t:g}×" for t in ticks]
-    )
+    labels = [f"{2.0**t:g}×" if t >= 0 else f"1/{2.0**-t:g}×" for t in ticks]
+    labels[0], labels[-1] = f"≤{labels[0]}", f"≥{labels[-1]}"  # clipped beyond
+    bar.set_ticks(list(ticks), labels=labels)
     worst_per_layer = np.where(np.isfinite(rel), rel, -np.inf).max(axis=1)
     worst = int(np.argmax(worst_per_layer)) if counts.size else 0
     dead = int((rel == 0).sum())
@@ -169,8 +205,6 @@ def plot_expert_load(load: pl.DataFrame, path: PathLike, *, title: str | None = 
 
 
 def _cmap(name: str, under: str | None = None) -> Any:
-    import matplotlib
-
     return matplotlib.colormaps[name].with_extremes(bad="#bbbbbb", under=under)
 
 

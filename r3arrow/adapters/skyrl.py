@@ -15,9 +15,18 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_choice, check_int
+from r3arrow._extras import require
 from r3arrow._routes import dummy_route_row
 from r3arrow._schema import list_lengths
-from r3arrow.adapters._arrays import flat_values, host, scatter
+from r3arrow.adapters._arrays import (
+    check_unique,
+    flat_values,
+    host,
+    id_strings,
+    number,
+    scatter,
+    vector,
+)
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import captured_lengths, flat_routes, input_ids, rollout_table, route_spec
@@ -32,15 +41,14 @@ STOP_REASON_COLUMN = "stop_reason"
 
 def _routes_array(entry: Any, spec: RouteSpec, row: int) -> np.ndarray:
     """One trajectory's routes as an integer ``[rows, L, K]`` array (one ``np.asarray``)."""
-    entry = host(entry)
     if entry is None or (isinstance(entry, list) and len(entry) == 0):
         return np.empty((0, *spec.row_shape), dtype=spec.dtype)
     try:
-        arr = np.asarray(entry)
-    except ValueError as exc:  # ragged nested lists
+        arr = np.asarray(host(entry))
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:  # ragged lists, ...
         raise RouteShapeError(
             f"rollout_expert_indices[{row}]: expected a rectangular [seq, {spec.num_layers}, "
-            f"{spec.topk}] array, found ragged nested lists ({exc})",
+            f"{spec.topk}] integer array, found {exc}",
             row=row,
         ) from exc
     if arr.dtype.kind not in "iu" or arr.ndim != 3 or arr.shape[1:] != spec.row_shape:
@@ -52,47 +60,63 @@ def _routes_array(entry: Any, spec: RouteSpec, row: int) -> np.ndarray:
     return arr
 
 
+def _entries(out: Mapping[str, Any], key: str, rows: int | None = None) -> list[Any]:
+    """The per-trajectory entries of ``out[key]``, ``rows`` of them where given."""
+    value = out.get(key)
+    try:
+        entries = list(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise SchemaError(
+            f"{key}: expected a list with one entry per trajectory, found {type(value).__name__}"
+        ) from None
+    if rows is not None and len(entries) != rows:
+        raise SchemaError(
+            f"{key}: expected {rows} entries (one per trajectory), found {len(entries)}"
+        )
+    return entries
+
+
 def _trajectory_keys(
     out: Mapping[str, Any], rows: int, uids: Sequence[str] | None
 ) -> tuple[list[str], list[str]]:
     """(trajectory ids, group ids) from ``trajectory_ids`` and/or ``uids``."""
-    tids = out.get("trajectory_ids")
-    if tids is not None and len(tids) != rows:
-        raise SchemaError(f"trajectory_ids: expected {rows} entries, found {len(tids)}")
     if uids is not None and len(uids) != rows:
         raise ValueError(f"uids: expected {rows} entries (one per trajectory), found {len(uids)}")
-    if tids is None:
-        if uids is None:
+    groups = None if uids is None else id_strings(uids, "uids")
+    if out.get("trajectory_ids") is None:
+        if groups is None:
             raise ValueError(
                 "expected GeneratorOutput['trajectory_ids'] or uids= to name each trajectory's "
                 "group, found neither"
             )
-        return [str(i) for i in range(rows)], [str(u) for u in uids]
-    names = [f"{t.instance_id}_{t.repetition_id}" for t in tids]
-    groups = [str(u) for u in uids] if uids is not None else [str(t.instance_id) for t in tids]
-    return names, groups
+        return [str(i) for i in range(rows)], groups
+    tids = _entries(out, "trajectory_ids", rows)
+    for i, t in enumerate(tids):
+        if not (hasattr(t, "instance_id") and hasattr(t, "repetition_id")):
+            raise SchemaError(
+                f"trajectory_ids[{i}]: expected a TrajectoryID, found {type(t).__name__}", row=i
+            )
+    instance = id_strings([t.instance_id for t in tids], "trajectory_ids.instance_id")
+    repetition = [t.repetition_id for t in tids]
+    id_strings(repetition, "trajectory_ids.repetition_id")
+    names = [f"{i}_{r}" for i, r in zip(instance, repetition, strict=True)]
+    check_unique(names, "trajectory_ids")
+    return names, instance if groups is None else groups
 
 
-def _rewards(rewards: Any, response_lengths: np.ndarray) -> tuple[np.ndarray, list[Any] | None]:
+def _rewards(rewards: list[Any], rlen: np.ndarray) -> tuple[np.ndarray, list[np.ndarray] | None]:
     """(scalar reward per trajectory, per-token rewards or None)."""
-    rows = len(response_lengths)
-    if rewards is None or len(rewards) != rows:
-        found = "None" if rewards is None else f"{len(rewards)} entries"
-        raise SchemaError(f"rewards: expected {rows} entries, found {found}")
-    if rows == 0 or np.ndim(host(rewards[0])) == 0:
-        return np.asarray([float(host(r)) for r in rewards], dtype=np.float64), None
-    per_token = [np.asarray(host(r), dtype=np.float64).reshape(-1) for r in rewards]
-    lens = np.fromiter((len(r) for r in per_token), dtype=np.int64, count=rows)
-    bad = np.flatnonzero(lens != response_lengths)
-    if bad.size:
-        i = int(bad[0])
-        raise SchemaError(
-            f"rewards[{i}]: expected one reward per response token ({response_lengths[i]}), "
-            f"found {lens[i]}",
-            row=i,
-        )
-    total = np.fromiter((r.sum() for r in per_token), dtype=np.float64, count=rows)
-    return total, per_token
+    if not any(isinstance(r, list | tuple) or getattr(r, "ndim", 0) > 0 for r in rewards):
+        return np.array([number(r, f"rewards[{i}]", i) for i, r in enumerate(rewards)]), None
+    tokens = [vector(r, f"rewards[{i}]", i, "float") for i, r in enumerate(rewards)]
+    for i, r in enumerate(tokens):
+        if len(r) != rlen[i]:
+            raise SchemaError(
+                f"rewards[{i}]: expected one reward per response token ({rlen[i]}), found {len(r)}",
+                row=i,
+            )
+    total = np.fromiter((r.sum() for r in tokens), dtype=np.float64, count=len(tokens))
+    return total, tokens
 
 
 def from_generator_output(
@@ -112,25 +136,31 @@ def from_generator_output(
     group ids (default ``trajectory_ids[i].instance_id``).
 
     Columns: the rollout schema (``trajectory_id`` = ``TrajectoryID.to_string()``,
-    ``reward`` = the scalar reward or the sum of per-token rewards), plus
+    unique; ``reward`` = the scalar reward or the sum of per-token rewards), plus
     ``rollout_logprobs``, ``token_rewards`` and ``stop_reason`` when given. Raises
-    `ValueError` (no group ids, bad ``captured``), `SchemaError` (field lengths),
-    `RouteShapeError` (shape, more rows than tokens or than ``captured`` allows),
-    `ExpertRangeError`, `DuplicateExpertError`, `TerminalGapError`, each with ``row`` set.
+    `ValueError` (no group ids, bad ``captured`` / ``uids`` length), `SchemaError` (a
+    missing field, bad lengths, ids or values), `RouteShapeError` (shape, more rows than
+    tokens or than ``captured`` allows), `ExpertRangeError`, `DuplicateExpertError`,
+    `TerminalGapError`, each with ``row`` set.
     """
     if not isinstance(spec, RouteSpec):
         raise TypeError(f"spec: expected a RouteSpec, found {type(spec).__name__}")
-    prompts, responses = out["prompt_token_ids"], out["response_ids"]
-    rows = len(prompts)
-    routes_in = out.get("rollout_expert_indices")
-    if routes_in is None:
+    if not isinstance(out, Mapping):
+        raise TypeError(f"out: expected a GeneratorOutput mapping, found {type(out).__name__}")
+    if out.get("rollout_expert_indices") is None:
         raise SchemaError("rollout_expert_indices: expected routes for R3, found None")
-    if len(responses) != rows or len(out["loss_masks"]) != rows or len(routes_in) != rows:
-        raise SchemaError(
-            f"expected prompt_token_ids, response_ids, loss_masks and rollout_expert_indices "
-            f"of {rows} trajectories, found {len(responses)}, {len(out['loss_masks'])} and "
-            f"{len(routes_in)}"
-        )
+    prompts_in = _entries(out, "prompt_token_ids")
+    rows = len(prompts_in)
+    prompts = [vector(p, f"prompt_token_ids[{i}]", i, "int") for i, p in enumerate(prompts_in)]
+    responses = [
+        vector(r, f"response_ids[{i}]", i, "int")
+        for i, r in enumerate(_entries(out, "response_ids", rows))
+    ]
+    masks = [
+        vector(m, f"loss_masks[{i}]", i, "mask")
+        for i, m in enumerate(_entries(out, "loss_masks", rows))
+    ]
+    routes_in = _entries(out, "rollout_expert_indices", rows)
     routes = [_routes_array(entry, spec, i) for i, entry in enumerate(routes_in)]
     if captured is not None:
         cap = np.asarray(captured)
@@ -151,14 +181,14 @@ def from_generator_output(
         routes = [arr[:c] for arr, c in zip(routes, cap.tolist(), strict=True)]
     tids, groups = _trajectory_keys(out, rows, uids)
     rlen = np.fromiter((len(r) for r in responses), dtype=np.int64, count=rows)
-    reward, per_token = _rewards(out.get("rewards"), rlen)
+    reward, per_token = _rewards(_entries(out, "rewards", rows), rlen)
     extra: dict[str, Any] = {}
     if out.get("rollout_logprobs") is not None:
-        logprobs = pa.array(
-            [np.asarray(host(x), dtype=np.float32).reshape(-1) for x in out["rollout_logprobs"]],
-            type=pa.large_list(pa.float32()),
-        )
-        bad = np.flatnonzero(list_lengths(logprobs) != rlen) if len(logprobs) == rows else [0]
+        logprobs = [
+            vector(x, f"rollout_logprobs[{i}]", i, "float").astype(np.float32)
+            for i, x in enumerate(_entries(out, "rollout_logprobs", rows))
+        ]
+        bad = np.flatnonzero(np.array([len(x) for x in logprobs], dtype=np.int64) != rlen)
         if len(bad):
             i = int(bad[0])
             raise SchemaError(
@@ -166,17 +196,24 @@ def from_generator_output(
                 f"trajectories, found a mismatch at trajectory {i}",
                 row=i,
             )
-        extra[LOGPROBS_COLUMN] = logprobs
+        extra[LOGPROBS_COLUMN] = pa.array(logprobs, type=pa.large_list(pa.float32()))
     if per_token is not None:
         extra[TOKEN_REWARDS_COLUMN] = pa.array(per_token, type=pa.large_list(pa.float64()))
     if out.get("stop_reasons") is not None:
-        extra[STOP_REASON_COLUMN] = pa.array(out["stop_reasons"], type=pa.large_string())
+        reasons = _entries(out, "stop_reasons", rows)
+        bad_reason = [i for i, r in enumerate(reasons) if r is not None and not isinstance(r, str)]
+        if bad_reason:
+            i = bad_reason[0]
+            raise SchemaError(
+                f"stop_reasons[{i}]: expected a string, found {reasons[i]!r:.80}", row=i
+            )
+        extra[STOP_REASON_COLUMN] = pa.array(reasons, type=pa.large_string())
     return rollout_table(
         trajectory_id=tids,
         group_id=groups,
         prompt_ids=prompts,
         response_ids=responses,
-        loss_mask=out["loss_masks"],
+        loss_mask=masks,
         reward=reward,
         routes=routes,
         spec=spec,
@@ -262,7 +299,8 @@ def to_training_inputs(
         "router_padding_mask": padding,
     }
     if tensors == "torch":
-        import torch
+        with require(extra="torch", feature="r3arrow.adapters.skyrl"):
+            import torch
 
         result = {k: None if v is None else torch.from_numpy(v) for k, v in result.items()}
     result["uids"] = table.column("group_id").to_pylist()

@@ -6,26 +6,30 @@ verl's padded layout (``prompts``, ``responses``, ``attention_mask``, ``response
 `to_dataproto` writes exactly that layout plus ``trajectory_id``, `CAPTURED_KEY` and the
 table's schema in ``meta_info`` (`SCHEMA_KEY`), so both round trips are exact. Vectorised
 over tokens; verl and tensordict are imported inside the functions; torch is required.
-Argument misuse raises ``ValueError`` / ``TypeError``; bad data in a ``DataProto`` raises
-`SchemaError` / `RouteShapeError` (``row`` set where a trajectory is at fault), plus the
-checks of `rollout_table`.
+Argument misuse raises ``ValueError`` / ``TypeError``; bad data in a ``DataProto`` (its
+tensors, non-tensor keys and ``meta_info``) raises `SchemaError` / `RouteShapeError`
+(``row`` set where a trajectory is at fault), plus the checks of `rollout_table`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import orjson
 import pyarrow as pa
-import torch
+
+from r3arrow._extras import require
+
+with require(extra="torch", feature="r3arrow.adapters.verl"):
+    import torch
 
 from r3arrow._schema import ROLLOUT_COLUMNS, list_lengths
 from r3arrow._validated import is_validated, mark_validated
-from r3arrow.adapters._arrays import flat_values, scatter
+from r3arrow.adapters._arrays import check_unique, flat_values, id_strings, scatter
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import (
@@ -65,11 +69,12 @@ _INSTALL = (
 
 def _np(value: Any, name: str) -> np.ndarray:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"batch[{name!r}]: expected a torch.Tensor, found {type(value).__name__}")
+        found = type(value).__name__
+        raise SchemaError(f"batch[{name!r}]: expected a torch.Tensor, found {found}")
     if value.is_nested:
-        raise TypeError(f"batch[{name!r}]: expected a padded tensor, found a nested one")
+        raise SchemaError(f"batch[{name!r}]: expected a padded tensor, found a nested one")
     if value.dtype == torch.bfloat16:
-        raise TypeError(f"batch[{name!r}]: bfloat16 has no numpy dtype; cast it first")
+        raise SchemaError(f"batch[{name!r}]: bfloat16 has no numpy dtype; cast it first")
     return np.asarray(value.detach().cpu().numpy())
 
 
@@ -113,21 +118,32 @@ def _padding(mask: np.ndarray, side: str, name: str) -> None:
     )
 
 
-def _ragged(values: np.ndarray, lengths: np.ndarray, typ: pa.DataType) -> pa.LargeListArray[Any]:
+def _ragged(values: np.ndarray, lengths: np.ndarray) -> pa.LargeListArray[Any]:
+    """Ragged rows of ``values``' own Arrow type (`rollout_table` casts, checked)."""
     offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return pa.LargeListArray.from_arrays(
-        pa.array(offsets, type=pa.int64()), pa.array(values, type=typ)
-    )
+    return pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()), pa.array(values))
 
 
-def _ids(non_tensor: Mapping[str, Any], key: str | None, rows: int, fallback: Any) -> Any:
-    if key is None or key not in non_tensor:
-        return fallback
-    arr = np.asarray(non_tensor[key])
+def _rows(non_tensor: Mapping[str, Any], key: str, rows: int, hint: str = "") -> np.ndarray:
+    """``non_tensor_batch[key]`` as a ``[rows]`` array."""
+    try:
+        arr = np.asarray(non_tensor[key])
+    except ValueError as exc:  # ragged
+        raise SchemaError(
+            f"non_tensor_batch[{key!r}]: expected [{rows}], found {exc}{hint}"
+        ) from exc
     if arr.shape != (rows,):
-        raise SchemaError(f"non_tensor_batch[{key!r}]: expected [{rows}], found {list(arr.shape)}")
-    return pa.array(arr.astype(str))
+        raise SchemaError(
+            f"non_tensor_batch[{key!r}]: expected [{rows}], found {list(arr.shape)}{hint}"
+        )
+    return arr
+
+
+def _ids(non_tensor: Mapping[str, Any], key: str | None, rows: int) -> list[str] | None:
+    if key is None or key not in non_tensor:
+        return None
+    return id_strings(_rows(non_tensor, key, rows).tolist(), f"non_tensor_batch[{key!r}]")
 
 
 def _captured(
@@ -135,6 +151,14 @@ def _captured(
 ) -> np.ndarray:
     """Captured rows per trajectory: the argument, `CAPTURED_KEY`, or verl's rule."""
     attended = window.sum(axis=1)
+    name: str = "captured"
+    error: type[ValueError] = ValueError
+    if captured is None and CAPTURED_KEY in non_tensor:
+        captured, name, error = (
+            non_tensor[CAPTURED_KEY],
+            f"non_tensor_batch[{CAPTURED_KEY!r}]",
+            SchemaError,
+        )
     if isinstance(captured, str):
         if captured != "nonzero":
             raise ValueError(f"captured: expected None, 'nonzero' or counts, found {captured!r}")
@@ -145,22 +169,32 @@ def _captured(
         last = np.where(written, pos, -1).max(axis=1, initial=-1)
         first = np.argmax(window, axis=1)
         return np.where(last >= 0, last - first + 1, 0).astype(np.int64)
-    if captured is None and CAPTURED_KEY in non_tensor:
-        captured = non_tensor[CAPTURED_KEY]
     if captured is None:  # verl replays every attended row but the last
         rule: np.ndarray = np.maximum(attended - 1, 0).astype(np.int64)
         return rule
-    counts = np.asarray(captured)
+    try:
+        counts = np.asarray(captured)
+    except ValueError:  # ragged
+        counts = np.asarray(None)
     if counts.shape != attended.shape or counts.dtype.kind not in "iu":
-        raise ValueError(
-            f"captured: expected {attended.size} integer counts, found "
+        raise error(
+            f"{name}: expected {attended.size} integer counts, found "
             f"{counts.dtype} {list(counts.shape)}"
         )
     bad = np.flatnonzero((counts < 0) | (counts > attended))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"captured[{i}]: expected 0..{attended[i]} (attended), found {counts[i]}")
+        raise error(f"{name}[{i}]: expected 0..{attended[i]} (attended), found {counts[i]}")
     return counts.astype(np.int64)
+
+
+@contextlib.contextmanager
+def _arrow_values(where: str, hint: str) -> Iterator[None]:
+    """`SchemaError` for values Arrow cannot hold (a complex dtype, mixed objects, ...)."""
+    try:
+        yield
+    except (pa.ArrowException, TypeError, OverflowError) as exc:
+        raise SchemaError(f"{where}: expected values Arrow can hold, found {exc}{hint}") from exc
 
 
 def _extras(
@@ -174,39 +208,35 @@ def _extras(
     """Extra columns from the remaining keys, and how each travels back."""
     cols: dict[str, pa.Array[Any]] = {}
     meta: dict[str, dict[str, str]] = {}
-    for name in batch.keys():  # noqa: SIM118 - iterating a TensorDict walks its rows
-        if name in LAYOUT_KEYS or name in skip:
+    keys = [
+        (f"batch[{n!r}]", n, True)
+        for n in batch.keys()  # noqa: SIM118 - iterating a TensorDict walks its rows
+        if n not in LAYOUT_KEYS and n not in skip
+    ]
+    keys += [(f"non_tensor_batch[{n!r}]", n, False) for n in non_tensor if n not in skip]
+    for where, name, is_tensor in keys:
+        hint = f" (pass ignore=[{name!r}] to leave it out)"
+        if name in cols or name in ROLLOUT_COLUMNS:
+            raise SchemaError(f"{where}: collides with a column of that name{hint}")
+        if not is_tensor:
+            arr = _rows(non_tensor, name, rows, hint)
+            with _arrow_values(where, hint):
+                cols[name] = pa.array(arr.tolist() if arr.dtype == object else arr)
+            meta[name] = {
+                "kind": "non_tensor",
+                "dtype": "O" if arr.dtype == object else arr.dtype.str,
+            }
             continue
         tensor = batch[name]
         arr = _np(tensor, name)
-        if arr.shape == (rows,):
-            cols[name] = pa.array(arr)
-            meta[name] = {"kind": "scalar", "dtype": str(tensor.dtype)}
-        elif arr.shape == resp.shape:
-            cols[name] = _ragged(arr[resp], rlen, pa.from_numpy_dtype(arr.dtype))
-            meta[name] = {"kind": "response", "dtype": str(tensor.dtype)}
-        else:
-            raise ValueError(
-                f"batch[{name!r}]: expected [{rows}] or {list(resp.shape)} for an extra column, "
-                f"found {list(arr.shape)} (pass ignore=[{name!r}] to leave it out)"
+        if arr.shape not in ((rows,), resp.shape):
+            raise SchemaError(
+                f"{where}: expected [{rows}] or {list(resp.shape)} for an extra column, "
+                f"found {list(arr.shape)}{hint}"
             )
-    for name, value in non_tensor.items():
-        if name in skip:
-            continue
-        arr = np.asarray(value)
-        if arr.shape != (rows,):
-            raise ValueError(
-                f"non_tensor_batch[{name!r}]: expected [{rows}], found {list(arr.shape)} "
-                f"(pass ignore=[{name!r}] to leave it out)"
-            )
-        try:
-            cols[name] = pa.array(arr.tolist() if arr.dtype == object else arr)
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise ValueError(
-                f"non_tensor_batch[{name!r}]: expected values Arrow can hold, found {exc} "
-                f"(pass ignore=[{name!r}] to leave it out)"
-            ) from exc
-        meta[name] = {"kind": "non_tensor", "dtype": arr.dtype.str if arr.dtype != object else "O"}
+        with _arrow_values(where, hint):
+            cols[name] = pa.array(arr) if arr.ndim == 1 else _ragged(arr[resp], rlen)
+        meta[name] = {"kind": "scalar" if arr.ndim == 1 else "response", "dtype": str(tensor.dtype)}
     return cols, meta
 
 
@@ -236,10 +266,13 @@ def from_dataproto(
     ``ignore``); `SCHEMA_KEY` in ``meta_info`` restores their types, order and user schema
     metadata (the rest of ``meta_info`` is not carried).
     """
-    batch = getattr(data, "batch", None)
-    non_tensor = getattr(data, "non_tensor_batch", None)
-    if batch is None or not isinstance(non_tensor, Mapping):
+    if not hasattr(data, "batch") or not isinstance(
+        getattr(data, "non_tensor_batch", None), Mapping
+    ):
         raise TypeError(f"data: expected a verl DataProto, found {type(data).__name__}")
+    batch, non_tensor = data.batch, data.non_tensor_batch
+    if batch is None:
+        raise SchemaError("data.batch: expected verl's tensors, found None")
     keys = set(batch.keys())
     need = ("prompts", "responses", "attention_mask", "response_mask", "rm_scores")
     missing = [k for k in (*need, "routed_experts") if k not in keys]
@@ -348,14 +381,15 @@ def from_dataproto(
     extra, meta = _extras(batch, non_tensor, rows, resp_att, rlen, skip - {None})
     stored = _stored_schema(getattr(data, "meta_info", None))
     extra, user_meta = _restore(extra, stored)
-    tid = _ids(non_tensor, trajectory_key, rows, pa.array(np.arange(rows).astype(str)))
-    gid = _ids(non_tensor, group_key, rows, tid)
+    tid = _ids(non_tensor, trajectory_key, rows) or [str(i) for i in range(rows)]
+    check_unique(tid, f"non_tensor_batch[{trajectory_key!r}]")
+    gid = _ids(non_tensor, group_key, rows) or tid
     table = rollout_table(
         trajectory_id=tid,
         group_id=gid,
-        prompt_ids=_ragged(prompts[prompt_att], plen, pa.int32()),
-        response_ids=_ragged(responses[resp_att], rlen, pa.int32()),
-        loss_mask=_ragged(loss[resp_att].astype(np.uint8), rlen, pa.uint8()),
+        prompt_ids=_ragged(prompts[prompt_att], plen),
+        response_ids=_ragged(responses[resp_att], rlen),
+        loss_mask=_ragged(loss[resp_att].astype(np.uint8), rlen),
         reward=scores.sum(axis=1, dtype=np.float64),
         routes=parts,
         spec=spec,
@@ -381,11 +415,13 @@ def _stored_schema(meta_info: Any) -> pa.Schema | None:
     if not isinstance(raw, bytes):
         raise SchemaError(f"meta_info[{SCHEMA_KEY!r}]: expected bytes, found {type(raw).__name__}")
     try:
-        return pa.ipc.read_schema(pa.py_buffer(raw))
-    except (pa.ArrowInvalid, OSError) as exc:
+        schema = pa.ipc.read_schema(pa.py_buffer(raw))
+        _ = schema.names  # names that are no UTF-8 raise here, not later
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as exc:
         raise SchemaError(
             f"meta_info[{SCHEMA_KEY!r}]: expected an Arrow schema, found {exc}"
         ) from exc
+    return schema
 
 
 def _restore(
@@ -394,18 +430,15 @@ def _restore(
     """Extras in the stored schema's order and types; its user metadata (``{}`` if none)."""
     if stored is None:
         return extra, {}
+    types = {f.name: f.type for f in stored}
     ordered: dict[str, pa.Array[Any]] = {}
-    for name in [n for n in stored.names if n in extra] + [
-        n for n in extra if n not in stored.names
-    ]:
+    for name in [n for n in types if n in extra] + [n for n in extra if n not in types]:
         arr = extra[name]
-        if name in stored.names and arr.type != stored.field(name).type:
+        if name in types and arr.type != types[name]:
             # Arrow types numpy cannot tell apart (large_string vs string, ...); a column
             # whose data changed since no longer casts: it keeps what it holds now
-            with contextlib.suppress(
-                pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError
-            ):
-                arr = arr.cast(stored.field(name).type)
+            with contextlib.suppress(pa.ArrowException):
+                arr = arr.cast(types[name])
         ordered[name] = arr
     # r3arrow's own keys (spec, schema version, key kinds) are rebuilt, not copied
     user = {k: v for k, v in (stored.metadata or {}).items() if not k.startswith(b"r3arrow.")}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,7 +21,13 @@ import pyarrow as pa
 from pyarrow import ArrowException
 
 from r3arrow.cli._convert import convert_jsonl
-from r3arrow.cli._inspect import check_input, human_bytes, inspect_summary, is_ipc
+from r3arrow.cli._inspect import (
+    check_input,
+    human_bytes,
+    inspect_summary,
+    is_ipc,
+    rollout_input,
+)
 from r3arrow.errors import R3ArrowError, SchemaError
 from r3arrow.spec import RouteSpec
 
@@ -28,9 +35,11 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
 
 def _read_any(path: Path) -> pa.Table:
-    """A rollout Parquet file, root or Arrow IPC file; `SchemaError` without ``routes``."""
+    """A rollout Parquet file, root, demo folder or Arrow IPC file; `SchemaError` without
+    ``routes``."""
     from r3arrow.io import read_rollouts
 
+    path = rollout_input(path)
     table = read_rollouts(path)  # Parquet or Arrow IPC (by its magic bytes)
     if "routes" not in table.schema.names:
         raise SchemaError(
@@ -85,8 +94,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from r3arrow import stats
 
-    path = Path(args.path)
-    check_input(path)
+    path = rollout_input(Path(args.path))
     load = stats.expert_load(_read_any(path) if is_ipc(path) else path, tokens=args.tokens)
     summary = stats.load_summary(load)
     if args.plot:
@@ -263,6 +271,15 @@ def _compression_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _http_url(value: str) -> str:
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(
+            f"expected an http(s) URL like http://HOST:PORT, found {value!r}"
+        )
+    return value
+
+
 def _png_path(value: str) -> str:
     if not value.lower().endswith(".png"):
         raise argparse.ArgumentTypeError(f"expected a .png path, found {value!r}")
@@ -303,7 +320,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "with incremental route capture, then dynamic sampling, Parquet round trip, routing "
         "stats and heatmap, Megatron collation and (with megatron-core) replay into real routers, "
         "then replay diagnostics (bfloat16 routers with the engine's weights vs the replayed "
-        "routes; r3arrow diagnose --out reads them). Writes rollouts.parquet, expert_load.png "
+        "routes; r3arrow diagnose DIR reads them). Writes rollouts.parquet, expert_load.png "
         "and _diagnostics/ to --out. --num-layers, --topk, "
         "--num-experts and --moe-layers set the embedded engine's shape; with --engine-url they "
         "describe the server's routes (probed from it when omitted).",
@@ -322,6 +339,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--engine-url",
+        type=_http_url,
         metavar="URL",
         help="an external vLLM server started with --enable-return-routed-experts "
         "instead of the embedded engine",
@@ -343,7 +361,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "fraction, route bytes and size on disk of a rollout file.",
     )
     insp.add_argument(
-        "path", help="rollout .parquet file, step=N/ directory root, or Arrow IPC file"
+        "path", help="rollout .parquet file, step=N/ root, demo output folder or Arrow IPC file"
     )
     insp.add_argument("--json", action="store_true", help="machine-readable output")
     insp.set_defaults(func=_cmd_inspect)
@@ -355,7 +373,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "entropy, dead and hot experts; optionally a layer x expert heatmap PNG.",
     )
     st.add_argument(
-        "path", help="rollout .parquet file, step=N/ directory root (all steps), or Arrow IPC file"
+        "path",
+        help="rollout .parquet file, step=N/ root (all steps), demo output folder or IPC file",
     )
     st.add_argument(
         "--plot",

@@ -16,6 +16,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
+from r3arrow._extras import require
 from r3arrow._routes import as_route_rows
 from r3arrow.errors import PayloadError, R3ArrowError, SchemaError
 from r3arrow.ids import check_routes
@@ -166,7 +167,8 @@ def convert_jsonl(
     the file and line. ``progress``: a byte progress bar on stderr. ``allow_outside``: also
     read ``routes_npy`` files absolute or outside the dump's folder (else `SchemaError`).
     """
-    from tqdm.auto import tqdm
+    with require(extra="cli", feature="r3arrow convert"):
+        from tqdm.auto import tqdm
 
     from r3arrow._checks import check_regular
     from r3arrow.table import rollout_table

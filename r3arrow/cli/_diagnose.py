@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from r3arrow.cli._inspect import rollout_input
 from r3arrow.errors import SchemaError
 from r3arrow.stats import RouteAgreement
 
@@ -79,7 +80,8 @@ def load_agreements(path: Path, source: str | None = None) -> tuple[str, dict[in
         return source, found[source]
     if source is not None:
         raise SchemaError(f"{path}: expected diagnostics of source {source!r}, found none")
-    if not _has_column(path, TRAIN_ROUTES):
+    rollouts = rollout_input(path)
+    if not _has_column(rollouts, TRAIN_ROUTES):
         raise SchemaError(
             f"{path}: expected replay diagnostics (_diagnostics/, written by "
             f"r3arrow.io.write_diagnostics) or rollouts with a {TRAIN_ROUTES!r} column "
@@ -87,9 +89,9 @@ def load_agreements(path: Path, source: str | None = None) -> tuple[str, dict[in
             path=path,
         )
     label = f"routes_vs_{TRAIN_ROUTES}"
-    if path.is_file():
-        return label, {0: stats.route_agreement(path, TRAIN_ROUTES)}
-    return label, stats.route_agreement_by_step(path, TRAIN_ROUTES)
+    if rollouts.is_file():
+        return label, {0: stats.route_agreement(rollouts, TRAIN_ROUTES)}
+    return label, stats.route_agreement_by_step(rollouts, TRAIN_ROUTES)
 
 
 def _quantities(a: RouteAgreement) -> dict[str, float]:

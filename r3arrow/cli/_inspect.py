@@ -3,7 +3,7 @@
 The footers give the schema, spec and row groups; each row group is then read on its
 own (validated), its lengths added up and dropped, so memory stays at one row group
 (``docs/design.md``, "Persistence"). An Arrow IPC file is memory-mapped, not loaded.
-Also the input checks every command shares: `check_input` and `is_ipc`.
+Also the input checks every command shares: `check_input`, `rollout_input` and `is_ipc`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import orjson
 import pyarrow as pa
+
+from r3arrow.errors import SchemaError
 
 _IPC_MAGIC = b"ARROW1"
 
@@ -26,6 +28,22 @@ def check_input(path: Path) -> None:
         raise FileNotFoundError(f"{path}: no such rollout file or directory")
     if not path.is_dir():
         check_regular(path)
+
+
+def rollout_input(path: Path) -> Path:
+    """``path`` checked (`check_input`); a folder without ``step=N/`` partitions holding one
+    rollout ``.parquet`` beside other outputs (the demo's output folder) is that file."""
+    check_input(path)
+    if not path.is_dir() or path.name.startswith("step=") or any(path.glob("step=*")):
+        return path
+    files = sorted(p.name for p in path.glob("*.parquet") if not p.name.startswith("."))
+    if len(files) > 1:
+        raise SchemaError(
+            f"{path}: expected step=N/ partitions or one rollout .parquet file, found "
+            f"{len(files)} files {files}: pass one of them",
+            path=path,
+        )
+    return path / files[0] if files else path
 
 
 def is_ipc(path: Path) -> bool:
@@ -72,7 +90,7 @@ def inspect_summary(path: Path) -> dict[str, Any]:
     from r3arrow.io import find_temps, read_rollouts, rollout_files
     from r3arrow.table import has_routes, route_spec
 
-    check_input(path)
+    path = rollout_input(path)
     steps: list[int] | None = None
     if is_ipc(path):
         table = read_rollouts(path)  # memory-mapped: the buffers are not loaded
@@ -113,4 +131,11 @@ def inspect_summary(path: Path) -> dict[str, Any]:
     return info
 
 
-__all__ = ["check_input", "human_bytes", "inspect_summary", "is_ipc", "size_on_disk"]
+__all__ = [
+    "check_input",
+    "human_bytes",
+    "inspect_summary",
+    "is_ipc",
+    "rollout_input",
+    "size_on_disk",
+]

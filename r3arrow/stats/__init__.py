@@ -17,6 +17,11 @@ Argument misuse raises ``ValueError`` / ``TypeError``; bad data raises `SchemaEr
 
 from __future__ import annotations
 
+from r3arrow._extras import require
+
+with require(extra="stats", feature="r3arrow.stats"):
+    import polars  # noqa: F401 - the extra's message before the modules below need it
+
 from r3arrow._public import set_homes
 from r3arrow.stats._agreement import RouteAgreement, compare_routes
 from r3arrow.stats._api import (

@@ -28,6 +28,7 @@ from r3arrow.stats._kernels import (
     check_ids,
     check_selection,
     chunks,
+    exact_sum,
     map_chunks,
     router_block,
 )
@@ -37,9 +38,10 @@ from r3arrow.stats._kernels import (
 class RouteAgreement:
     """Exact agreement counts of two route sets for the same tokens (order within top-k ignored).
 
-    ``identical[i]``: tokens whose top-k *set* on layer ``layers[i]`` is the same in both;
-    ``overlap[i]``: sum over tokens of ``|A ∩ B|`` on that layer; ``all_identical``: tokens
-    identical on every router layer. Adds (``a + b``); fractions are NaN when ``tokens == 0``.
+        ``identical[i]``: tokens whose top-k *set* on layer ``layers[i]`` is the same in both;
+        ``overlap[i]``: sum over tokens of ``|A ∩ B|`` on that layer; ``all_identical``: tokens
+        identical on every router layer. Adds (``a + b``, exact: `SchemaError` past int64);
+    fractions are NaN when ``tokens == 0``.
     """
 
     layers: tuple[int, ...]
@@ -76,13 +78,17 @@ class RouteAgreement:
                 f"RouteAgreement: expected layers {list(self.layers)} and topk {self.topk}, "
                 f"found {list(other.layers)} and {other.topk}"
             )
+
+        def add(name: str) -> np.ndarray:
+            return exact_sum(f"RouteAgreement.{name}", getattr(self, name), getattr(other, name))
+
         return RouteAgreement(
             self.layers,
             self.topk,
-            self.tokens + other.tokens,
-            self.identical + other.identical,
-            self.overlap + other.overlap,
-            self.all_identical + other.all_identical,
+            int(add("tokens")),
+            add("identical"),
+            add("overlap"),
+            int(add("all_identical")),
         )
 
     @classmethod

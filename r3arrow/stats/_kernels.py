@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteShapeError
+from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteShapeError, SchemaError
 from r3arrow.ids import check_routes
 
 # Ids per chunk of the kernels: small enough that codes and bool temporaries stay in
@@ -28,6 +28,23 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 _T = TypeVar("_T")
 Chunk = np.ndarray | slice
+
+
+_INT64 = np.iinfo(np.int64)
+
+
+def exact_sum(what: str, a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
+    """``a + b`` as int64, exact: `SchemaError` where a sum leaves int64 (never wraps)."""
+    x, y = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    with np.errstate(over="ignore"):
+        out = np.asarray(x + y)
+    # Two's complement: a sum wrapped exactly where its sign differs from both operands'.
+    if np.any(((x ^ out) & (y ^ out)) < 0):
+        raise SchemaError(
+            f"{what}: expected sums that fit int64 (the partials' encoding), found one beyond "
+            f"{_INT64.max}"
+        )
+    return out
 
 
 def router_block(arr: np.ndarray, layers: list[int] | None, rows: Chunk) -> np.ndarray:

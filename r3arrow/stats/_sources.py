@@ -1,7 +1,9 @@
 """Sources → partials: rollout tables, files and step roots as exact per-step partials.
 
 A table is processed record batch by record batch (grouped by its ``step`` column when
-it has one; a multi-chunk routes column is never combined). A path is streamed: the
+it has one; a multi-chunk routes column is never combined). A path's files are listed
+once per statistic, so every pass reads the same files while a writer adds steps. It is
+streamed: the
 bounded pieces of `r3arrow.io.iter_rollouts` (each at most a quarter of ``max_memory``,
 only the needed columns), the next read on a thread while the current one is counted, so
 at most two are resident whatever the step size. Expert counts of layer-group files take
@@ -29,7 +31,14 @@ from r3arrow._routes import as_route_rows
 from r3arrow._schema import list_lengths
 from r3arrow._typing import ArrowArray, PathLike, TableLike
 from r3arrow.errors import RouteShapeError, SchemaError
-from r3arrow.io import DEFAULT_MAX_MEMORY, iter_rollouts, project_layers, rollout_files, route_rows
+from r3arrow.io import (
+    DEFAULT_MAX_MEMORY,
+    RolloutFile,
+    iter_rollouts,
+    project_layers,
+    rollout_files,
+    route_rows,
+)
 from r3arrow.spec import RouteSpec
 from r3arrow.stats._agreement import RouteAgreement, compare_routes
 from r3arrow.stats._counts import ExpertCounts, count_routes
@@ -44,7 +53,8 @@ from r3arrow.stats._selection import (
 )
 from r3arrow.table import flat_routes, route_layers, route_spec
 
-Source: TypeAlias = "TableLike | PathLike"
+#: A table or record batch, a rollout file or root, or the `Files` listed from one.
+Source: TypeAlias = "TableLike | PathLike | Files"
 Kind = Literal["counts", "agreement"]
 Part = TypeVar("Part", ExpertCounts, RouteAgreement)
 _T = TypeVar("_T")
@@ -162,6 +172,13 @@ def _table_steps(
             yield int(s), batch
 
 
+@dataclasses.dataclass(frozen=True)
+class Files:
+    """A path's rollout files (`r3arrow.io.rollout_files`), listed once for a whole statistic."""
+
+    files: list[RolloutFile]
+
+
 def iter_source(
     source: Source,
     columns: list[str],
@@ -170,9 +187,10 @@ def iter_source(
     validate: bool = False,
     layers: Sequence[int] | None = None,
 ) -> Iterator[tuple[int | None, TableLike]]:
-    """(step, batch) pairs of a table, record batch, rollout file or step-partitioned root.
+    """(step, batch) pairs of a table, record batch, rollout file, step-partitioned root
+    or `Files` (``steps`` then already applied).
 
-    A path is streamed (module docstring) with only ``columns``: ``steps`` must exist,
+    A path or `Files` is streamed (module docstring) with only ``columns``: ``steps`` must exist,
     ``max_memory`` is the budget in bytes (default 1 GiB), ``layers`` global layer ids to
     read, ``validate`` adds the row checks of `r3arrow.io.read_rollouts` (footers and page
     checksums are always verified); ``step`` is None for a file outside a root. A table
@@ -182,7 +200,9 @@ def iter_source(
     """
     budget = check_budget(max_memory)
     if is_path(source):
-        files = rollout_files(cast(PathLike, source), steps=steps)  # every step must exist
+        source = Files(rollout_files(cast(PathLike, source), steps=steps))  # steps must exist
+    if isinstance(source, Files):
+        files = source.files
         pieces = iter_rollouts(
             files,
             columns=[*columns, "step"],
@@ -308,16 +328,13 @@ def sum_by_step(parts: Iterator[tuple[int | None, Part]]) -> dict[int, Part]:
 PASS_THREADS = 2
 
 
-def stored_groups(
-    path: PathLike, steps: Sequence[int] | None, layers: Sequence[int] | None = None
-) -> list[list[int]] | None:
+def stored_groups(source: Files, layers: Sequence[int] | None = None) -> list[list[int]] | None:
     """The wanted router layers (``layers``; None: all) of each stored layer group of
-    ``path``'s files; None unless every file has the same groups
+    ``source`` (files with routes); None unless every file has the same groups
     (`r3arrow.io.RolloutFile.layer_groups`) and at least two hold wanted layers."""
-    files = rollout_files(path, steps=steps, require_routes=True)
-    spec = files[0].spec
-    assert spec is not None  # require_routes
-    groups = {f.layer_groups for f in files}
+    spec = source.files[0].spec
+    assert spec is not None  # listed with require_routes
+    groups = {f.layer_groups for f in source.files}
     if len(groups) != 1:
         return None
     (seen,) = groups
@@ -356,18 +373,17 @@ def _stack(parts: list[ExpertCounts]) -> ExpertCounts:
 
 
 def layered_counts(
-    path: PathLike,
+    files: Files,
     tokens: str,
-    steps: Sequence[int] | None,
     max_memory: int | None,
     validate: bool,
     *,
     column: str = "routes",
     layers: Sequence[int] | None = None,
 ) -> dict[int | None, ExpertCounts] | None:
-    """Per-step `ExpertCounts` of routes column ``column`` of ``path``, a pass per stored
+    """Per-step `ExpertCounts` of routes column ``column`` of ``files``, a pass per stored
     layer group (``layers``: only those); None where `stored_groups` is or there are no rows."""
-    passes = stored_groups(path, steps, layers)
+    passes = stored_groups(files, layers)
     if passes is None:
         return None
     threads = max(1, min(PASS_THREADS, cpus(), len(passes)))
@@ -376,7 +392,7 @@ def layered_counts(
 
     def one_pass(group: list[int]) -> dict[int | None, ExpertCounts]:
         sums: dict[int | None, ExpertCounts] = {}
-        for step, batch in iter_source(path, columns, steps, share, validate, group):
+        for step, batch in iter_source(files, columns, None, share, validate, group):
             part = batch_counts(batch, tokens, column)  # global layer ids
             sums[step] = sums[step] + part if step in sums else part
         return sums
@@ -405,9 +421,8 @@ def count_parts(
     wanted = check_layers(layers)
     if is_path(source):
         check_subset(tokens)
-        per = layered_counts(
-            source, tokens, steps, max_memory, validate, column=column, layers=wanted
-        )
+        source, steps = Files(rollout_files(source, steps=steps, require_routes=True)), None
+        per = layered_counts(source, tokens, max_memory, validate, column=column, layers=wanted)
         if per is not None:
             return iter(per.items())
     if wanted is not None and is_table(source):
@@ -566,6 +581,7 @@ class BlockPartials:
 __all__ = [
     "PASS_THREADS",
     "BlockPartials",
+    "Files",
     "Kind",
     "Source",
     "agreement_parts",

@@ -24,6 +24,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from r3arrow import R3ArrowError
 from r3arrow._routes import dummy_route_row
 from r3arrow.adapters.skyrl import from_generator_output, to_generator_output, to_training_inputs
 from r3arrow.errors import (
@@ -237,6 +238,94 @@ def test_zero_dim_tensor_rewards_and_empty_batch() -> None:
     assert from_generator_output(out, SPEC).column("reward").to_pylist() == [2.5]
     empty = _output([], prompts=[], responses=[], trajectory_ids=[])
     assert from_generator_output(empty, SPEC, captured=[]).num_rows == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"loss_masks": None}, "loss_masks"),
+        ({"prompt_token_ids": None}, "prompt_token_ids"),
+        ({"rewards": [None]}, "rewards"),
+        ({"rewards": ["x"]}, "rewards"),
+        ({"loss_masks": [[1, 2]]}, "loss_masks"),
+        ({"response_ids": [[3, "4"]]}, "response_ids"),
+        ({"trajectory_ids": [None]}, r"trajectory_ids\[0\]: expected a TrajectoryID"),
+        ({"trajectory_ids": [TrajectoryID(None, 0)]}, "instance_id"),  # type: ignore[arg-type]
+        ({"trajectory_ids": [TrajectoryID("", 0)]}, "instance_id"),
+        ({"trajectory_ids": [TrajectoryID("p", None)]}, "repetition_id"),  # type: ignore[arg-type]
+        ({"stop_reasons": [3]}, "stop_reasons"),
+    ],
+)
+def test_malformed_fields_are_refused(change: dict[str, Any], match: str) -> None:
+    out = _output([[[[0, 1]] * 3] * 3], prompts=[[1, 2]], responses=[[3, 4]])
+    out.update(change)  # type: ignore[typeddict-item]
+    with pytest.raises(SchemaError, match=match):
+        from_generator_output(out, SPEC)
+
+
+def test_a_missing_field_is_refused() -> None:
+    out = _output([[[[0, 1]] * 3] * 3], prompts=[[1, 2]], responses=[[3, 4]])
+    del out["loss_masks"]  # type: ignore[misc]
+    with pytest.raises(SchemaError, match="loss_masks"):
+        from_generator_output(out, SPEC)
+
+
+def test_ids_must_name_distinct_trajectories() -> None:
+    routes = [[[[0, 1]] * 3] * 3] * 2
+    out = _output(routes, prompts=[[1, 2]] * 2, responses=[[3, 4]] * 2)
+    out["trajectory_ids"] = [TrajectoryID("p", 0), TrajectoryID("p", 0)]
+    with pytest.raises(SchemaError, match="unique") as err:
+        from_generator_output(out, SPEC)
+    assert err.value.row == 1 and err.value.trajectory_id == "p_0"
+    out["trajectory_ids"] = None
+    with pytest.raises(SchemaError, match=r"uids\[1\]"):
+        from_generator_output(out, SPEC, uids=["g", float("nan")])  # type: ignore[list-item]
+
+
+_NASTY = st.sampled_from(
+    [None, "x", "", -1, 256, 2**70, float("nan"), 1.5, True, [], [[1]], {}, b"\xff", object()]
+)
+
+
+@given(st.data())
+def test_malformed_outputs_raise_only_r3arrow_errors(data: st.DataObject) -> None:
+    """One field, one entry of one or one element of an entry of a valid output changed
+    (or the field removed): an R3ArrowError or a table, never a builtin error."""
+    rng = np.random.default_rng(8)
+    out: dict[str, Any] = dict(
+        _output(
+            [random_routes(rng, 4, SPEC), random_routes(rng, 3, SPEC)],
+            prompts=[[1, 2, 3], [4, 5]],
+            responses=[[6, 7], [8, 9]],
+            rewards=[[0.0, 1.0], [0.5, 0.0]],
+            rollout_logprobs=[[-0.5, -0.1], [-1.0, -0.2]],
+        )
+    )
+    out["stop_reasons"] = ["stop", "length"]
+    key = data.draw(st.sampled_from(sorted(out)))
+    where = data.draw(st.sampled_from(["remove", "field", "entry", "element"]))
+    value = out[key]
+    if where == "remove":
+        del out[key]
+    elif where == "field" or not isinstance(value, list) or not value:
+        out[key] = data.draw(_NASTY)
+    else:
+        value = list(value)
+        i = data.draw(st.integers(0, len(value) - 1))
+        entry = value[i]
+        if where == "element" and isinstance(entry, list | np.ndarray) and len(entry):
+            entry = np.asarray(entry).tolist()
+            entry[data.draw(st.integers(0, len(entry) - 1))] = data.draw(_NASTY)
+            value[i] = entry
+        else:
+            value[i] = data.draw(_NASTY)
+        out[key] = value
+    try:
+        from_generator_output(out, SPEC)
+    except R3ArrowError:
+        pass
+    except ValueError as exc:  # documented: no trajectory_ids, so uids= must name the groups
+        assert key == "trajectory_ids" and "uids=" in str(exc)
 
 
 def test_group_ids_are_required() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from r3arrow import RouteSpec
+from r3arrow import R3ArrowError, RouteSpec
 from r3arrow._schema import list_lengths
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteShapeError, SchemaError
 from r3arrow.table import captured_lengths, flat_routes, take_rows
@@ -24,6 +25,7 @@ protocol = pytest.importorskip(
 )
 from r3arrow.adapters.verl import (  # noqa: E402
     CAPTURED_KEY,
+    SCHEMA_KEY,
     from_dataproto,
     to_dataproto,
 )
@@ -196,9 +198,12 @@ def test_verl_dataproto_operations() -> None:
     proto = to_dataproto(table, pad_token_id=PAD)
     both = protocol.DataProto.concat([proto, proto])
     assert len(both) == 6
-    assert from_dataproto(both, SPEC).column("routes").to_pylist() == (
-        table.column("routes").to_pylist() * 2
-    )
+    with pytest.raises(SchemaError, match="unique trajectory ids") as err:
+        from_dataproto(both, SPEC)  # the same trajectories twice
+    assert err.value.row == 3 and err.value.trajectory_id == "0"
+    # row indices: distinct ids (the stored ones left out: "trajectory_id" is a core column)
+    again = from_dataproto(both, SPEC, trajectory_key=None, ignore=["trajectory_id"])
+    assert again.column("routes").to_pylist() == table.column("routes").to_pylist() * 2
     first, second = proto.chunk(chunks=3)[0], proto.chunk(chunks=3)[1:]
     assert_rollouts_equal(from_dataproto(first, SPEC), take_rows(table, [0]))
     assert len(second) == 2
@@ -384,8 +389,93 @@ def test_rollout_table_extras_round_trip() -> None:
     assert proto.non_tensor_batch["stop"].tolist() == ["length", "stop"]
     assert proto.non_tensor_batch["num_turns"].dtype == np.int16
     assert_rollouts_equal(from_dataproto(proto, SPEC), table)
-    both = protocol.DataProto.concat([proto, proto])
-    assert_rollouts_equal(from_dataproto(both, SPEC).slice(2), table)
+    halves = [to_dataproto(table.slice(i, 1), pad_token_id=PAD, **_widths(proto)) for i in (0, 1)]
+    assert_rollouts_equal(from_dataproto(protocol.DataProto.concat(halves), SPEC), table)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), ""])
+def test_missing_group_ids_are_refused(bad: Any) -> None:
+    data, _ = _single_turn()
+    data.non_tensor_batch["uid"] = np.array([bad, bad, "g1"], dtype=object)
+    with pytest.raises(SchemaError, match=r"non_tensor_batch\['uid'\]\[0\]") as err:
+        from_dataproto(data, SPEC)
+    assert err.value.row == 0
+
+
+def test_a_corrupted_schema_in_meta_info_is_refused() -> None:
+    data, _ = _single_turn()
+    proto = to_dataproto(from_dataproto(data, SPEC), pad_token_id=PAD)
+    raw = proto.meta_info[SCHEMA_KEY]
+    errors = set()
+    for i in range(len(raw)):
+        for byte in (0, 0xFF, raw[i] ^ 1):
+            proto.meta_info[SCHEMA_KEY] = raw[:i] + bytes([byte]) + raw[i + 1 :]
+            try:
+                from_dataproto(proto, SPEC)
+            except R3ArrowError as exc:
+                errors.add(type(exc))
+    assert errors <= {SchemaError}
+
+
+_NASTY_TENSOR_VALUES = st.sampled_from([-1, 2, 255, 256, 2**15, 2**31, 2**40, 0.5, float("nan")])
+
+
+@given(st.data())
+def test_malformed_batches_raise_only_r3arrow_errors(data: st.DataObject) -> None:
+    """One key of a valid DataProto removed, re-typed, reshaped or one element changed, a
+    non-tensor key replaced, or a byte of the schema in meta_info changed: an R3ArrowError
+    or a table, never a builtin error."""
+    base, _ = _single_turn()
+    base.non_tensor_batch["data_source"] = np.array(["a", "b", "c"], dtype=object)
+    proto = to_dataproto(from_dataproto(base, SPEC), pad_token_id=PAD)
+    where = data.draw(st.sampled_from(["batch", "non_tensor", "meta_info"]))
+    if where == "batch":
+        key = data.draw(st.sampled_from(sorted(proto.batch.keys())))
+        t = proto.batch[key]
+        how = data.draw(st.sampled_from(["remove", "dtype", "narrow", "rank", "element"]))
+        if how == "remove":
+            del proto.batch[key]
+        elif how == "dtype":
+            dtype = data.draw(
+                st.sampled_from(
+                    [
+                        torch.float32,
+                        torch.bfloat16,
+                        torch.bool,
+                        torch.int8,
+                        torch.uint8,
+                        torch.int64,
+                    ]
+                )
+            )
+            proto.batch[key] = t.to(dtype)
+        elif how == "narrow" and t.ndim > 1:
+            proto.batch[key] = t[:, : max(t.shape[1] - 1, 0)].clone()
+        elif how == "rank":
+            proto.batch[key] = (
+                t.reshape(t.shape[0], -1)[:, :1].clone() if t.ndim > 1 else t[:, None]
+            )
+        else:
+            t = t.double().clone()
+            flat = t.view(-1)
+            flat[data.draw(st.integers(0, flat.numel() - 1))] = data.draw(_NASTY_TENSOR_VALUES)
+            proto.batch[key] = t.to(proto.batch[key].dtype) if data.draw(st.booleans()) else t
+    elif where == "non_tensor":
+        key = data.draw(st.sampled_from(sorted(proto.non_tensor_batch)))
+        values: list[Any] = [None, float("nan"), "", b"x", 1.5, {}, 2**70, -1, [1, 2]]
+        value = data.draw(st.sampled_from(values))
+        arr = np.array(list(proto.non_tensor_batch[key]), dtype=object)
+        if data.draw(st.booleans()):
+            arr[data.draw(st.integers(0, 2))] = value
+        else:
+            arr = np.array([value] * data.draw(st.integers(0, 4)), dtype=object)
+        proto.non_tensor_batch[key] = arr
+    else:
+        raw = bytearray(proto.meta_info[SCHEMA_KEY])
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        proto.meta_info[SCHEMA_KEY] = bytes(raw)
+    with contextlib.suppress(R3ArrowError):
+        from_dataproto(proto, SPEC)
 
 
 def test_id_keys() -> None:

@@ -541,3 +541,96 @@ def test_closed_stdout_exits_quietly(rollout_file: Path) -> None:
         err = proc.stderr.read()
     assert proc.wait(timeout=120) in (0, 141)
     assert err == b""
+
+
+# ------------------------------------------------------ every folder r3arrow writes
+@pytest.fixture(scope="module")
+def demo_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's own output folder (rollouts.parquet, expert_load.png), small."""
+    out = tmp_path_factory.mktemp("demo")
+    args = ["demo", "--out", str(out), "--no-replay", "--no-progress", "--groups", "2"]
+    assert main([*args, "--samples", "2", "--turns", "1", "--max-tokens", "4"]) == EXIT_OK
+    return out
+
+
+def test_every_folder_r3arrow_writes_is_read(
+    demo_out: Path, rollout_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = r3arrow.read_rollouts(rollout_file)
+    root = tmp_path / "run"
+    r3arrow.write_rollouts(table, root, step=3)
+    capsys.readouterr()
+    for source in (demo_out, rollout_file, root, root / "step=3"):
+        assert main(["inspect", str(source), "--json"]) == EXIT_OK, capsys.readouterr().err
+        assert orjson.loads(capsys.readouterr().out)["rows"] > 0
+        assert main(["stats", str(source), "--json"]) == EXIT_OK, capsys.readouterr().err
+        assert orjson.loads(capsys.readouterr().out)["load"]
+        dest = tmp_path / f"p-{source.name}.parquet"
+        assert main(["export", str(source), str(dest), "--portable"]) == EXIT_OK
+        assert r3arrow.read_rollouts(dest).num_rows > 0
+        capsys.readouterr()
+    demo_rows = r3arrow.read_rollouts(demo_out / "rollouts.parquet").num_rows
+    assert main(["inspect", str(demo_out), "--json"]) == EXIT_OK
+    assert orjson.loads(capsys.readouterr().out)["rows"] == demo_rows
+
+
+def test_a_folder_of_several_files_names_them(
+    rollout_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r3arrow.write_rollouts(r3arrow.read_rollouts(rollout_file), rollout_file.parent / "b.parquet")
+    assert main(["stats", str(rollout_file.parent)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "r.parquet" in err and "b.parquet" in err and "\n" not in err.rstrip("\n")
+
+
+def test_demo_help_names_the_diagnose_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "diagnose --out" not in text and "r3arrow diagnose DIR" in text
+
+
+@pytest.mark.parametrize("url", ["foo", "ftp://x", "http://", "localhost:8000"])
+def test_a_bad_engine_url_is_a_usage_error_naming_the_flag(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--engine-url", url])
+    assert exc.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--engine-url" in err and "urls" not in err and "base_url" not in err
+
+
+def test_an_html_error_page_is_capped_in_the_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import http.server
+    import threading
+
+    page = b"<html><body>" + b"<p>not found</p>\n" * 2000 + b"</body></html>"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        args = ["demo", "--engine-url", url, "--out", str(tmp_path), "--no-progress"]
+        code = main([*args, "--no-replay", *_SHAPE_ARGS, "--groups", "1", "--samples", "1"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert code == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("r3arrow: error:") and err.count("\n") == 1
+    assert "HTTP 404" in err and "<html><body><p>not found</p>" in err
+    assert len(err) < 600 and f"{len(page)} bytes" in err

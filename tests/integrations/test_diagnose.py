@@ -281,6 +281,12 @@ def test_diagnose_computes_from_train_routes_when_no_diagnostics(
     one = root / "step=0" / "part-00000.parquet"
     assert main(["diagnose", str(one), "--json"]) == EXIT_OK
     assert orjson.loads(capsys.readouterr().out)["total"]["tokens"] == want[0].tokens
+    folder = tmp_path / "demo-like"  # one rollout file beside other outputs, as the demo writes
+    folder.mkdir()
+    (folder / "expert_load.png").write_bytes(b"")
+    write_rollouts(read_rollouts(one), folder / "rollouts.parquet")
+    assert main(["diagnose", str(folder), "--json"]) == EXIT_OK
+    assert orjson.loads(capsys.readouterr().out)["total"]["tokens"] == want[0].tokens
 
 
 def test_diagnose_errors_reach_the_user_as_one_line(

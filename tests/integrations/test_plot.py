@@ -110,7 +110,7 @@ def test_bad_inputs(
 
 def _load_frame(rng: np.random.Generator, layers: int, experts: int) -> pl.DataFrame:
     counts = rng.poisson(rng.gamma(1.0, 50.0, size=(layers, experts)))
-    counts[0, :2] = 0  # dead experts: the colour bar's "min" extension is drawn
+    counts[0, :2] = 0  # dead experts
     return pl.DataFrame(
         {
             "layer": pl.Series(np.repeat(np.arange(layers) * 2 + 1, experts), dtype=pl.Int32),
@@ -146,3 +146,24 @@ def test_disagreement_one_step_and_over_steps(
         plot.plot_disagreement({}, tmp_path / "none.png")
     with pytest.raises(ValueError, match=r"\.png"):
         plot.plot_disagreement(agreement, tmp_path / "x.jpg")
+
+
+def test_dead_experts_stand_apart_from_cold_ones() -> None:
+    """The heatmap's colours (its RGBA data, not pixels): 0 tokens has its own colour, far
+    from every colour of the scale; a 1/27-of-mean expert sits at the scale's clipped end."""
+    cold = [0, 1, 540, 4] + [11] * 28  # mean 27: dead, 1/27 of the mean, 20x, the rest
+    load = pl.DataFrame(
+        {
+            "layer": pl.Series(np.repeat([1, 3], 32), dtype=pl.Int32),
+            "expert": pl.Series(np.tile(np.arange(32), 2), dtype=pl.Int32),
+            "tokens": pl.Series(cold + [8] * 32, dtype=pl.Int64),
+        }
+    )
+    image = plot._load_image(load)
+    assert image.lim == 4 and image.rgba.shape == (2, 32, 4)
+    scale = plot._load_scale()(np.linspace(0.0, 1.0, 256))[:, :3]
+    dead = image.rgba[0, 0, :3]
+    assert np.linalg.norm(scale - dead, axis=1).min() > 0.5  # no load is drawn near dead
+    np.testing.assert_allclose(image.rgba[0, 1, :3], scale[0])  # 1/27: the clipped cold end
+    np.testing.assert_allclose(image.rgba[0, 2, :3], scale[-1])  # 20x: the clipped hot end
+    assert (image.rgba[1, :, :3] > 0.9).all()  # balanced: white

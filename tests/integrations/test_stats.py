@@ -667,3 +667,18 @@ def test_hugging_face_datasets_recipe(rng: np.random.Generator) -> None:
     assert back.equals(table)
     assert r3arrow.validate_rollouts(back) == SPEC
     assert stats.expert_load(back).equals(stats.expert_load(table))
+
+
+def test_partials_add_exactly_near_the_int64_limit() -> None:
+    """Sums near 2**62 stay exact; one past int64 raises instead of wrapping negative."""
+    big = 2**62 - 1  # big + big == 2**63 - 2, the largest even int64
+    a = stats.RouteAgreement((1, 2), 2, big, np.array([big, 1]), np.array([big, 3]), big)
+    total = a + a
+    assert total.tokens == total.all_identical == 2 * big
+    assert total.identical.tolist() == [2 * big, 2] and total.overlap.tolist() == [2 * big, 6]
+    with pytest.raises(SchemaError, match="int64"):
+        total + a
+    c = stats.ExpertCounts((1,), np.array([[big, 0]]), big)
+    assert (c + c).counts.tolist() == [[2 * big, 0]]
+    with pytest.raises(SchemaError, match="int64"):
+        c + c + c

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from r3arrow import stats
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, SchemaError
-from r3arrow.io import read_rollouts, write_rollouts
+from r3arrow.io import read_rollouts, rollout_files, write_rollouts
 from r3arrow.ray import RayExecutor  # an executor object: constructing one needs no ray
 from r3arrow.spec import RouteSpec, numpy_to_routes
 from r3arrow.stats import _sources as stats_sources
@@ -266,7 +266,7 @@ def test_every_storage_layout_counts_the_same(tmp_path: Path, layout: str) -> No
         else:
             group = 1 if layout == "groups" else SPEC.num_layers
             write_rollouts(t, tmp_path, step=step, layer_group=group, row_group_rows=2)
-    passes = stats_sources.stored_groups(tmp_path, None)
+    passes = stats_sources.stored_groups(stats_sources.Files(rollout_files(tmp_path)))
     assert (passes is not None) == (layout == "groups")
     if passes is not None:
         assert passes == [[i] for i in SPEC.router_layers]
@@ -278,6 +278,28 @@ def test_every_storage_layout_counts_the_same(tmp_path: Path, layout: str) -> No
         assert stats.expert_counts(tmp_path, tokens=subset) == stats.expert_counts(
             whole, tokens=subset
         )
+
+
+def test_a_step_written_while_counting_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root a writer appends to: the files are listed once per call, so every layer-group
+    pass reads the same files (the hook writes a new step right after the listing)."""
+    rng = np.random.default_rng(9)
+    tables = [random_rollouts(rng, SPEC, [(4, 20, 23)] * 2, tag=f"s{s}") for s in range(2)]
+    for step, t in enumerate(tables):
+        write_rollouts(t, tmp_path, step=step, layer_group=1)
+    late = random_rollouts(rng, SPEC, [(4, 20, 23)] * 2, tag="late")
+
+    def list_then_write(*args: Any, **kwargs: Any) -> Any:
+        files = rollout_files(*args, **kwargs)
+        if not (tmp_path / "step=2").exists():
+            write_rollouts(late, tmp_path, step=2, layer_group=1)
+        return files
+
+    monkeypatch.setattr(stats_sources, "rollout_files", list_then_write)
+    assert stats.expert_load(tmp_path).equals(stats.expert_load(pa.concat_tables(tables)))
+    assert stats.expert_counts(tmp_path) == stats.expert_counts(pa.concat_tables([*tables, late]))
 
 
 # ---------------------------------------------------------------- arguments

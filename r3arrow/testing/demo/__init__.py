@@ -39,6 +39,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from r3arrow._extras import require
+
+with require(extra="all", feature="r3arrow demo"):
+    import torch  # noqa: F401 - the extra's message before the engine and collation need it
+
 from r3arrow.errors import R3ArrowError
 from r3arrow.spec import RouteSpec
 
