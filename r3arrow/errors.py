@@ -111,6 +111,16 @@ class EngineHTTPError(EngineError):
         self.url = url
 
 
+class EngineResponseError(EngineError):
+    """A 2xx engine response is malformed: ``field`` is the offending value's JSON path (like
+    ``"output_ids[0]"``; ``""``: the whole body), ``url`` the server (set by `EngineClient`)."""
+
+    def __init__(self, message: str, *, field: str = "", url: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+        self.url = url
+
+
 class RouteQualityError(EngineError):
     """Well-formed routes matching a known engine bug (`r3arrow.capture.check_route_quality`);
     ``layer``: the global layer, ``bugs``: the upstream reports (like ``"vLLM #44116"``).
@@ -154,6 +164,7 @@ __all__ = [
     "EngineError",
     "EngineHTTPError",
     "EngineRequestError",
+    "EngineResponseError",
     "ExpertRangeError",
     "PayloadError",
     "PayloadTooLargeError",

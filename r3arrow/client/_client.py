@@ -7,8 +7,10 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import math
 import random
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import httpx
@@ -35,10 +37,11 @@ from r3arrow.client._protocol import (
     parse_response,
 )
 from r3arrow.client._retry import RetryPolicy
-from r3arrow.codec import DEFAULT_MAX_BYTES
+from r3arrow.codec import DEFAULT_MAX_RATIO
 from r3arrow.errors import (
     EngineError,
     EngineHTTPError,
+    EngineResponseError,
     PayloadTooLargeError,
     PrefixMismatchError,
     R3ArrowError,
@@ -49,7 +52,16 @@ from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
 
 _OFFLOAD_BYTES = 1 << 20  # decode larger responses in a worker thread
+#: A response holds a route row per token: 1 GiB holds 256K rows of 4 KiB (128 layers x top-8
+#: x int32, the widest wire dtype).
+_MAX_PAYLOAD_BYTES = 1 << 30
 _BODY_SLACK_BYTES = 64 << 20  # JSON beside the route payload (token ids, logprobs)
+#: A compressed body decodes to at most DEFAULT_MAX_RATIO x its bytes, never capped below
+#: this (the rule of `r3arrow.codec.decode_ipc`).
+_RATIO_FLOOR_BYTES = 64 << 20
+#: The content codings the client accepts (its Accept-Encoding) and their zlib ``wbits``.
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+_INFLATE_STEP = 1 << 20  # most bytes one decompress call may return
 _NO_ROUTES_HINT = "(start vLLM with --enable-return-routed-experts)"
 _DEFAULT_RETRY = RetryPolicy()  # frozen: one shared default
 
@@ -81,6 +93,16 @@ class GenerateOutput:
     stop_reason: int | str | None = None
 
 
+def _inflate(inflate: Any, data: bytes) -> Iterator[bytes]:
+    """``data`` decoded a step at a time: a bomb never decodes far past the reader's bound."""
+    while True:
+        part = inflate.decompress(data, _INFLATE_STEP)
+        yield part
+        data = inflate.unconsumed_tail
+        if not data and len(part) < _INFLATE_STEP:  # else zlib may hold more output
+            return
+
+
 def _score(session_id: str, url: str) -> int:
     digest = hashlib.blake2b(f"{url}\x00{session_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
@@ -91,11 +113,17 @@ class EngineClient:
 
     ``spec`` is the route shape responses must have (None: see `probe_spec`; SGLang requests
     that return routes need one); ``endpoint`` is vLLM's ``"generate"`` or ``"completions"``;
-    sampling parameters go as given, in the protocol's spelling; ``max_payload_bytes`` bounds a
-    decoded payload (and so the body); ``vocab_size`` refuses prompt ids outside it before
-    sending (vLLM with ``--skip-tokenizer-init`` dies on one); ``route_quality`` runs
-    `r3arrow.capture.check_route_quality` on every response; ``transport`` replaces the network.
-    Argument misuse raises `ValueError`/`TypeError`.
+    sampling parameters go as given, in the protocol's spelling. ``timeout``: seconds one HTTP
+    attempt may take in all, connect, send, headers and body (a deadline, not a per-read limit;
+    a wait for a ``max_concurrency`` slot is not counted); an attempt past it while connecting
+    is retried on the next URL, after that only with ``RetryPolicy.retry_timeouts``.
+    ``max_payload_bytes`` bounds a decoded route payload (default 1 GiB: 256K rows of 128 layers
+    x top-8 x int32); the decoded body stays within ``max_body_bytes`` (its base64, 4/3 of it, +
+    64 MiB of JSON) and, gzip or deflate, `r3arrow.codec.DEFAULT_MAX_RATIO` x its compressed
+    bytes (at least 64 MiB), checked as it decodes. ``vocab_size`` bounds prompt ids before
+    sending (vLLM with ``--skip-tokenizer-init`` dies on one) and generated ids (else ``[0,
+    2**31)``); ``route_quality`` runs `r3arrow.capture.check_route_quality` on every response;
+    ``transport`` replaces the network. Argument misuse raises `ValueError`/`TypeError`.
     """
 
     def __init__(
@@ -108,9 +136,9 @@ class EngineClient:
         retry: RetryPolicy = _DEFAULT_RETRY,
         model: str | None = None,
         max_concurrency: int = 64,
-        timeout: float | httpx.Timeout = 300.0,
+        timeout: float = 300.0,
         cache_salt: str | None = None,
-        max_payload_bytes: int = DEFAULT_MAX_BYTES,
+        max_payload_bytes: int = _MAX_PAYLOAD_BYTES,
         headers: Mapping[str, str] | None = None,
         vocab_size: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -136,6 +164,10 @@ class EngineClient:
             )
         if not isinstance(route_quality, bool):
             raise TypeError(f"route_quality: expected a bool, found {route_quality!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"timeout: expected seconds as a number, found {timeout!r:.80}")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"timeout: expected finite seconds > 0, found {timeout!r}")
         max_concurrency = check_positive_int(max_concurrency, "max_concurrency")
         max_payload_bytes = check_nonnegative_int(max_payload_bytes, "max_payload_bytes")
         vocab_size = check_optional_int(vocab_size, "vocab_size", minimum=1)
@@ -163,14 +195,16 @@ class EngineClient:
         # make the client read on past this bound.
         self.max_body_bytes = self.max_payload_bytes * 4 // 3 + _BODY_SLACK_BYTES
         self.vocab_size = vocab_size
-        self.timeout = (
-            timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(float(timeout))
-        )
+        self.timeout = float(timeout)
         pool = max_concurrency * len(self.base_urls)
         self._http = httpx.AsyncClient(
-            timeout=self.timeout,
+            timeout=None,  # the per-attempt deadline (_attempt) bounds every phase
             limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
-            headers={"content-type": "application/json", **dict(headers or {})},
+            headers={
+                "content-type": "application/json",
+                "accept-encoding": ", ".join(_ENCODINGS),
+                **dict(headers or {}),
+            },
             transport=transport,
         )
         self._sem = asyncio.Semaphore(max_concurrency)
@@ -224,9 +258,7 @@ class EngineClient:
             sp = {"max_new_tokens": 1, "ignore_eos": True}
             body = orjson.dumps(self.build_request(prompt, sp, prompt_start=0))
             content, url, _ = await self._post(body, self.urls_for(None))
-            parsed = _sglang.parse_response(
-                content, spec=shape, max_payload_bytes=self.max_payload_bytes, check_ids=False
-            )
+            parsed = await self._parse(content, url, shape, want_routes=True)
             routes = parsed.routes
             if routes is not None:
                 check_row_count(
@@ -292,8 +324,10 @@ class EngineClient:
             cache_salt=salt,
         )
 
-    async def _read_capped(self, resp: httpx.Response, url: str) -> bytes:
-        """The body of a streamed response; `PayloadTooLargeError` past ``max_body_bytes``."""
+    async def _read_capped(self, resp: httpx.Response, url: str) -> bytearray:
+        """The decoded body of a streamed response, never more than ``max_body_bytes`` nor, for
+        a compressed one, the ratio cap (`PayloadTooLargeError`); `EngineResponseError` for a
+        coding it does not accept or a body that does not decode whole."""
         cap = self.max_body_bytes
         declared = resp.headers.get("content-length")
         expected = (
@@ -302,16 +336,82 @@ class EngineClient:
         )
         if declared is not None and declared.isdigit() and int(declared) > cap:
             raise PayloadTooLargeError(f"{expected}, found Content-Length {declared}")
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in resp.aiter_bytes():
-            size += len(chunk)
-            if size > cap:
-                raise PayloadTooLargeError(f"{expected}, found more")
-            parts.append(chunk)
-        return b"".join(parts)
+        coding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if resp.is_stream_consumed:  # answered from memory (httpx.MockTransport), decoded
+            coding = "identity"
+        if coding != "identity" and coding not in _ENCODINGS:
+            raise EngineResponseError(
+                f"engine {url}: expected Content-Encoding gzip, deflate or identity (what the "
+                f"client accepts), found {coding!r:.80}",
+                url=url,
+            )
+        inflate = zlib.decompressobj(_ENCODINGS[coding]) if coding in _ENCODINGS else None
+        body = bytearray()  # grows in place: no joined copy beside the parts
+        raw = 0
+        try:
+            async for chunk in resp.aiter_bytes() if inflate is None else resp.aiter_raw():
+                raw += len(chunk)
+                bound = cap
+                if inflate is not None:
+                    bound = min(cap, max(_RATIO_FLOOR_BYTES, int(DEFAULT_MAX_RATIO * raw)))
+                for part in (chunk,) if inflate is None else _inflate(inflate, chunk):
+                    if len(body) + len(part) > bound:
+                        raise PayloadTooLargeError(
+                            f"engine {url}: expected a {coding} body to decode to at most "
+                            f"{DEFAULT_MAX_RATIO:g}x its {raw:,} compressed bytes (at least "
+                            f"{_RATIO_FLOOR_BYTES:,}), found more"
+                            if bound < cap
+                            else f"{expected}, found more"
+                        )
+                    body += part
+                if inflate is not None and inflate.unused_data:
+                    raise EngineResponseError(
+                        f"engine {url}: expected one {coding} stream, found data after the end "
+                        f"of its {coding} body",
+                        url=url,
+                    )
+        except zlib.error as exc:
+            raise EngineResponseError(
+                f"engine {url}: expected a {coding} body, found one that fails to decode ({exc})",
+                url=url,
+            ) from None
+        if inflate is not None and not inflate.eof:
+            raise EngineResponseError(
+                f"engine {url}: expected a whole {coding} body, found a {coding} body cut short "
+                f"after {raw:,} bytes",
+                url=url,
+            )
+        return body
 
-    async def _post(self, body: bytes, urls: list[str]) -> tuple[bytes, str, int]:
+    async def _attempt(self, url: str, body: bytes) -> tuple[httpx.Response, bytearray]:
+        """(response, body) of one POST to ``url + path`` within ``timeout`` in all; a missed
+        deadline raises httpx's `ConnectTimeout` while connecting, else its `ReadTimeout`."""
+        phase = [""]
+
+        async def trace(event: str, info: Any) -> None:  # httpcore's progress events
+            phase[0] = event
+
+        request = self._http.build_request(
+            "POST", url + self.path, content=body, extensions={"trace": trace}
+        )
+        try:
+            async with asyncio.timeout(self.timeout) as deadline:
+                resp = await self._http.send(request, stream=True)
+                try:
+                    return resp, await self._read_capped(resp, url)
+                finally:
+                    await resp.aclose()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            late = httpx.ConnectTimeout if phase[0].startswith("connection.") else httpx.ReadTimeout
+            raise late(
+                f"no whole response (connect to last body byte) within the timeout={self.timeout:g}"
+                " s deadline",
+                request=request,
+            ) from None
+
+    async def _post(self, body: bytes, urls: list[str]) -> tuple[bytearray, str, int]:
         """(2xx body, base URL, attempts) of a POST with retries; raises `EngineHTTPError` and
         `PayloadTooLargeError` (never retried)."""
         path, policy = self.path, self.retry
@@ -325,26 +425,20 @@ class EngineClient:
             try:
                 async with self._sem:
                     self.stats["requests"] += 1
-                    request = self._http.build_request("POST", url + path, content=body)
-                    resp = await self._http.send(request, stream=True)
-                    try:
-                        content = await self._read_capped(resp, url)
-                    finally:
-                        await resp.aclose()
+                    resp, content = await self._attempt(url, body)
             except httpx.TransportError as exc:
                 kind = type(exc).__name__
+                detail = f": {exc}" if str(exc) else ""
                 if not policy.retries_exception(exc):
                     raise EngineHTTPError(
-                        f"engine request to {url}{path} timed out ({kind}; timeout={self.timeout})",
-                        url=url,
+                        f"engine request to {url}{path} timed out ({kind}{detail})", url=url
                     ) from exc
                 status, msg = None, ""
-                detail = "" if isinstance(exc, httpx.TimeoutException) else f": {exc}"
                 last = f"{kind} from {url}{detail}"
                 failover += policy.fails_over(exc)
             else:
                 status = resp.status_code
-                if status < 400:
+                if 200 <= status < 300:
                     return content, url, attempt + 1
                 msg = error_message(content)
                 if not policy.retries_status(status):
@@ -415,9 +509,36 @@ class EngineClient:
             raise
         return trace.spec, ids
 
+    async def _parse(
+        self, content: bytearray, url: str, spec: RouteSpec | None, *, want_routes: bool
+    ) -> ParsedResponse:
+        """A 2xx body parsed in this client's protocol; an `EngineResponseError` names ``url``."""
+        parser: Any = (
+            _sglang.parse_response
+            if self.protocol == "sglang"
+            else functools.partial(parse_response, endpoint=self.endpoint)
+        )
+        # Route ids are checked after the quality guard (`_accept`): there without a trace, in
+        # trace.record with one. SGLang's codec range-checks ids as it decodes.
+        parse: Callable[[bytearray], ParsedResponse] = functools.partial(
+            parser,
+            spec=spec,
+            max_payload_bytes=self.max_payload_bytes,
+            want_routes=want_routes,
+            check_ids=False,
+            vocab_size=self.vocab_size,
+        )
+        try:
+            if len(content) > _OFFLOAD_BYTES:  # keep the event loop responsive while decoding
+                return await asyncio.to_thread(parse, content)
+            return parse(content)
+        except EngineResponseError as exc:
+            exc.url = url
+            raise
+
     async def _accept(
         self,
-        content: bytes,
+        content: bytearray,
         url: str,
         spec: RouteSpec | None,
         return_routes: bool,
@@ -427,24 +548,7 @@ class EngineClient:
         prompt_start: int,
     ) -> tuple[ParsedResponse, int | None]:
         """Decode a 2xx body, check it and record it into ``trace``: (parsed, token start)."""
-        parse: Any = (
-            _sglang.parse_response
-            if self.protocol == "sglang"
-            else functools.partial(parse_response, endpoint=self.endpoint)
-        )
-        # Ids are checked after the quality guard (below): here without a trace, in
-        # trace.record with one. SGLang's codec range-checks ids as it decodes.
-        parse = functools.partial(
-            parse,
-            spec=spec,
-            max_payload_bytes=self.max_payload_bytes,
-            want_routes=return_routes,
-            check_ids=False,
-        )
-        if len(content) > _OFFLOAD_BYTES:  # keep the event loop responsive while decoding
-            parsed = await asyncio.to_thread(parse, content)
-        else:
-            parsed = parse(content)
+        parsed = await self._parse(content, url, spec, want_routes=return_routes)
         g = len(parsed.token_ids)
         routes = parsed.routes
         token_start: int | None = None
@@ -493,8 +597,9 @@ class EngineClient:
         unchanged. Else sends ``prompt_start`` in ``[0, P)``. ``session_id`` pins a base URL
         (default: the trace's). Raises `ValueError`/`TypeError`, `PrefixMismatchError` and
         `TraceStateError` before sending, then `EngineHTTPError`, `EngineError` and data errors
-        (never retried; ``stats["data_errors"]``): `PayloadError`, `RouteShapeError`,
-        `ExpertRangeError`, `DuplicateExpertError`, `RouteQualityError`.
+        (never retried; ``stats["data_errors"]``): `EngineResponseError`, `PayloadError`,
+        `RouteShapeError`, `ExpertRangeError`, `DuplicateExpertError`, `RouteQualityError`;
+        whatever the engine answers, nothing but an `R3ArrowError`.
         """
         prompt = self._prompt_list(prompt_token_ids)
         p = len(prompt)

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 import re
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ import orjson
 from r3arrow._coverage import expected_rows
 from r3arrow._routes import as_route_rows
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_packed, decode_vllm
-from r3arrow.errors import EngineError, PayloadError, RouteDTypeError, RouteShapeError
+from r3arrow.errors import EngineResponseError, PayloadError, RouteDTypeError, RouteShapeError
 from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
 
@@ -30,6 +31,21 @@ ENDPOINT_PATHS: dict[Endpoint, str] = {
 
 #: Set by the client from the trace (or ``prompt_start``); never by the caller.
 PROMPT_START_KEY = "routed_experts_prompt_start"
+
+_SHOW = reprlib.Repr()  # bounded depth and length: engine data of any shape prints safely
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring = 4, 8, 8, 80
+
+
+def shown(value: object) -> str:
+    """A short repr of engine data (a plain repr may recurse past Python's limit, or be huge)."""
+    return _SHOW.repr(value)
+
+
+def malformed(field: str, expected: str, value: object) -> EngineResponseError:
+    """The error for a response whose ``field`` is not ``expected``."""
+    return EngineResponseError(
+        f"engine response: expected {field} {expected}, found {shown(value)}", field=field
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +88,7 @@ def build_request(
     return body
 
 
-def error_message(body: bytes) -> str:
+def error_message(body: bytes | bytearray) -> str:
     """Best-effort error text of an engine error body."""
     try:
         obj = orjson.loads(body)
@@ -80,8 +96,11 @@ def error_message(body: bytes) -> str:
         obj = None
     err = obj.get("error", obj.get("detail", obj.get("message"))) if isinstance(obj, dict) else None
     if isinstance(err, dict) and "message" in err:
-        return str(err["message"])[:2000]
-    return body[:500].decode(errors="replace") if err is None else str(err)[:2000]
+        err = err["message"]
+    if err is None:  # not JSON (an HTML page, say): its start on one line, and its size
+        text = " ".join(bytes(body[:800]).decode(errors="replace").split())
+        return text[:200] + (f"... ({len(body)} bytes, not JSON)" if len(body) > 200 else "")
+    return (err if isinstance(err, str) else shown(err))[:2000]
 
 
 _ROUTES_KEY = b'"routed_experts"'
@@ -91,7 +110,7 @@ LIFTED = "\x00r3arrow:lifted"
 _LIFTED_JSON = orjson.dumps(LIFTED)
 
 
-def lift_routes(body: bytes) -> tuple[bytes, memoryview | None]:
+def lift_routes(body: bytes | bytearray) -> tuple[bytes | bytearray, memoryview | None]:
     """(body with a `LIFTED` placeholder, payload) of a body whose one ``routed_experts`` is a
     string, else (body, None): JSON-parsing the payload would cost ~10x its decode.
     """
@@ -107,26 +126,49 @@ def lift_routes(body: bytes) -> tuple[bytes, memoryview | None]:
     return body[:j] + _LIFTED_JSON + body[end + 1 :], memoryview(body)[j + 1 : end]
 
 
-def load_body(body: bytes) -> tuple[Any, bytes, memoryview | None]:
-    """(JSON, body as parsed, `lift_routes` payload or None); `EngineError` if not JSON."""
+def load_body(body: bytes | bytearray) -> tuple[Any, bytes | bytearray, memoryview | None]:
+    """(JSON, body as parsed, `lift_routes` payload or None); `EngineResponseError` if not JSON."""
     body, lifted = lift_routes(body)
     try:
         return orjson.loads(body), body, lifted
     except orjson.JSONDecodeError as exc:
-        raise EngineError(f"engine response: expected JSON, found {body[:200]!r} ({exc})") from None
+        raise EngineResponseError(
+            f"engine response: expected JSON, found {bytes(body[:200])!r} ({exc})"
+        ) from None
 
 
-def generated_ids(tokens: object, where: str, hint: str = "") -> list[int]:
-    """``tokens`` (found at ``where``) if a non-empty list of ints, else `EngineError`."""
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in tokens
-    ):
-        raise EngineError(
-            f"engine response: expected {where} as a list of ints{hint}, found {tokens!r:.200}"
-        )
+def generated_ids(
+    tokens: object, where: str, hint: str = "", vocab_size: int | None = None
+) -> list[int]:
+    """``tokens`` (found at ``where``) if a non-empty list of ints (not bools) in ``[0,
+    vocab_size)`` (None: ``2**31``, as traces store int32), else `EngineResponseError`."""
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise malformed(where, f"as a list of ints{hint}", tokens)
     if not tokens:
-        raise EngineError("engine response: expected at least one generated token, found none")
+        raise malformed(where, "to hold at least one generated token", tokens)
+    top = 2**31 if vocab_size is None else vocab_size
+    for i, t in enumerate(tokens):
+        if not 0 <= t < top:
+            raise EngineResponseError(
+                f"engine response: expected {where} in [0, {top}), found {t} at {where}[{i}]",
+                field=f"{where}[{i}]",
+            )
     return tokens
+
+
+def logprob_list(values: list[Any], where: str, n: int, key: str = "") -> list[float]:
+    """``values`` (of the entries at ``where``, each one's ``key``) as floats, one per generated
+    token (``n``) and each a JSON number, else `EngineResponseError`."""
+    if len(values) != n:
+        raise EngineResponseError(
+            f"engine response: expected {where} to hold one logprob per generated token ({n}), "
+            f"found {len(values)}",
+            field=where,
+        )
+    for i, v in enumerate(values):
+        if type(v) is not float and type(v) is not int:
+            raise malformed(f"{where}[{i}]{key}", "as a number (a logprob)", v)
+    return [float(v) for v in values]
 
 
 def response_routes(
@@ -136,12 +178,13 @@ def response_routes(
     decode: Callable[[object], tuple[np.ndarray, int]] | None,
 ) -> tuple[np.ndarray | None, int]:
     """(read-only routes or None, payload bytes) of ``raw``, the ``routed_experts`` at ``where``
-    (or the lifted payload), decoded unless ``decode`` is None; `EngineError` if misplaced.
+    (or the lifted payload), decoded unless ``decode`` is None; `EngineResponseError` if misplaced.
     """
     if lifted is not None:
         if raw != LIFTED:
-            raise EngineError(
-                f"engine response: expected routed_experts inside {where}, found it elsewhere"
+            raise EngineResponseError(
+                f"engine response: expected routed_experts inside {where}, found it elsewhere",
+                field=f"{where}.routed_experts",
             )
         raw = lifted
     if decode is None or raw is None:
@@ -165,6 +208,8 @@ def _decode_nested(value: list[Any], spec: RouteSpec | None) -> np.ndarray:
         raise RouteDTypeError(
             f"routed_experts: expected integer nested lists, found dtype {arr.dtype}"
         )
+    if arr.size and bool in set(map(type, np.array(value, dtype=object).ravel())):
+        raise RouteDTypeError("routed_experts: expected integer nested lists, found a bool")
     if arr.ndim != 3:
         raise RouteShapeError(
             f"routed_experts: expected [rows, L, K], found shape {list(arr.shape)}"
@@ -206,29 +251,33 @@ def decode_routes(
 
 
 def parse_response(
-    body: bytes,
+    body: bytes | bytearray,
     *,
     endpoint: Endpoint = "generate",
     spec: RouteSpec | None = None,
     max_payload_bytes: int = DEFAULT_MAX_BYTES,
     want_routes: bool = True,
     check_ids: bool = True,
+    vocab_size: int | None = None,
 ) -> ParsedResponse:
-    """Parse a 2xx body of ``endpoint``: `EngineError` if malformed, and `decode_routes`' errors."""
+    """Parse a 2xx body of ``endpoint`` (generated ids in ``[0, vocab_size)``):
+    `EngineResponseError` if malformed, and `decode_routes`' errors."""
     obj, body, lifted = load_body(body)
     choices = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise EngineError(
-            f"engine response: expected a non-empty 'choices' list, found {body[:200]!r}"
-        )
+        raise malformed("choices", "as a non-empty list of choice objects", choices)
     if len(choices) != 1:
-        raise EngineError(
-            f"engine response: expected exactly one choice (n=1), found {len(choices)}"
+        raise EngineResponseError(
+            f"engine response: expected exactly one choice (n=1), found {len(choices)}",
+            field="choices",
         )
     ch = choices[0]
     hint = " (the completions endpoint needs return_token_ids=true)"
     tokens = generated_ids(
-        ch.get("token_ids"), "choices[0].token_ids", hint if endpoint == "completions" else ""
+        ch.get("token_ids"),
+        "choices[0].token_ids",
+        hint if endpoint == "completions" else "",
+        vocab_size,
     )
     decode = functools.partial(
         decode_routes, spec=spec, max_bytes=max_payload_bytes, check_ids=check_ids
@@ -236,32 +285,39 @@ def parse_response(
     routes, payload = response_routes(
         ch.get("routed_experts"), lifted, "choices[0]", decode if want_routes else None
     )
-    finish = ch.get("finish_reason")
-    stop = ch.get("stop_reason")
     return ParsedResponse(
         token_ids=tokens,
-        finish_reason=finish if isinstance(finish, str) else None,
-        stop_reason=stop if isinstance(stop, int | str) else None,
-        logprobs=_logprobs(ch.get("logprobs")),
+        finish_reason=optional(ch.get("finish_reason"), "choices[0].finish_reason", str),
+        stop_reason=optional(ch.get("stop_reason"), "choices[0].stop_reason", int, str),
+        logprobs=_logprobs(ch.get("logprobs"), len(tokens)),
         routes=routes,
         payload_bytes=payload,
     )
 
 
-def _logprobs(lp: object) -> list[float] | None:
-    """Sampled-token logprobs of either endpoint's ``logprobs`` (None if absent)."""
-    if not isinstance(lp, dict):
+def optional(value: Any, field: str, *types: type) -> Any:
+    """``value`` if null or exactly one of ``types`` (a bool is no int), else
+    `EngineResponseError`."""
+    if value is None or type(value) in types:
+        return value
+    names = " or ".join(t.__name__ for t in types)
+    raise malformed(field, f"as {names} or null", value)
+
+
+def _logprobs(lp: object, n: int) -> list[float] | None:
+    """The ``n`` sampled-token logprobs of either endpoint's ``logprobs`` (None if null)."""
+    where = "choices[0].logprobs"
+    if lp is None:
         return None
-    try:
-        if isinstance(lp.get("content"), list):  # generate: [{"token_id", "logprob", ...}]
-            return [float(c["logprob"]) for c in lp["content"]]
-        if isinstance(lp.get("token_logprobs"), list):  # completions (OpenAI)
-            return [float(v) if v is not None else math.nan for v in lp["token_logprobs"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise EngineError(
-            f"engine response: expected numeric logprobs, found {lp!r:.200} ({exc})"
-        ) from None
-    return None
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if isinstance(content, list):  # generate: [{"token_id", "logprob", ...}]
+        values = [c.get("logprob") if isinstance(c, dict) else None for c in content]
+        return logprob_list(values, f"{where}.content", n, ".logprob")
+    token_lps = lp.get("token_logprobs") if isinstance(lp, dict) else None
+    if isinstance(token_lps, list):  # completions (OpenAI): null is "none", read as NaN
+        values = [math.nan if v is None else v for v in token_lps]
+        return logprob_list(values, f"{where}.token_logprobs", n)
+    raise malformed(where, "as {'content': [...]}, {'token_logprobs': [...]} or null", lp)
 
 
 def check_row_count(

@@ -10,9 +10,18 @@ from typing import Any
 import numpy as np
 
 from r3arrow._checks import check_optional_int
-from r3arrow.client._protocol import ParsedResponse, generated_ids, load_body, response_routes
+from r3arrow.client._protocol import (
+    ParsedResponse,
+    generated_ids,
+    load_body,
+    logprob_list,
+    malformed,
+    optional,
+    response_routes,
+    shown,
+)
 from r3arrow.codec import DEFAULT_MAX_BYTES, decode_sglang
-from r3arrow.errors import EngineError, PayloadError
+from r3arrow.errors import EngineError, EngineResponseError, PayloadError
 from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
 
@@ -63,43 +72,42 @@ def probe_shape(
 
 def _finish(meta: dict[str, Any]) -> tuple[str | None, int | str | None]:
     """(finish type, matched stop) of ``meta_info["finish_reason"]``; `EngineError` on abort."""
+    where = "meta_info.finish_reason"
     fr = meta.get("finish_reason")
     if fr is None:
         return None, None
-    if not isinstance(fr, dict) or not isinstance(fr.get("type"), str):
-        raise EngineError(
-            "engine response: expected meta_info.finish_reason as {'type': ...} or null, "
-            f"found {fr!r:.200}"
-        )
+    if not isinstance(fr, dict) or type(fr.get("type")) is not str:
+        raise malformed(where, "as {'type': ...} or null", fr)
     kind: str = fr["type"]
     if kind == "abort":  # SGLang answers some aborts with HTTP 200 and this finish reason
-        raise EngineError(f"engine response: the request was aborted: {fr.get('message')!r:.500}")
-    matched = fr.get("matched")
-    return kind, matched if isinstance(matched, int | str) and kind == "stop" else None
+        raise EngineError(f"engine response: the request was aborted: {shown(fr.get('message'))}")
+    if kind != "stop":
+        return kind, None
+    return kind, optional(fr.get("matched"), f"{where}.matched", int, str)
 
 
 def parse_response(
-    body: bytes,
+    body: bytes | bytearray,
     *,
     spec: RouteSpec | None,
     max_payload_bytes: int = DEFAULT_MAX_BYTES,
     want_routes: bool = True,
     check_ids: bool = True,
+    vocab_size: int | None = None,
 ) -> ParsedResponse:
     """Parse a 2xx ``/generate`` body (``spec`` gives the row shape; routes without one are an
-    `EngineError`): `EngineError` if malformed, `PayloadError` or the id rules' errors for a bad
-    payload.
+    `EngineError`; generated ids in ``[0, vocab_size)``): `EngineResponseError` if malformed,
+    `PayloadError` or the id rules' errors for a bad payload.
     """
     obj, body, lifted = load_body(body)
     if not isinstance(obj, dict):
-        raise EngineError(
-            "engine response: expected one JSON object (n=1, one prompt), found "
-            f"{type(obj).__name__} {body[:200]!r}"
+        raise EngineResponseError(
+            f"engine response: expected one JSON object (n=1, one prompt), found {shown(obj)}"
         )
-    tokens = generated_ids(obj.get("output_ids"), "output_ids")
+    tokens = generated_ids(obj.get("output_ids"), "output_ids", vocab_size=vocab_size)
     meta = obj.get("meta_info")
     if not isinstance(meta, dict):
-        raise EngineError(f"engine response: expected a meta_info object, found {meta!r:.200}")
+        raise malformed("meta_info", "as an object", meta)
     finish, matched = _finish(meta)
 
     def decode(value: object) -> tuple[np.ndarray, int]:
@@ -125,20 +133,19 @@ def parse_response(
         token_ids=tokens,
         finish_reason=finish,
         stop_reason=matched,
-        logprobs=_logprobs(meta.get("output_token_logprobs")),
+        logprobs=_logprobs(meta.get("output_token_logprobs"), len(tokens)),
         routes=routes,
         payload_bytes=payload,
     )
 
 
-def _logprobs(value: object) -> list[float] | None:
-    """Logprobs of ``meta_info["output_token_logprobs"]`` (``[[lp, id, text], ...]``)."""
-    if not isinstance(value, list):
+def _logprobs(value: object, n: int) -> list[float] | None:
+    """The ``n`` logprobs of ``meta_info["output_token_logprobs"]`` (``[[lp, id, text], ...]``;
+    None if null)."""
+    where = "meta_info.output_token_logprobs"
+    if value is None:
         return None
-    try:
-        return [float(entry[0]) for entry in value]
-    except (IndexError, KeyError, TypeError, ValueError) as exc:
-        raise EngineError(
-            f"engine response: expected output_token_logprobs as [[logprob, id, text], ...], "
-            f"found {value!r:.200} ({exc})"
-        ) from None
+    if not isinstance(value, list):
+        raise malformed(where, "as [[logprob, id, text], ...] or null", value)
+    values = [e[0] if isinstance(e, list) and e else None for e in value]
+    return logprob_list(values, where, n, "[0]")

@@ -370,7 +370,7 @@ def test_rows_are_start_to_seqlen_minus_one(
         (b"[]", "expected one JSON object"),
         (b'{"meta_info": {}}', "expected output_ids as a list of ints"),
         (b'{"output_ids": [], "meta_info": {}}', "at least one generated token"),
-        (b'{"output_ids": [1]}', "expected a meta_info object"),
+        (b'{"output_ids": [1]}', "expected meta_info as an object"),
         (b'{"output_ids": [1], "meta_info": {"finish_reason": "length"}}', "finish_reason"),
         (
             b'{"output_ids": [1], "meta_info": {"finish_reason": {"type": "abort", '

@@ -6,7 +6,8 @@ HTTP schemas.
 ``/v1/completions`` (routed experts as base64 ``.npy``, vLLM's row semantics) and, on the
 same server, SGLang's native ``/generate`` (``return_routed_experts``,
 ``routed_experts_start_len``, base64 raw int32; ``docs/sglang.md``);
-`FaultPlan` injects delays, error statuses, dropped connections and bad route payloads.
+`FaultPlan` injects delays, trickled bodies, error statuses, dropped connections, bad route
+payloads and raw answers of any shape.
 
 Modules: ``model`` (`TinyMoE`, `TinyMoEConfig`, `ReferenceEngine`: torch, no HTTP),
 ``_protocol`` (vLLM's request validation, error JSON and response shapes; `encode_npy_b64`),

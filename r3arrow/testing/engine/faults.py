@@ -9,6 +9,10 @@ The faults and what the client sees (``docs/design.md``, "Wire formats"):
 
 ======================  =================================================================
 ``delay(s)``            the answer comes ``s`` seconds late (a timeout, or a slow engine)
+``trickle(s)``          generated normally, the body sent one byte at a time over ``s``
+                        seconds (each read is quick, the whole answer is not)
+``respond(body)``       ``body`` answered as is (status and headers as given), nothing
+                        generated: any response, a corrupt or hostile one included
 ``status(code)``        HTTP ``code`` with vLLM's error JSON, nothing generated (429/5xx:
                         retried; other 4xx: refused at once); ``retry_after`` adds the header
 ``drop_connection()``   the connection closes after the request is read, no response
@@ -51,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter, deque
+from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
@@ -63,6 +68,8 @@ from r3arrow.testing.engine._sglang import GENERATE_PATH as SGLANG_GENERATE_PATH
 
 FaultKind = Literal[
     "delay",
+    "trickle",
+    "respond",
     "status",
     "drop_connection",
     "malformed_routes",
@@ -100,15 +107,32 @@ class Fault:
     rows: int = 0
     mode: MalformedMode = "base64"
     layer: int | None = None
+    body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
 
     @staticmethod
     def delay(seconds: float) -> Fault:
         """Wait ``seconds`` before answering normally."""
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-            raise TypeError(f"Fault.delay: expected seconds as a number, found {seconds!r}")
-        if not seconds >= 0:
-            raise ValueError(f"Fault.delay: expected seconds >= 0, found {seconds!r}")
-        return Fault("delay", seconds=float(seconds))
+        return Fault("delay", seconds=_seconds(seconds, "Fault.delay"))
+
+    @staticmethod
+    def trickle(seconds: float) -> Fault:
+        """Answer normally, the body's bytes spread evenly over ``seconds``."""
+        return Fault("trickle", seconds=_seconds(seconds, "Fault.trickle"))
+
+    @staticmethod
+    def respond(
+        body: bytes, *, status: int = 200, headers: Mapping[str, str] | None = None
+    ) -> Fault:
+        """Answer HTTP ``status`` with ``body`` and ``headers`` (content-type default
+        ``application/json``; content-length always ``len(body)``), without generating."""
+        if not isinstance(body, bytes):
+            raise TypeError(f"Fault.respond: expected body as bytes, found {type(body).__name__}")
+        code = check_int(status, "Fault.respond: status", minimum=200, maximum=599)
+        pairs = tuple((str(k), str(v)) for k, v in (headers or {}).items())
+        if any(k.lower() == "content-length" for k, _ in pairs):
+            raise ValueError("Fault.respond: content-length is len(body); found it in headers")
+        return Fault("respond", status_code=code, body=body, headers=pairs)
 
     @staticmethod
     def status(code: int, *, retry_after: float | None = None) -> Fault:
@@ -167,6 +191,14 @@ class Fault:
         """Generate normally, then zero every row of a router layer (None: the first one)."""
         layer = check_optional_int(layer, "Fault.zero_router_layer: layer", minimum=0)
         return Fault("zero_router_layer", layer=layer)
+
+
+def _seconds(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what}: expected seconds as a number, found {value!r}")
+    if not value >= 0:
+        raise ValueError(f"{what}: expected seconds >= 0, found {value!r}")
+    return float(value)
 
 
 @dataclasses.dataclass

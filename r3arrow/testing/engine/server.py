@@ -85,6 +85,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "r3arrow-reference-engine"
     sys_version = ""
     server: _Server
+    _trickle = 0.0
 
     def setup(self) -> None:
         super().setup()
@@ -129,7 +130,12 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        if body:
+        if body and self._trickle:  # one byte per write (TCP_NODELAY: one segment each)
+            pause = self._trickle / len(body)
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                time.sleep(pause)
+        elif body:
             self.wfile.write(body)
 
     def _send_json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
@@ -137,6 +143,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         app = self.server.app
+        self._trickle = 0.0  # seconds to spread the answer's body over (Fault.trickle)
         path = urlsplit(self.path).path
         if "chunked" in (self.headers.get("transfer-encoding") or "").lower():
             self.close_connection = True
@@ -207,7 +214,18 @@ class _Handler(BaseHTTPRequestHandler):
                 with contextlib.suppress(OSError):
                     self.connection.shutdown(socket.SHUT_RDWR)
                 return
-        route_fault = fault if fault is not None and fault.kind != "delay" else None
+            elif fault.kind == "respond":
+                headers = dict(fault.headers)
+                typed = any(k.lower() == "content-type" for k in headers)
+                self._send(
+                    fault.status_code, fault.body, None if typed else "application/json", headers
+                )
+                return
+            elif fault.kind == "trickle":
+                self._trickle = fault.seconds
+        route_fault = (
+            fault if fault is not None and fault.kind not in ("delay", "trickle") else None
+        )
 
         if path in proto.GET_PATHS or path in _POST_PATHS:
             allowed = "GET" if path in proto.GET_PATHS else "POST"
