@@ -24,16 +24,14 @@ _ARROW_OF = {dt: pa.from_numpy_dtype(dt) for dt in _STORAGE_DTYPES}
 _MAX_LIST_SIZE = int(np.iinfo(np.int32).max)
 # The widest storage, int32, holds ids 0 .. 2**31 - 1: that is 2**31 experts.
 _MAX_EXPERTS = _MAX_LIST_SIZE + 1
+_ID_LIMITS = tuple((dt, int(np.iinfo(dt).max) + 1) for dt in _STORAGE_DTYPES)  # ids they hold
 
 
 def storage_dtype_for(num_ids: int) -> np.dtype[Any]:
     """Smallest of uint8, uint16, int32 for ids ``0 .. num_ids-1`` (`ExpertRangeError` > 2**31)."""
-    if num_ids <= 1 << 8:
-        return np.dtype(np.uint8)
-    if num_ids <= 1 << 16:
-        return np.dtype(np.uint16)
-    if num_ids <= _MAX_EXPERTS:
-        return np.dtype(np.int32)
+    for dt, limit in _ID_LIMITS:
+        if num_ids <= limit:
+            return dt
     raise ExpertRangeError(f"expected at most 2**31 expert ids (int32), found {num_ids}")
 
 
@@ -97,7 +95,7 @@ class RouteSpec:
         """Storage dtype of expert ids."""
         if self.id_dtype is not None:
             return np.dtype(self.id_dtype)
-        return storage_dtype_for(self.num_experts if self.num_experts is not None else 1)
+        return storage_dtype_for(self.num_experts or 1)
 
     @property
     def storage_cap(self) -> int:
@@ -154,7 +152,7 @@ class RouteSpec:
                 "num_layers": self.num_layers,
                 "topk": self.topk,
                 "num_experts": self.num_experts,
-                "moe_layers": list(self.moe_layers) if self.moe_layers is not None else None,
+                "moe_layers": self.moe_layers,  # orjson writes a tuple as an array
                 "dtype": self.dtype.name,
                 "id_dtype": self.id_dtype,
             }

@@ -55,13 +55,12 @@ def check_route_quality(
     if n == 0:
         return
     layers = np.asarray(spec.router_layers, dtype=np.intp)
-    k, e = spec.topk, spec.num_experts
     # With num_experts == topk every token uses every expert: one possible expert set, so
     # neither identical routing nor (with K == 1) all zeros says anything about the engine.
-    varied = e is None or e > k
+    varied = spec.num_experts is None or spec.num_experts > spec.topk
     # All zeros: row 0 names the candidate layers, the rest of the rows confirm them.
     zero = layers[~rows[0, layers].any(axis=-1)]
-    if zero.size and (k >= 2 or (n >= min_rows and varied)):
+    if zero.size and (spec.topk >= 2 or (n >= min_rows and varied)):
         confirmed = zero[~rows[:, zero].any(axis=(0, 2))]
         if confirmed.size:
             layer = int(confirmed[0])
@@ -88,11 +87,10 @@ def check_route_quality(
     if not same.any():
         return
     cand = layers[same]
-    rest = np.sort(rows[:, cand], axis=-1)
-    ident = (rest == first[same]).all(axis=(0, 2))
+    ident = (np.sort(rows[:, cand], axis=-1) == first[same]).all(axis=(0, 2))
     if ident.any():
         i = int(np.argmax(ident))
-        layer, ids = int(cand[i]), [int(v) for v in first[same][i]]
+        layer, ids = int(cand[i]), first[same][i].tolist()
         raise RouteQualityError(
             f"{what}: router layer {layer} routes all {n} rows to the same experts {ids}; "
             "expected routing that varies by token. Routing that never varies is an engine "

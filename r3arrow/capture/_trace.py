@@ -24,13 +24,8 @@ from r3arrow.errors import (
     TraceStateError,
 )
 from r3arrow.ids import check_routes
-from r3arrow.spec import RouteSpec, numpy_to_routes
+from r3arrow.spec import RouteSpec
 
-#: Gets each validated turn of a bound trace, ``(token_start, rows, spec)``, rows read-only in
-#: ``spec.dtype``; raising leaves the trace unchanged.
-TurnSink = Callable[[int, np.ndarray, RouteSpec], None]
-#: Gets a bound trace's finalized rows, ``(rows, spec)``.
-FinalSink = Callable[[np.ndarray, RouteSpec], None]
 #: A token count: an ``int`` or a numpy integer (``bool`` is refused).
 TokenCount = int | np.integer[Any]
 
@@ -58,72 +53,14 @@ def as_token_ids(ids: Any, name: str = "prompt_ids") -> np.ndarray:
     return arr
 
 
-class CoveredTokens:
-    """The covered ids in one growable int32 buffer, with a blake2b-128 digest of their bytes."""
-
-    def __init__(self) -> None:
-        self._buf = np.zeros(0, dtype=np.int32)
-        self._len = 0
-        self._hash = hashlib.blake2b(digest_size=16)
-
-    def __len__(self) -> int:
-        return self._len
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """The covered ids, ``[length]`` int32 (a read-only view)."""
-        view = self._buf[: self._len]
-        view.flags.writeable = False
-        return view
-
-    @property
-    def digest(self) -> str:
-        """Hex blake2b-128 of the covered ids' int32 bytes."""
-        return self._hash.hexdigest()
-
-    def check_extends(self, ids: np.ndarray, *, name: str, trajectory_id: str | None) -> None:
-        """`PrefixMismatchError` unless ``ids`` extend the covered ids (``token``: first change)."""
-        n = self._len
-        m = min(n, ids.shape[0])
-        diff = np.flatnonzero(self._buf[:m] != ids[:m])
-        if diff.size:
-            pos = int(diff[0])
-            found = f"token id {int(ids[pos])} at position {pos} where the trace has "
-            found += str(int(self._buf[pos]))
-        elif m < n:
-            pos = m
-            found = f"a prompt of {m} tokens that ends at token {m}"
-        else:
-            return
-        where = f"trajectory {trajectory_id!r}: " if trajectory_id is not None else ""
-        raise PrefixMismatchError(
-            f"{where}{name}: expected the prompt to extend the {n} tokens the trace covers, "
-            f"found {found} (re-tokenized history? keep the token ids the engine saw and "
-            "generated)",
-            token=pos,
-            trajectory_id=trajectory_id,
-        )
-
-    def extended(
-        self, prompt: np.ndarray, tail: np.ndarray | None = None
-    ) -> tuple[np.ndarray, Any]:
-        """(buffer, digest) covering ``prompt`` then ``tail`` for `commit`; changes nothing seen."""
-        n, p = self._len, prompt.shape[0]
-        m = p + (0 if tail is None else tail.shape[0])
-        buf = self._buf
-        if m > buf.shape[0]:
-            buf = np.empty(max(m, 2 * buf.shape[0], 64), dtype=np.int32)
-            buf[:n] = self._buf[:n]
-        buf[n:p] = prompt[n:]
-        if tail is not None:
-            buf[p:m] = tail
-        digest = self._hash.copy()
-        digest.update(buf[n:m].tobytes())
-        return buf, digest
-
-    def commit(self, buf: np.ndarray, digest: Any, length: int) -> None:
-        """Adopt what `extended` returned."""
-        self._buf, self._hash, self._len = buf, digest, length
+def owned(arr: np.ndarray, dtype: np.dtype[Any], *, copy: bool = True) -> np.ndarray:
+    """``arr`` read-only, C-contiguous in ``dtype``: copied if converted, or writable and copy."""
+    if arr.dtype != dtype or not arr.flags.c_contiguous or (copy and arr.flags.writeable):
+        arr = arr.astype(dtype, order="C")
+    elif arr.flags.writeable:
+        arr = arr.view()
+    arr.flags.writeable = False
+    return arr
 
 
 class TokenTrace:
@@ -142,8 +79,11 @@ class TokenTrace:
         self._captured = 0
         self._seen_tokens = 0
         self._finalized = False
-        self._covered = CoveredTokens()
-        self._checked: tuple[np.ndarray, int] | None = None  # (ids, covered) of check_extends
+        # The covered ids: the first `_covered` of a growable buffer, and their bytes' digest.
+        self._ids = np.zeros(0, dtype=np.int32)
+        self._covered = 0
+        self._hash = hashlib.blake2b(digest_size=16)
+        self._checked: np.ndarray | None = None  # check_extends' result since the last record
 
     @property
     def captured(self) -> int:
@@ -165,38 +105,53 @@ class TokenTrace:
 
     @property
     def covered_tokens(self) -> np.ndarray:
-        """The token ids the recorded turns covered (``[n]`` int32, read-only)."""
-        return self._covered.tokens
+        """The token ids the recorded turns covered (``[n]`` int32, a read-only view)."""
+        view = self._ids[: self._covered]
+        view.flags.writeable = False
+        return view
 
     @property
     def covered_digest(self) -> str:
         """Hex blake2b-128 of the int32 bytes of `covered_tokens`."""
-        return self._covered.digest
+        return self._hash.hexdigest()
 
     def check_extends(self, prompt_ids: Any) -> np.ndarray:
-        """``prompt_ids`` as read-only int32, checked to extend `covered_tokens` (pass the result to
-        `record`, which then skips its own comparison).
-
-        Raises ``ValueError`` (not flat ints) and `PrefixMismatchError` (``token``: first change).
+        """``prompt_ids`` as read-only int32 checked to extend `covered_tokens` (`record` given the
+        result skips the comparison); ``ValueError`` (not flat ints), `PrefixMismatchError`.
         """
         ids = as_token_ids(prompt_ids)
-        self._covered.check_extends(ids, name=self.name, trajectory_id=self._tid)
-        self._checked = (ids, len(self._covered))
-        return ids
+        n = self._covered
+        m = min(n, ids.shape[0])
+        diff = np.flatnonzero(self._ids[:m] != ids[:m])
+        if diff.size:
+            pos = int(diff[0])
+            found = f"token id {int(ids[pos])} at position {pos} where the trace has "
+            found += str(int(self._ids[pos]))
+        elif m < n:
+            pos = m
+            found = f"a prompt of {m} tokens that ends at token {m}"
+        else:
+            self._checked = ids
+            return ids
+        where = f"trajectory {self._tid!r}: " if self._tid is not None else ""
+        raise PrefixMismatchError(
+            f"{where}{self.name}: expected the prompt to extend the {n} tokens the trace covers, "
+            f"found {found} (re-tokenized history? keep the token ids the engine saw and "
+            "generated)",
+            token=pos,
+            trajectory_id=self._tid,
+        )
 
-    def _ids_for(
+    def _cover(
         self, p: int, g: int, prompt_ids: Any, generated_ids: Any
-    ) -> tuple[np.ndarray, np.ndarray | None] | None:
-        """The turn's (prompt ids, generated ids), checked against the counts and coverage."""
+    ) -> tuple[np.ndarray, Any, int] | None:
+        """(buffer, digest, count) covering the turn's ids, checked; the trace is unchanged."""
         if prompt_ids is None:
             if generated_ids is not None:
                 raise ValueError("generated_ids: expected prompt_ids with them, found none")
             return None
-        checked = self._checked
-        if checked is not None and checked[0] is prompt_ids and checked[1] == len(self._covered):
-            ids = checked[0]  # compared by check_extends, and nothing recorded since
-        else:
-            ids = self.check_extends(prompt_ids)
+        known = prompt_ids is self._checked  # check_extends compared it; nothing recorded since
+        ids = prompt_ids if known else self.check_extends(prompt_ids)
         if ids.shape[0] != p:
             raise ValueError(f"prompt_ids: expected prompt_tokens={p} ids, found {ids.shape[0]}")
         gen = None if generated_ids is None else as_token_ids(generated_ids, "generated_ids")
@@ -204,7 +159,17 @@ class TokenTrace:
             raise ValueError(
                 f"generated_ids: expected generated_tokens={g} ids, found {gen.shape[0]}"
             )
-        return ids, gen
+        n, m = self._covered, p + (0 if gen is None else g)
+        buf = self._ids
+        if m > buf.shape[0]:
+            buf = np.empty(max(m, 2 * buf.shape[0], 64), dtype=np.int32)
+            buf[:n] = self._ids[:n]
+        buf[n:p] = ids[n:]  # past the covered ids: invisible until committed
+        if gen is not None:
+            buf[p:m] = gen
+        digest = self._hash.copy()
+        digest.update(buf[n:m].tobytes())
+        return buf, digest, m
 
     def _coerce(self, rows: Any) -> tuple[np.ndarray, np.dtype[Any], Any]:
         """(``rows`` checked as ``[rows, *row_shape]`` storable in ``dtype``, dtype, state)."""
@@ -260,7 +225,7 @@ class TokenTrace:
                     f"{self.name}: expected prompt_tokens > captured={self._captured} (prompt "
                     f"start must lie inside the prompt), found prompt_tokens={p}"
                 )
-            ids = self._ids_for(p, g, prompt_ids, generated_ids)
+            cover = self._cover(p, g, prompt_ids, generated_ids)
             arr, dtype, state = self._coerce(rows)
             want = expected_rows(prompt_tokens=p, generated_tokens=g, prompt_start=self._captured)
             if arr.shape[0] != want:
@@ -268,44 +233,21 @@ class TokenTrace:
                     f"{self.name}: expected {want} rows (P={p} - captured={self._captured} + G={g} "
                     f"- 1), found {arr.shape[0]}"
                 )
-            if arr.dtype != dtype or not arr.flags.c_contiguous:
-                arr = arr.astype(dtype, order="C")  # narrow / make contiguous: the one copy
-                arr.flags.writeable = False
-            elif arr.flags.writeable:
-                # The caller may reuse its buffer: copy unless handed over or made from a list.
-                arr = arr.copy() if copy and not isinstance(rows, list | tuple) else arr.view()
-                arr.flags.writeable = False
+            # The caller may reuse its buffer: copy unless handed over or made from a list.
+            arr = owned(arr, dtype, copy=copy and not isinstance(rows, list | tuple))
             start = self._captured
-            cover = None if ids is None else self._covered.extended(*ids)
             self._accept(start, arr, state)
             self._chunks.append(arr)
             self._captured += want
             self._seen_tokens = p + g
-            if cover is not None and ids is not None:
-                self._covered.commit(*cover, p + (0 if ids[1] is None else g))
+            if cover is not None:
+                self._ids, self._hash, self._covered = cover
             self._checked = None
             return start
         except R3ArrowError as exc:
             if exc.trajectory_id is None:
                 exc.trajectory_id = self._tid
             raise
-
-    def _join(self) -> np.ndarray:
-        """The turns in one read-only buffer: the trace's one write of its rows."""
-        if len(self._chunks) == 1 and self._chunks[0].dtype == self.dtype:
-            return self._chunks[0]  # one turn: read-only and C-contiguous already
-        out = np.empty((self._captured, *self.row_shape), dtype=self.dtype)
-        if self._chunks:
-            # Values were range-checked on record, so narrowing casts are exact.
-            np.concatenate(self._chunks, axis=0, out=out, casting="unsafe")
-        out.flags.writeable = False
-        return out
-
-    def _to_arrow(self, arr: np.ndarray) -> pa.Array[Any]:
-        out: pa.Array[Any] = pa.array(arr.reshape(-1))
-        for size in reversed(self.row_shape):
-            out = pa.FixedSizeListArray.from_arrays(out, size)
-        return out
 
     def finalize(self, *, num_tokens: TokenCount, loss_mask: Any) -> pa.Array[Any]:
         """The ``captured`` rows as one Arrow array (once; then `TraceStateError`).
@@ -323,8 +265,18 @@ class TokenTrace:
                 trajectory_id=self._tid,
             )
         check_terminal_gap(self._captured, loss_mask, num_tokens=n, trajectory_id=self._tid)
-        rows = self._join()
-        result = self._to_arrow(rows)
+        chunks = self._chunks
+        if len(chunks) == 1 and chunks[0].dtype == self.dtype:
+            rows = chunks[0]  # one turn: read-only and C-contiguous already
+        else:  # the trace's one write of its rows
+            rows = np.empty((self._captured, *self.row_shape), dtype=self.dtype)
+            if chunks:
+                # Values were range-checked on record, so narrowing casts are exact.
+                np.concatenate(chunks, axis=0, out=rows, casting="unsafe")
+            rows.flags.writeable = False
+        result: pa.Array[Any] = pa.array(rows.reshape(-1))
+        for size in reversed(self.row_shape):
+            result = pa.FixedSizeListArray.from_arrays(result, size)
         self._finished(rows, result)
         self._finalized = True
         self._chunks = []
@@ -337,11 +289,9 @@ class TokenTrace:
 def validate_route_rows(
     routes: Any, spec: RouteSpec, *, what: str = "routes"
 ) -> tuple[np.ndarray, RouteSpec, int]:
-    """The one route-row validator: (rows as given, spec to store them in, id bound).
-
-    Checks shape, dtype and both id rules of `r3arrow.ids`; a spec without ``num_experts`` is
-    widened for the largest id, and the bound (-1 for no rows) is then exact.
-    """
+    """The one route-row validator (shape, dtype, both id rules): (rows as given, spec to store
+    them in, id bound; -1 for no rows). Without ``num_experts`` the spec widens for the largest
+    id, and the bound is exact."""
     arr = as_route_rows(routes, spec, what=what)
     hi = check_routes(arr, spec, what=what, exact=False)[1]
     if spec.num_experts is None and hi >= 0:
@@ -363,18 +313,11 @@ class RouteTrace(TokenTrace):
             raise TypeError(f"spec: expected a RouteSpec, found {type(spec).__name__}")
         super().__init__(spec.row_shape, spec.dtype, name="routes")
         self.spec = spec
-        self._sink: TurnSink | None = None
-        self._final_sink: FinalSink | None = None
+        # Set by `TurnStore.trace` (with `_tid`): `_sink` gets each validated turn before the trace
+        # commits it (raising leaves the trace unchanged), `_final_sink` the finalized rows.
+        self._sink: Callable[[int, np.ndarray, RouteSpec], None] | None = None
+        self._final_sink: Callable[[np.ndarray, RouteSpec], None] | None = None
         self._hi = -1  # largest id recorded (for `checked_for`)
-
-    @classmethod
-    def _bound(
-        cls, spec: RouteSpec, trajectory_id: str, sink: TurnSink, final_sink: FinalSink
-    ) -> RouteTrace:
-        """A trace whose validated turns go to ``sink`` and finalized rows to ``final_sink``."""
-        trace = cls(spec)
-        trace._tid, trace._sink, trace._final_sink = trajectory_id, sink, final_sink
-        return trace
 
     @property
     def trajectory_id(self) -> str | None:
@@ -396,6 +339,3 @@ class RouteTrace(TokenTrace):
         mark_validated(result, spec=self.spec, max_id=self._hi)
         if self._final_sink is not None:
             self._final_sink(rows, self.spec)
-
-    def _to_arrow(self, arr: np.ndarray) -> pa.Array[Any]:
-        return numpy_to_routes(arr, self.spec)  # _join wrote spec.dtype (kept in step)

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from r3arrow import RouteSpec, RouteTrace, TurnStore
-from r3arrow.capture._store import turn_batch, turn_schema
+from r3arrow.capture._store import turn_schema
 from r3arrow.errors import (
     ContiguityError,
     ExpertRangeError,
@@ -27,6 +27,15 @@ from r3arrow.spec import routes_to_numpy
 from r3arrow.testing import random_routes
 
 SPEC = RouteSpec(num_layers=3, topk=2, num_experts=16, moe_layers=(0, 2))
+
+
+def turn_batch(
+    spec: RouteSpec, trajectory_id: str, token_start: int, routes: Any
+) -> pa.RecordBatch:
+    """One validated turn as the one-row record batch `TurnStore.append` stores."""
+    store = TurnStore(spec)
+    store.append(trajectory_id, token_start, routes)
+    return store.batches()[0]
 
 
 def pylist(arr: Any) -> list[Any]:
