@@ -32,23 +32,19 @@ TokenCount = int | np.integer[Any]
 
 def as_token_ids(ids: Any, name: str = "prompt_ids") -> np.ndarray:
     """Token ids as a read-only flat int32 array; ``ValueError`` unless ints in ``[0, 2**31)``."""
-    if isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1:
-        if not ids.flags.writeable:
-            return ids
-        arr = ids.copy()  # the caller may reuse its buffer: keep what was checked
-    else:
-        raw = np.asarray(ids)
-        if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
-            raise ValueError(
-                f"{name}: expected a flat sequence of int token ids, found shape "
-                f"{list(raw.shape)} of dtype {raw.dtype}"
-            )
-        if raw.size and (int(raw.min()) < 0 or int(raw.max()) > np.iinfo(np.int32).max):
-            raise ValueError(
-                f"{name}: expected token ids in [0, 2**31), found [{int(raw.min())}, "
-                f"{int(raw.max())}]"
-            )
-        arr = raw.astype(np.int32)
+    raw = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if raw.ndim != 1 or (raw.size and raw.dtype.kind not in "iu"):
+        raise ValueError(
+            f"{name}: expected a flat sequence of int token ids, found shape "
+            f"{list(raw.shape)} of dtype {raw.dtype}"
+        )
+    if raw.size and (int(raw.min()) < 0 or int(raw.max()) > np.iinfo(np.int32).max):
+        raise ValueError(
+            f"{name}: expected token ids in [0, 2**31), found [{int(raw.min())}, {int(raw.max())}]"
+        )
+    if raw.dtype == np.int32 and not raw.flags.writeable:
+        return raw
+    arr = raw.astype(np.int32)  # a copy: the caller may reuse its buffer, keep what was checked
     arr.flags.writeable = False
     return arr
 

@@ -740,6 +740,19 @@ def test_covered_tokens_extend_turn_by_turn_and_refuse_drift() -> None:
     assert trace.covered_tokens.tolist() == [5, 6, 7, 8, 9, 1]  # no generated ids: prompt only
 
 
+@pytest.mark.parametrize("writeable", [True, False])
+def test_negative_int32_token_ids_are_refused(writeable: bool) -> None:
+    """int32 arrays take the zero-copy path, and are range-checked like every other input."""
+    ids = np.array([5, -1, 7], dtype=np.int32)
+    ids.flags.writeable = writeable
+    trace = RouteTrace(SPEC)
+    with pytest.raises(ValueError, match=r"token ids in \[0, 2\*\*31\), found \[-1, 7\]"):
+        trace.check_extends(ids)
+    with pytest.raises(ValueError, match="token ids"):
+        trace.record(rows_of(4), prompt_tokens=3, generated_tokens=2, prompt_ids=ids)
+    assert trace.captured == 0 and trace.covered_tokens.size == 0
+
+
 def test_digest_is_blake2b_of_the_covered_int32_bytes() -> None:
     import hashlib
 
