@@ -1,10 +1,6 @@
-"""Plan and read one (DP rank, PP stage)'s share of a rollout directory, by row group.
-
-Torch-free (numpy, pyarrow, `r3arrow.io`), so a Ray read task never imports torch: the
-pieces of `r3arrow.collate.collate_directory` and `r3arrow.ray.shard_microbatches`.
-`plan_steps` plans each step from its token columns, `read_share` reads a rank's share in
-waves that fit ``max_memory``, `read_ahead` overlaps the next wave's read with the use of
-the current one. Semantics and memory bounds: ``docs/ray.md`` (The plan, The read).
+"""Plan and read one (DP rank, PP stage)'s share of a rollout directory, by row group: the
+torch-free pieces of `r3arrow.collate.collate_directory` and `r3arrow.ray.shard_microbatches`
+(a Ray read task never imports torch). ``docs/ray.md``, "The plan" and "The read".
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ from r3arrow.microbatch import padding_table, plan_dp_microbatches
 from r3arrow.spec import RouteSpec
 from r3arrow.table import sequence_lengths, take_rows
 
-#: Columns a collator reads: the core columns; ``routes`` is added with a spec.
-COLLATE_COLUMNS = tuple(c for c in ROLLOUT_COLUMNS if c != "routes")
+#: Columns a share is read with: the rollout columns, ``routes`` last.
+_COLUMNS = (*(c for c in ROLLOUT_COLUMNS if c != "routes"), "routes")
 #: DP assignments of `plan_steps`: "balanced" (`plan_dp_microbatches`, the plan of
 #: `split_microbatches`) or "contiguous" (`plan_contiguous`, each rank a row range).
 DP_ASSIGNMENTS = ("balanced", "contiguous")
@@ -62,10 +58,6 @@ class StepPlan:
     @property
     def num_microbatches(self) -> int:
         return len(self.microbatches[0])
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.lengths.shape[0])
 
 
 def plan_contiguous(
@@ -180,16 +172,10 @@ def plan_steps(
     return spec, plans()
 
 
-def _read(
-    ref: RowGroupRef, columns: Sequence[str], layers: Sequence[int] | None, validate: bool
-) -> pa.Table:
-    """One row group: ``columns`` only and, with ``layers``, only those (a projected read)."""
+def _read(ref: RowGroupRef, layers: list[int] | None, validate: bool) -> pa.Table:
+    """One row group and, with ``layers``, only those (a projected read)."""
     table = read_rollouts(
-        ref.path,
-        row_groups=[ref.row_group],
-        columns=list(columns),
-        layers=None if layers is None else list(layers),
-        validate=validate,
+        ref.path, row_groups=[ref.row_group], columns=_COLUMNS, layers=layers, validate=validate
     )
     if table.num_rows != ref.num_rows:  # the file changed since it was planned
         raise SchemaError(
@@ -200,36 +186,21 @@ def _read(
     return table
 
 
-def _waves(sizes: np.ndarray, budget: int) -> list[range]:
-    """Consecutive microbatches whose estimated bytes fit ``budget`` (one at least each)."""
-    waves: list[range] = []
-    first, total = 0, 0
-    for j, size in enumerate(sizes.tolist()):  # per microbatch: not a hot loop
-        if j > first and total + size > budget:
-            waves.append(range(first, j))
-            first, total = j, 0
-        total += size
-    waves.append(range(first, len(sizes)))
-    return waves
-
-
 def read_share(
     plan: StepPlan,
     dp_rank: int,
     *,
     layers: Sequence[int] | None = None,
-    columns: Sequence[str] | None = None,
     spec: RouteSpec | None = None,
     max_memory: int = DEFAULT_MAX_MEMORY,
     validate: bool = True,
 ) -> Iterator[tuple[int, pa.Table]]:
     """Yield ``(j, table)`` for every microbatch ``j`` of DP rank ``dp_rank`` in ``plan``.
 
-    Rows in step order, ``columns`` only (default `COLLATE_COLUMNS` + ``routes``) and,
-    with ``layers``, only those layers; the file's schema metadata kept, marked validated
-    with ``validate``; padding microbatches are `r3arrow.microbatch.padding_table`. At
-    most ``max_memory`` estimated bytes (16 per token plus, with ``spec``, its route rows)
-    of taken rows plus one row group are resident.
+    Rows in step order, the rollout columns and, with ``layers``, only those layers; the
+    file's schema metadata kept, marked validated with ``validate``; padding microbatches are
+    `r3arrow.microbatch.padding_table`. At most ``max_memory`` estimated bytes (16 per token
+    plus, with ``spec``, its route rows) of taken rows plus one row group are resident.
 
     Raises ``ValueError``/``TypeError`` at call time for a ``dp_rank`` outside the plan or
     a ``max_memory`` that is not a positive int, and while iterating the readers' errors
@@ -237,19 +208,9 @@ def read_share(
     """
     rank = check_int(dp_rank, "dp_rank", minimum=0, maximum=len(plan.microbatches) - 1)
     budget = check_positive_int(max_memory, "max_memory")
-    cols = [*COLLATE_COLUMNS, "routes"] if columns is None else list(columns)
     layer_list = None if layers is None else [check_int(i, "layers") for i in layers]
-    per_token = _per_token(spec, layer_list)
-    loaders = _wave_loaders(plan, rank, layer_list, cols, budget, per_token, validate)
+    loaders = _wave_loaders(plan, rank, layer_list, spec, budget, validate)
     return itertools.chain.from_iterable(load().tables for _, load in loaders)
-
-
-def _per_token(spec: RouteSpec | None, layers: Sequence[int] | None) -> int:
-    """Estimated bytes per token read: the route rows of ``layers`` (or all) plus the ids."""
-    if spec is None:
-        return _TOKEN_BYTES
-    count = spec.num_layers if layers is None else len(layers)
-    return _TOKEN_BYTES + count * spec.topk * np.dtype(spec.dtype).itemsize
 
 
 @dataclasses.dataclass
@@ -263,27 +224,21 @@ class _Wave:
     tables: list[tuple[int, pa.Table]]
 
 
-def _runs(index: np.ndarray) -> list[tuple[int, int]]:
-    """``(start, length)`` of each run of consecutive values of an ascending ``index``."""
-    if not index.size:
-        return []
-    cut = np.flatnonzero(np.diff(index) != 1) + 1
-    starts = index[np.concatenate(([0], cut))]
-    lengths = np.diff(np.concatenate(([0], cut, [index.size])))
-    return list(zip(starts.tolist(), lengths.tolist(), strict=True))
-
-
 def _wave_loaders(
     plan: StepPlan,
     rank: int,
     layers: list[int] | None,
-    columns: list[str],
+    spec: RouteSpec | None,
     budget: int,
-    per_token: int,
     validate: bool,
 ) -> Iterator[tuple[int, Callable[[], _Wave]]]:
     """``(estimated bytes, load)`` of each of the rank's waves, to load in order (the first
-    wave's schema is the padding template), each once, one thread at a time."""
+    wave's schema is the padding template), each once, one thread at a time. The estimate
+    per token: the route rows of ``layers`` (or all, with ``spec``) plus the ids."""
+    per_token = _TOKEN_BYTES
+    if spec is not None:
+        count = spec.num_layers if layers is None else len(layers)
+        per_token += count * spec.topk * np.dtype(spec.dtype).itemsize
     mbs = plan.microbatches[rank]
     starts = np.asarray([g.start for g in plan.groups], dtype=np.int64)
     sizes = np.asarray([int(plan.lengths[m].sum()) * per_token for m in mbs], dtype=np.int64)
@@ -294,16 +249,13 @@ def _wave_loaders(
         pieces: list[pa.Table] = []
         parts: dict[int, list[pa.Table]] = {j: [] for j in real}
         if real:
-            rows = np.concatenate([mbs[j] for j in real])
+            rows = np.concatenate([mbs[j] for j in real])  # by microbatch, then step order
             owner = np.repeat(np.arange(len(real)), [mbs[j].size for j in real])
-            order = np.lexsort((rows, owner))  # by microbatch, then step order
-            rows, owner = rows[order], owner[order]
             group = np.searchsorted(starts, rows, side="right") - 1
-            by_group = np.argsort(group, kind="stable")  # keeps (microbatch, row) order
             for gi in np.unique(group).tolist():  # per row group: not a hot loop
-                sel = by_group[group[by_group] == gi]
+                sel = np.flatnonzero(group == gi)
                 ref = plan.groups[gi]
-                table = _read(ref, columns, layers, validate)
+                table = _read(ref, layers, validate)
                 local = rows[sel] - ref.start
                 if local.size == ref.num_rows:  # the whole group is ours: keep it, no copy
                     piece, index = table, local
@@ -311,12 +263,14 @@ def _wave_loaders(
                     piece, index = take_rows(table, local), np.arange(local.size, dtype=np.int64)
                 pieces.append(piece)
                 bounds = np.searchsorted(owner[sel], np.arange(len(real) + 1)).tolist()
-                for k, j in enumerate(real):  # microbatch j's rows of this piece
-                    runs = _runs(index[bounds[k] : bounds[k + 1]])
-                    parts[j].extend(piece.slice(a, n) for a, n in runs)
+                for k, j in enumerate(real):  # microbatch j's runs of rows of this piece
+                    idx = index[bounds[k] : bounds[k + 1]]
+                    for run in np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1):
+                        if run.size:
+                            parts[j].append(piece.slice(int(run[0]), int(run.size)))
                 del table
         if "template" not in state:  # only padding so far: the schema of the first row group
-            first = pieces[0] if pieces else _read(plan.groups[0], columns, layers, validate)
+            first = pieces[0] if pieces else _read(plan.groups[0], layers, validate)
             empty = first.slice(0, 0)
             state["template"] = mark_validated(empty) if validate and is_validated(first) else empty
         template = state["template"]
@@ -330,8 +284,14 @@ def _wave_loaders(
             tables.append((j, mark_validated(out) if validated else out))  # zero-copy
         return _Wave(plan.step, wave, pieces, tables)
 
-    for wave in _waves(sizes, budget):
-        yield int(sizes[wave.start : wave.stop].sum()), functools.partial(load, wave)
+    # waves: consecutive microbatches whose estimated bytes fit the budget (one at least each)
+    first, total = 0, 0
+    for j, size in enumerate(sizes.tolist()):  # per microbatch: not a hot loop
+        if j > first and total + size > budget:
+            yield total, functools.partial(load, range(first, j))
+            first, total = j, 0
+        total += size
+    yield total, functools.partial(load, range(first, len(sizes)))
 
 
 def read_ahead(loaders: Iterator[tuple[int, Callable[[], T]]], budget: int) -> Iterator[T]:
@@ -361,7 +321,6 @@ def read_ahead(loaders: Iterator[tuple[int, Callable[[], T]]], budget: int) -> I
 
 
 __all__ = [
-    "COLLATE_COLUMNS",
     "DP_ASSIGNMENTS",
     "RowGroupRef",
     "StepPlan",

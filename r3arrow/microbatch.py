@@ -25,18 +25,6 @@ PADDING_METADATA_KEY = b"r3arrow.padding"
 PADDING_TRAJECTORY_ID = "__r3arrow_padding__"
 
 
-def _lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-    n = np.asarray(lengths, dtype=np.int64)
-    if n.ndim != 1 or n.size == 0:
-        raise SchemaError(
-            f"expected a non-empty 1-D array of trajectory lengths, found shape {list(n.shape)}"
-        )
-    if int(n.min()) < 1:
-        i = int(np.argmin(n))
-        raise SchemaError(f"expected trajectory lengths >= 1, found {int(n[i])} at row {i}", row=i)
-    return n
-
-
 def _split(
     cost: np.ndarray, budget: int | None, bins: int | None, packed: bool
 ) -> list[np.ndarray]:
@@ -44,19 +32,13 @@ def _split(
     order = np.argsort(-cost, kind="stable")
     if budget is None:
         return _balance(cost, order, bins or 1)
-    # No fewer microbatches than the budget allows, nor than asked for.
-    for count in range(max(bins or 1, -(-int(cost.sum()) // budget)), cost.size + 1):
+    # No fewer microbatches than the budget allows, nor than asked for; one trajectory per
+    # microbatch (the last count) fits, since every cost does.
+    for count in range(max(bins or 1, -(-int(cost.sum()) // budget)), cost.size):
         groups = _balance(cost, order, count)
-        if all(_cost(cost[g], packed) <= budget for g in groups):
+        if all((cost[g].sum() if packed else g.size * cost[g].max()) <= budget for g in groups):
             return groups
-    # One trajectory per microbatch always fits once every cost does; kept as a guard.
-    raise SchemaError(  # pragma: no cover
-        f"max_tokens={budget}: no split of {cost.size} trajectories fits the budget"
-    )
-
-
-def _cost(costs: np.ndarray, packed: bool) -> int:
-    return int(costs.sum()) if packed else int(costs.shape[0] * costs.max())
+    return _balance(cost, order, cost.size)
 
 
 def _assign(cost: np.ndarray, order: np.ndarray, bins: int) -> np.ndarray:
@@ -108,7 +90,14 @@ def plan_dp_microbatches(
     bins = check_optional_int(num_microbatches, "num_microbatches", minimum=1)
     if budget is None and bins is None:
         raise ValueError("expected max_tokens, num_microbatches or both, found neither")
-    n = _lengths(lengths)
+    n = np.asarray(lengths, dtype=np.int64)
+    if n.ndim != 1 or n.size == 0:
+        raise SchemaError(
+            f"expected a non-empty 1-D array of trajectory lengths, found shape {list(n.shape)}"
+        )
+    if int(n.min()) < 1:
+        i = int(np.argmin(n))
+        raise SchemaError(f"expected trajectory lengths >= 1, found {int(n[i])} at row {i}", row=i)
     if bins is not None and bins > n.size:
         raise ValueError(
             f"num_microbatches: expected 1..{n.size} (one trajectory at least each), found {bins}"
@@ -146,9 +135,8 @@ def padding_table(table: pa.Table) -> pa.Table:
 
     Raises `SchemaError` when ``table`` lacks the token columns.
     """
-    fields = {f.name: f for f in table.schema}
     for name in ("trajectory_id", "group_id", "prompt_ids", "response_ids", "loss_mask"):
-        if name not in fields:
+        if name not in table.schema.names:
             raise SchemaError(f"expected column {name!r}, found columns {table.schema.names}")
     values: dict[str, Any] = {
         "trajectory_id": [PADDING_TRAJECTORY_ID],
@@ -163,8 +151,7 @@ def padding_table(table: pa.Table) -> pa.Table:
         pa.array(values[f.name], type=f.type) if f.name in values else pa.nulls(1, type=f.type)
         for f in table.schema
     ]
-    meta: dict[bytes, bytes] = dict(table.schema.metadata or {})
-    meta[PADDING_METADATA_KEY] = b"1"
+    meta = {**(table.schema.metadata or {}), PADDING_METADATA_KEY: b"1"}
     out = pa.Table.from_arrays(arrays, schema=table.schema.with_metadata(meta))
     return mark_validated(out) if is_validated(table) else out
 

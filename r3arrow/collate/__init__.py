@@ -11,6 +11,11 @@ comes from ``r3arrow.megatron.collator_for``.
 
 from __future__ import annotations
 
+from r3arrow._extras import require
+
+with require(extra="torch", feature="r3arrow.collate"):
+    import torch  # noqa: F401 - the extra's message before the modules below need it
+
 from r3arrow._public import set_homes
 from r3arrow.collate._collator import MegatronCollator, Parallelism
 from r3arrow.collate._directory import collate_directory

@@ -1,13 +1,19 @@
 """`MegatronCollator`: a rollout table → one `Microbatch` for this rank's routers.
 
-Checks the table, lays it out (`_layout`), and fills one pooled buffer in a single pass
-over the segments (at most two per trajectory); routes by the fused pass per routes chunk
-(`_kernels`), split over threads when large. ``docs/collation.md``.
+Checks the table, lays it out (`_layout`), and fills one pooled, 64-byte aligned buffer in a
+single pass over the segments (at most two per trajectory); routes by the fused pass of
+`r3arrow.ids.gather_router_ids` once per chunk of the routes column, split over threads when
+large; for a CUDA device the compact ids are shipped from page-locked memory.
+``docs/collation.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
+import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, cast
@@ -18,14 +24,19 @@ import torch
 
 from r3arrow._checks import check_int, check_positive_int
 from r3arrow._routes import validate_layers
-from r3arrow._schema import ROUTE_LAYERS_KEY, list_lengths
+from r3arrow._schema import ROUTE_LAYERS_KEY, list_lengths, trajectory_id_at
 from r3arrow._typing import ArrowArray
 from r3arrow._validated import is_validated
-from r3arrow.collate._buffers import _Arena, _BufferPool, _PinnedStage
-from r3arrow.collate._kernels import _put, _RouteSource, _run_gathers
-from r3arrow.collate._layout import _Layout, _layout, alignment_multiple, layer_positions
+from r3arrow.collate._layout import _Layout, _layout, alignment_multiple
 from r3arrow.collate._microbatch import Microbatch
-from r3arrow.errors import SchemaError
+from r3arrow.errors import (
+    DuplicateExpertError,
+    ExpertRangeError,
+    R3ArrowError,
+    RouteShapeError,
+    SchemaError,
+)
+from r3arrow.ids import check_routes, gather_router_ids
 from r3arrow.microbatch import is_padding_table, split_microbatches
 from r3arrow.spec import RouteSpec
 from r3arrow.table import flat_routes, route_layers, route_spec, validate_rollouts
@@ -40,6 +51,152 @@ _SHIP_DTYPE: dict[int, np.dtype[Any]] = {
     4: np.dtype(np.int32),
 }
 _TOKEN_COLUMNS = ("prompt_ids", "response_ids", "loss_mask")
+
+
+_ALIGN = 64
+
+
+class _BufferPool:
+    """Byte buffers reused once no array or tensor views them (their refcount), thread-safe."""
+
+    def __init__(self, max_buffers: int = 32) -> None:
+        self.max_buffers = max_buffers
+        self._buffers: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def _free(self) -> list[bool]:
+        # References: the list slot and getrefcount's argument.
+        return [sys.getrefcount(self._buffers[i]) <= 2 for i in range(len(self._buffers))]
+
+    def take(self, nbytes: int) -> np.ndarray:
+        nbytes = max(int(nbytes), 1)
+        with self._lock:
+            free = self._free()
+            fits = [i for i, f in enumerate(free) if f and self._buffers[i].nbytes >= nbytes]
+            if fits:
+                return self._buffers[min(fits, key=lambda i: self._buffers[i].nbytes)]
+            # free buffers that are too small go rather than stay
+            self._buffers = [b for b, f in zip(self._buffers, free, strict=True) if not f]
+            buf = np.empty(nbytes + nbytes // 8, dtype=np.uint8)  # headroom for the next batch
+            if len(self._buffers) < self.max_buffers:
+                self._buffers.append(buf)
+            return buf
+
+    def clear(self) -> None:
+        """Drop every free buffer."""
+        with self._lock:
+            free = self._free()
+            self._buffers = [b for b, f in zip(self._buffers, free, strict=True) if not f]
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers)
+
+
+def _carve(
+    parts: Sequence[tuple[tuple[int, ...], Any]], pool: _BufferPool | None
+) -> list[np.ndarray]:
+    """One ``shape``/``dtype`` view per part, 64-byte aligned, out of one (pooled) buffer."""
+    sizes = [math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in parts]
+    starts = [0, *itertools.accumulate(-(-n // _ALIGN) * _ALIGN for n in sizes)]
+    buf = pool.take(starts[-1]) if pool is not None else np.empty(starts[-1], np.uint8)
+    return [
+        buf[at : at + n].view(dtype).reshape(shape)
+        for (shape, dtype), at, n in zip(parts, starts[:-1], sizes, strict=True)
+    ]
+
+
+class _PinnedStage:
+    """A reusable page-locked buffer for ids shipped to CUDA; `take` first waits for the last
+    copy out of it (`ship`), so the next collation never overwrites bytes in flight."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+        self._event: Any = None
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """A writable ``shape``/``dtype`` numpy view of the pinned buffer (grown as needed)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        n = max(1, math.prod(shape) * dtype.itemsize)
+        if self._buf is None or int(self._buf.numel()) < n:
+            self._buf = torch.empty(n + n // 8, dtype=torch.uint8, pin_memory=True)
+        arr: np.ndarray = self._buf[:n].numpy().view(dtype).reshape(shape)
+        return arr
+
+    def ship(self, nbytes: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The first ``nbytes`` as ``dtype``, copied to ``device`` on its current stream."""
+        assert self._buf is not None
+        shipped = self._buf[:nbytes].view(dtype).to(device, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(device))
+        self._event = event
+        return shipped
+
+
+_Span = tuple[int, int, int, int]  # positions [p0, p1) x columns [c0, c1), as gather_router_ids
+
+
+def _put(
+    out: np.ndarray,
+    at: int,
+    a: int,
+    b: int,
+    p: int,
+    prompt: np.ndarray,
+    po: int,
+    resp: np.ndarray,
+    ro: int,
+) -> None:
+    """out[at : at+b-a] = tokens [a, b) of a sequence whose first ``p`` tokens are its prompt."""
+    if a < p:
+        e = min(b, p)
+        out[at : at + e - a] = prompt[po + a : po + e]
+    if b > p:
+        s = max(a, p)
+        out[at + s - a : at + b - a] = resp[ro + s - p : ro + b - p]
+
+
+class _RouteSource(NamedTuple):
+    """A record batch's compact routes ``[T, L, K]``, their offsets and its first row."""
+
+    routes: np.ndarray
+    offsets: np.ndarray
+    row0: int
+    batch: pa.RecordBatch
+
+
+def _located(
+    src: _RouteSource,
+    exc: ExpertRangeError | DuplicateExpertError,
+    layer_index: np.ndarray,
+    num_experts: int | None,
+    layers: Sequence[int],
+) -> R3ArrowError:
+    """``exc`` (its token: a route row of ``src``) restated with ``row`` (table row),
+    ``trajectory_id`` and ``token`` within the trajectory."""
+    if exc.token is None:
+        return exc
+    i = int(np.searchsorted(src.offsets, exc.token, side="right")) - 1
+    g = src.row0 + i
+    a, b = int(src.offsets[i]), int(src.offsets[i + 1])
+    try:  # the reference check on this trajectory: its token positions and layers
+        check_routes(
+            src.routes[a:b][:, layer_index],
+            num_experts=num_experts,
+            layer_ids=layers,
+            what=f"routes of row {g}",
+        )
+    except (ExpertRangeError, DuplicateExpertError) as found:
+        tid = trajectory_id_at(src.batch, i)
+        return type(found)(
+            found.message, trajectory_id=tid, row=g, token=found.token, layer=found.layer
+        )
+    return exc  # pragma: no cover - the same rows failed the fused pass
 
 
 class _Tokens(NamedTuple):
@@ -166,7 +323,8 @@ class MegatronCollator:
         self.num_threads = check_positive_int(threads, "num_threads")
         self._executor: ThreadPoolExecutor | None = None
         self.device = None if device is None else torch.device(device)
-        self._pinned = _PinnedStage() if self.device is not None else None
+        cuda = self.device is not None and self.device.type != "cpu"
+        self._pinned = _PinnedStage() if cuda else None
         self._arange = np.arange(0, dtype=np.int64)
 
     def __call__(self, table: pa.Table | pa.RecordBatch) -> Microbatch:
@@ -201,14 +359,64 @@ class MegatronCollator:
                 f"{mlen[i]}, {cap[i]} route rows",
                 row=i,
             )
+        par = self.parallel
         lay = _layout(
-            n,
-            packed=self.packed,
-            multiple=self.multiple,
-            cp_size=self.parallel.cp_size,
-            cp_rank=self.parallel.cp_rank,
+            n, packed=self.packed, multiple=self.multiple, cp_size=par.cp_size, cp_rank=par.cp_rank
         )
-        return self._fill(batches, spec, layer_index, lay, plen, n, cap, padding)
+        # R3 off: an empty replay buffer, never exposed (Microbatch.layer_major is None).
+        k, n_local = (spec.topk, len(self.layers)) if spec is not None else (1, 0)
+        cp = par.cp_size > 1
+        lm_shape = (n_local, lay.positions, lay.columns, k)
+        # With a device the replay buffer is not the pool's: it stays compact on the host
+        # (pinned for CUDA), is shipped as is and widened to int32 on the device.
+        parts: list[tuple[tuple[int, ...], Any]] = [
+            ((n_local if self.device is None else 0, *lm_shape[1:]), np.int32),
+            *(((lay.columns, lay.positions), dt) for dt in _TOKEN_DTYPES),
+        ]
+        if cp:
+            parts.append(((lay.positions,), np.int64))
+        lm, *arrays = _carve(parts, self._pool)
+        out = _Tokens(*arrays[:6])
+        tok_index = arrays[6] if cp else None
+        if self.device is not None and spec is not None:
+            compact = np.dtype(spec.dtype)
+            if self._pinned is not None:
+                lm = self._pinned.take(lm_shape, compact)
+            else:
+                lm = np.empty(lm_shape, dtype=compact)
+        self._blank(out)
+        need = lay.max_seqlen if not cp else int(lay.seg_global.max() + lay.seg_len.max())
+        if self._arange.shape[0] < need:
+            self._arange = np.arange(max(need, 2 * self._arange.shape[0]), dtype=np.int64)
+        experts = spec.num_experts if spec is not None else None
+        self._write(batches, layer_index, experts, lay, plen, n, cap, lm, out, tok_index)
+        if padding:  # no real token in a padding microbatch
+            self._blank(out)
+
+        def t32(a: np.ndarray | None) -> torch.Tensor | None:
+            return None if a is None else torch.from_numpy(a.astype(np.int32))
+
+        replay = self._widen(lm) if spec is not None else None
+        tensors: dict[str, Any] = {f: torch.from_numpy(a) for f, a in out._asdict().items()}
+        mb = Microbatch(
+            spec=spec,
+            layers=self.layers,
+            packed=self.packed,
+            **tensors,
+            cu_seqlens=t32(lay.cu_seqlens),
+            cu_seqlens_padded=t32(lay.cu_seqlens_padded),
+            max_seqlen=lay.max_seqlen,
+            seq_lens=n,
+            captured=cap,
+            token_index=None if tok_index is None else torch.from_numpy(tok_index),
+            **dataclasses.asdict(par),
+            layer_major=replay,
+            is_padding=padding,
+            validated_version=(
+                int(replay._version) if replay is not None and self.validate else None
+            ),
+        )
+        return mb if self.device is None else mb.to(self.device, non_blocking=True)
 
     def split(
         self,
@@ -277,7 +485,14 @@ class MegatronCollator:
         projected = ROUTE_LAYERS_KEY in (table.schema.metadata or {})
         if projected:  # holds a subset of the layers, which must include ours, as routers
             present = route_layers(table)
-            layer_index = layer_positions(present, self.layers)
+            where = {g: i for i, g in enumerate(present)}
+            if missing := [g for g in self.layers if g not in where]:
+                raise RouteShapeError(
+                    f"routes: expected global layers {list(self.layers)} (this collator's "
+                    f"routers), found a table holding layers {list(present)}; missing "
+                    f"{missing} (read the table with layers= including them)"
+                )
+            layer_index = np.asarray([where[g] for g in self.layers], dtype=np.int64)
             local = set(spec.router_layers)
             dense = [
                 g for g, i in zip(self.layers, layer_index.tolist(), strict=True) if i not in local
@@ -296,15 +511,13 @@ class MegatronCollator:
             )
         else:
             layer_index = np.asarray(self.layers, dtype=np.int64)
-        if None not in (self.spec.num_experts, spec.num_experts) and (
-            self.spec.num_experts != spec.num_experts
-        ):
+        experts = spec.num_experts if spec.num_experts is not None else self.spec.num_experts
+        if self.spec.num_experts not in (None, experts):
             raise SchemaError(
                 f"num_experts: expected {self.spec.num_experts}, found {spec.num_experts}"
             )
-        if projected:  # the microbatch describes this collator's routers, not the slice
-            experts = spec.num_experts if spec.num_experts is not None else self.spec.num_experts
-            spec = dataclasses.replace(self.spec, num_experts=experts)
+        if projected or spec.num_experts is None:  # projected: this collator's routers
+            spec = dataclasses.replace(self.spec if projected else spec, num_experts=experts)
         return batches, spec, layer_index
 
     def _blank(self, out: _Tokens) -> None:
@@ -313,89 +526,15 @@ class MegatronCollator:
         out.loss_mask.fill(0)
         out.label_mask.fill(0)
 
-    def _fill(
-        self,
-        batches: list[pa.RecordBatch],
-        spec: RouteSpec | None,
-        layer_index: np.ndarray,
-        lay: _Layout,
-        plen: np.ndarray,
-        n: np.ndarray,
-        cap: np.ndarray,
-        padding: bool,
-    ) -> Microbatch:
-        # R3 off: an empty replay buffer, never exposed (Microbatch.layer_major is None).
-        k, n_local = (spec.topk, len(self.layers)) if spec is not None else (1, 0)
-        cp = self.parallel.cp_size > 1
-        if spec is not None and spec.num_experts is None and self.spec is not None:
-            spec = dataclasses.replace(spec, num_experts=self.spec.num_experts)
-        lm_shape = (n_local, lay.positions, lay.columns, k)
-        # With a device the replay buffer is not the pool's: it stays compact on the host
-        # (pinned for CUDA), is shipped as is and widened to int32 on the device.
-        parts: list[tuple[tuple[int, ...], Any]] = [
-            ((n_local if self.device is None else 0, *lm_shape[1:]), np.int32),
-            *(((lay.columns, lay.positions), dt) for dt in _TOKEN_DTYPES),
-        ]
-        if cp:
-            parts.append(((lay.positions,), np.int64))
-        nbytes = _Arena.size(parts)
-        arena = _Arena(
-            self._pool.take(nbytes) if self._pool is not None else np.empty(nbytes, np.uint8)
-        )
-        lm, *arrays = (arena.take(*p) for p in parts)
-        out = _Tokens(*arrays[:6])
-        tok_index = arrays[6] if cp else None
-        if self.device is not None and spec is not None:
-            compact = np.dtype(spec.dtype)
-            if self._pinned is not None and self.device.type != "cpu":
-                lm = self._pinned.take(lm_shape, compact)
-            else:
-                lm = np.empty(lm_shape, dtype=compact)
-        self._blank(out)
-        need = lay.max_seqlen if not cp else int(lay.seg_global.max() + lay.seg_len.max())
-        if self._arange.shape[0] < need:
-            self._arange = np.arange(max(need, 2 * self._arange.shape[0]), dtype=np.int64)
-        experts = spec.num_experts if spec is not None else None
-        self._write(batches, layer_index, experts, lay, plen, n, cap, lm, out, tok_index)
-        if padding:  # no real token in a padding microbatch
-            self._blank(out)
-
-        def t32(a: np.ndarray | None) -> torch.Tensor | None:
-            return None if a is None else torch.from_numpy(a.astype(np.int32))
-
-        replay = self._widen(lm) if spec is not None else None
-        tensors: dict[str, Any] = {f: torch.from_numpy(a) for f, a in out._asdict().items()}
-        mb = Microbatch(
-            spec=spec,
-            layers=self.layers,
-            packed=self.packed,
-            **tensors,
-            cu_seqlens=t32(lay.cu_seqlens),
-            cu_seqlens_padded=t32(lay.cu_seqlens_padded),
-            max_seqlen=lay.max_seqlen,
-            seq_lens=n,
-            captured=cap,
-            token_index=None if tok_index is None else torch.from_numpy(tok_index),
-            **dataclasses.asdict(self.parallel),
-            layer_major=replay,
-            is_padding=padding,
-            validated_version=(
-                int(replay._version) if replay is not None and self.validate else None
-            ),
-        )
-        return mb if self.device is None else mb.to(self.device, non_blocking=True)
-
     def _widen(self, lm: np.ndarray) -> torch.Tensor:
         """The replay buffer as int32: itself on the host, else shipped compact and widened."""
         if self.device is None:
             return torch.from_numpy(lm)
         host = torch.from_numpy(lm.view(_SHIP_DTYPE[lm.dtype.itemsize]))
-        pinned = self._pinned if self.device.type != "cpu" else None
-        if pinned is not None:
-            host = pinned.tensor(lm.nbytes).view(host.dtype)  # the same bytes, pinned
-        shipped = host.to(self.device, non_blocking=True)
-        if pinned is not None:
-            pinned.shipped(self.device)
+        if self._pinned is not None:  # the same bytes, pinned
+            shipped = self._pinned.ship(lm.nbytes, host.dtype, self.device)
+        else:
+            shipped = host.to(self.device, non_blocking=True)
         if lm.dtype == np.dtype(np.int32):
             return shipped
         wide = shipped.to(torch.int32)
@@ -415,7 +554,8 @@ class MegatronCollator:
         out: _Tokens,
         tok_index: np.ndarray | None,
     ) -> None:
-        """One pass over the segments (≤ 2 per trajectory): slices, no per-token work."""
+        """One pass over the segments (≤ 2 per trajectory): slices, no per-token work; then
+        the fused pass over the routes."""
         ar = self._arange
         ids, pos, labels, loss, lab_mask, pad = out
         r3 = self.spec is not None and lm.shape[0] > 0
@@ -431,9 +571,11 @@ class MegatronCollator:
         seg_cols = lay.seg_col.tolist()
         row0 = 0
         # Routes: the source row of every output position (-1: dummy row), one route source
-        # per record batch (a chunk of the routes column, never joined).
+        # per record batch (a chunk of the routes column, never joined), its output span cut
+        # into a piece per worker thread when large.
         pos_row = np.empty((lay.positions, lay.columns), dtype=np.int64) if r3 else None
-        sources: list[_RouteSource] = []
+        workers = self.num_threads if lm.size * 4 >= _PARALLEL_BYTES else 1
+        pieces: list[tuple[_RouteSource, _Span]] = []
         for batch, segs in zip(batches, seg_rows, strict=True):
             prompt, p_off = _flat_list(batch.column("prompt_ids"))
             resp, r_off = _flat_list(batch.column("response_ids"))
@@ -441,13 +583,21 @@ class MegatronCollator:
             if r3:
                 routes, rt_off = flat_routes(batch)
                 src = _RouteSource(routes, rt_off, row0, batch)
-                sources.append(src)
+                at0 = lay.seg_at[segs]
+                if self.packed:  # the positions of its segments, in the one column
+                    p_lo, p_hi, c_lo, c_hi = int(at0.min()), int((at0 + ln[segs]).max()), 0, 1
+                else:  # every position of its rows
+                    p_lo, p_hi, c_lo, c_hi = 0, lay.positions, row0, row0 + batch.num_rows
+                per = max(1, -(-(p_hi - p_lo) // workers))
+                pieces += [
+                    (src, (p0, min(p_hi, p0 + per), c_lo, c_hi)) for p0 in range(p_lo, p_hi, per)
+                ]
             for s in segs.tolist():
                 g = int(tr[s])
                 i = g - row0
-                a, length, at, c = int(st[s]), int(ln[s]), int(lay.seg_at[s]), seg_cols[s]
+                # row: the column (0 packed, the trajectory unpacked)
+                a, length, at, row = int(st[s]), int(ln[s]), int(lay.seg_at[s]), seg_cols[s]
                 p = int(plen[g])
-                row = 0 if self.packed else c
                 po, ro = int(p_off[i]), int(r_off[i])
                 nt, nl, nr = int(cnt_tok[s]), int(cnt_lab[s]), int(cnt_rt[s])
                 # tokens [a, a+nt) and next tokens [a+1, a+1+nl)
@@ -466,40 +616,36 @@ class MegatronCollator:
                 if pos_row is not None:
                     np.add(ar[a : a + nr], int(rt_off[i]), out=pos_row[at : at + nr, row])
                     pos_row[at + nr : at + length, row] = -1
-                    src.cover(at, at + length, c)
-                if tok_index is not None and (self.packed or c == 0):
+                if tok_index is not None and (self.packed or row == 0):
                     g0 = int(lay.seg_global[s])
                     tok_index[at : at + length] = ar[g0 : g0 + length]
             row0 += batch.num_rows
-        if pos_row is not None:
-            self._gather_routes(sources, pos_row, lm, layer_index, num_experts)
+        if pos_row is None:
+            return
 
-    def _gather_routes(
-        self,
-        sources: list[_RouteSource],
-        pos_row: np.ndarray,
-        lm: np.ndarray,
-        layer_index: np.ndarray,
-        num_experts: int | None,
-    ) -> None:
-        """The fused pass per route source, split over worker threads when large."""
-        workers = self.num_threads if lm.size * 4 >= _PARALLEL_BYTES else 1
-        positions = int(pos_row.shape[0])
-        pieces = [
-            piece
-            for src in sources
-            for piece in src.pieces(positions, packed=self.packed, split=workers)
-        ]
-        args = (pos_row, lm, layer_index, num_experts, self.layers, self.validate)
-        if workers <= 1:
-            _run_gathers(pieces, *args)
+        def gather(share: list[tuple[_RouteSource, _Span]]) -> None:  # one worker's share
+            for src, span in share:
+                try:
+                    gather_router_ids(
+                        src.routes,
+                        layer_index,
+                        pos_row,
+                        lm,
+                        num_experts,
+                        self.layers,
+                        span=span,
+                        check=self.validate,
+                    )
+                except (ExpertRangeError, DuplicateExpertError) as exc:
+                    raise _located(src, exc, layer_index, num_experts, self.layers) from None
+
+        if workers == 1:
+            gather(pieces)
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=self.num_threads, thread_name_prefix="r3arrow-collate"
             )
-        futures = [
-            self._executor.submit(_run_gathers, pieces[w::workers], *args) for w in range(workers)
-        ]
+        futures = [self._executor.submit(gather, pieces[w::workers]) for w in range(workers)]
         for f in futures:
             f.result()

@@ -6,17 +6,10 @@ Built from the torch-free planner and share reader of `r3arrow._plan` (shared wi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from r3arrow._checks import check_int, check_positive_int
-from r3arrow._plan import (
-    COLLATE_COLUMNS,
-    _per_token,
-    _Wave,
-    _wave_loaders,
-    plan_steps,
-    read_ahead,
-)
+from r3arrow._plan import _wave_loaders, plan_steps, read_ahead
 from r3arrow._typing import PathLike
 from r3arrow.collate._collator import MegatronCollator
 from r3arrow.collate._microbatch import Microbatch
@@ -74,16 +67,14 @@ def collate_directory(
         dp_assign=dp_assign,
         validate=validate,
     )
-    per_token = _per_token(spec, collator.layers)
-    columns = [*COLLATE_COLUMNS, "routes"]
     layers = list(collator.layers)
-
-    def loaders() -> Iterator[tuple[int, Callable[[], _Wave]]]:
-        for plan in plans:  # planned on the caller's thread (token columns only)
-            yield from _wave_loaders(plan, rank, layers, columns, budget, per_token, validate)
+    # planned on the caller's thread (token columns only), as read_ahead advances them
+    loaders = (
+        w for plan in plans for w in _wave_loaders(plan, rank, layers, spec, budget, validate)
+    )
 
     def run() -> Iterator[tuple[int | None, Microbatch]]:
-        for wave in read_ahead(loaders(), budget):
+        for wave in read_ahead(loaders, budget):
             step, tables = wave.step, iter(wave.tables)
             del wave  # nothing but ``tables`` holds the pieces: dropped once it is done
             for _, table in tables:

@@ -7,16 +7,17 @@ captured tokens at once: one gather per microbatch, no loop per token.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_int
+from r3arrow._routes import chunk
 from r3arrow.collate._microbatch import Microbatch
 from r3arrow.errors import DuplicateExpertError, ExpertRangeError, RouteDTypeError, RouteShapeError
 from r3arrow.ids import check_routes
-from r3arrow.spec import RouteSpec, numpy_to_routes
+from r3arrow.spec import RouteSpec
 
 
 def _as_numpy(x: Any) -> np.ndarray:
@@ -24,33 +25,6 @@ def _as_numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach"):
         return np.asarray(x.detach().cpu().numpy())
     return np.asarray(x)
-
-
-def _spec_and_layers(
-    mb: Microbatch, spec: RouteSpec | None, layers: Sequence[int] | None
-) -> tuple[RouteSpec, tuple[int, ...]]:
-    if spec is None:
-        spec = mb.spec
-        if spec is None:
-            raise ValueError(
-                "spec: expected the table's RouteSpec (the microbatch was collated with R3 off "
-                "and carries none), found None"
-            )
-    elif not isinstance(spec, RouteSpec):
-        raise TypeError(f"spec: expected a RouteSpec, found {type(spec).__name__}")
-    if layers is None:
-        return spec, tuple(range(spec.num_layers))
-    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence):
-        raise TypeError(f"layers: expected a sequence of ints, found {type(layers).__name__}")
-    ids = tuple(check_int(g, "layers[i]", minimum=0) for g in layers)
-    if len(ids) != spec.num_layers:
-        raise ValueError(
-            f"layers: expected one global id per route row of the spec ({spec.num_layers}), "
-            f"found {len(ids)}"
-        )
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"layers: expected distinct global layer ids, found {list(ids)}")
-    return spec, ids
 
 
 def _pieces(mb: Microbatch, routes: Any) -> list[Mapping[int, Any]]:
@@ -67,14 +41,11 @@ def _pieces(mb: Microbatch, routes: Any) -> list[Mapping[int, Any]]:
             f"list of them (one per rank), found {type(routes).__name__}"
         )
     if len(pieces) != count:
-        how = (
-            f"one per CP rank ({mb.cp_size}) times TP rank ({tp_pieces}, sequence parallel), "
-            "CP-major"
-            if count > 1
-            else "one mapping (no context or sequence parallel split)"
-        )
+        how = f"one per CP rank ({mb.cp_size}) times TP rank ({tp_pieces}, sequence parallel)"
         raise ValueError(
-            f"per_layer_routes: expected {count} rank piece(s), {how}; found {len(pieces)}"
+            f"per_layer_routes: expected {count} rank piece(s), "
+            f"{how + ', CP-major' if count > 1 else 'one mapping (no CP or SP split)'}; "
+            f"found {len(pieces)}"
         )
     for i, p in enumerate(pieces):
         if not isinstance(p, Mapping):
@@ -85,45 +56,45 @@ def _pieces(mb: Microbatch, routes: Any) -> list[Mapping[int, Any]]:
     return pieces
 
 
+def _recorded(piece: Mapping[int, Any], r: int, need: list[int], tokens: int, k: int) -> list[Any]:
+    """Rank ``r``'s ids of each layer of ``need``, checked: exactly those layers, integer
+    ``[tokens, K]`` arrays."""
+    keys = {check_int(g, f"per_layer_routes[{r}] key") for g in piece}
+    missing, extra = sorted(set(need) - keys), sorted(keys - set(need))
+    if missing or extra:
+        why = f"per_layer_routes[{r}]: expected routes of router layers {need} (the spec's "
+        why += f"router rows), found layers {sorted(keys)}"
+        if missing:
+            why += f"; missing {missing} (gather them from every pipeline stage, or project "
+            why += "the table to the recorded layers)"
+        if extra:
+            why += f"; unexpected {extra}"
+        if missing and extra:
+            why += " (a layer-projected table: pass layers=r3arrow.table.route_layers(table))"
+        raise RouteShapeError(why, layer=(missing or extra)[0])
+    out = []
+    for g in need:
+        a = _as_numpy(piece[g])
+        what = f"per_layer_routes[{r}][{g}]: expected"
+        if a.dtype.kind not in "iu":
+            raise RouteDTypeError(f"{what} integer expert ids, found {a.dtype}", layer=g)
+        if a.shape != (tokens, k):
+            raise RouteShapeError(
+                f"{what} [{tokens}, {k}] (the router tokens of one rank, top-k), found "
+                f"{list(a.shape)}",
+                layer=g,
+            )
+        out.append(a)
+    return out
+
+
 def _source(pieces: list[Mapping[int, Any]], need: list[int], tokens: int, k: int) -> np.ndarray:
     """``[L_router, ranks * tokens, K]``: every rank's recorded ids, rank after rank."""
-    arrays: list[list[np.ndarray]] = []
-    for r, piece in enumerate(pieces):
-        keys = [check_int(g, f"per_layer_routes[{r}] key") for g in piece]
-        missing = sorted(set(need) - set(keys))
-        extra = sorted(set(keys) - set(need))
-        if missing or extra:
-            why = f"per_layer_routes[{r}]: expected routes of router layers {need} (the spec's "
-            why += f"router rows), found layers {sorted(keys)}"
-            if missing:
-                why += f"; missing {missing} (gather them from every pipeline stage, or "
-                why += "project the table to the recorded layers)"
-            if extra:
-                why += f"; unexpected {extra}"
-            if missing and extra:
-                why += " (a layer-projected table: pass layers=r3arrow.table.route_layers(table))"
-            raise RouteShapeError(why, layer=(missing or extra)[0])
-        row: list[np.ndarray] = []
-        for g in need:
-            a = _as_numpy(piece[g])
-            if a.dtype.kind not in "iu":
-                raise RouteDTypeError(
-                    f"per_layer_routes[{r}][{g}]: expected integer expert ids, found {a.dtype}",
-                    layer=g,
-                )
-            if a.shape != (tokens, k):
-                raise RouteShapeError(
-                    f"per_layer_routes[{r}][{g}]: expected [{tokens}, {k}] (the router tokens "
-                    f"of one rank, top-k), found {list(a.shape)}",
-                    layer=g,
-                )
-            row.append(a)
-        arrays.append(row)
+    arrays = [_recorded(piece, r, need, tokens, k) for r, piece in enumerate(pieces)]
     dtype = np.result_type(*(a.dtype for row in arrays for a in row))
     src = np.empty((len(need), len(pieces) * tokens, k), dtype=dtype)
     for r, row in enumerate(arrays):  # one block copy per (rank, layer): inputs are separate
-        for j, a in enumerate(row):
-            src[j, r * tokens : (r + 1) * tokens] = a
+        np.stack(row, out=src[:, r * tokens : (r + 1) * tokens])
     return src
 
 
@@ -165,17 +136,13 @@ def _source_index(mb: Microbatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 f"{list(mb.padding_mask.shape)}"
             )
         base, width = np.zeros_like(traj), np.full_like(traj, pos_local * cp)
-    if cp == 1:
-        rank, local = np.zeros_like(tok), tok
-        offset = base
-    else:
-        chunk = width // (2 * cp)
-        j, o = tok // chunk, tok % chunk
-        late = j >= cp
-        rank = np.where(late, 2 * cp - 1 - j, j)
-        local = np.where(late, chunk, 0) + o
-        offset = base // cp
-    flat = offset + local if mb.packed else local * cols + traj
+    # CP rank r holds chunks r and 2cp-1-r of each sequence; without CP, one chunk: all of it
+    chunk = width // (2 * cp) if cp > 1 else width
+    j, o = tok // chunk, tok % chunk
+    late = j >= cp
+    rank = np.where(late, 2 * cp - 1 - j, j)
+    local = np.where(late, chunk, 0) + o
+    flat = base // cp + local if mb.packed else local * cols + traj
     per_rank = pos_local * cols  # router tokens of one CP rank before the SP split
     tp_pieces = mb.tp_size if mb.sequence_parallel else 1
     per = per_rank // tp_pieces
@@ -208,43 +175,55 @@ def uncollate_routes(
     """
     if not isinstance(microbatch, Microbatch):
         raise TypeError(f"microbatch: expected a Microbatch, found {type(microbatch).__name__}")
-    spec, ids = _spec_and_layers(microbatch, spec, layers)
+    if spec is None:
+        spec = microbatch.spec
+        if spec is None:
+            raise ValueError(
+                "spec: expected the table's RouteSpec (the microbatch was collated with R3 off "
+                "and carries none), found None"
+            )
+    elif not isinstance(spec, RouteSpec):
+        raise TypeError(f"spec: expected a RouteSpec, found {type(spec).__name__}")
+    if layers is None:
+        ids: Sequence[int] = range(spec.num_layers)
+    elif isinstance(layers, str | bytes) or not isinstance(layers, Sequence):
+        raise TypeError(f"layers: expected a sequence of ints, found {type(layers).__name__}")
+    else:
+        ids = [check_int(g, "layers[i]", minimum=0) for g in layers]
+        if len(ids) != spec.num_layers:
+            raise ValueError(
+                f"layers: expected one global id per route row of the spec ({spec.num_layers}), "
+                f"found {len(ids)}"
+            )
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"layers: expected distinct global layer ids, found {ids}")
     pieces = _pieces(microbatch, per_layer_routes)
     rows = list(spec.router_layers)
     need = [ids[j] for j in rows]
     src = _source(pieces, need, microbatch.num_router_tokens, spec.topk)
     traj, tok, index = _source_index(microbatch)
     picked = src[:, index, :]  # [L_router, captured tokens, K]: the one gather
-    _check_ids(picked, spec, need, traj, tok)
-    out = np.zeros((index.shape[0], spec.num_layers, spec.topk), dtype=spec.dtype)
-    out[:, rows, :] = picked.transpose(1, 0, 2)
-    offsets = np.zeros(microbatch.num_sequences + 1, dtype=np.int64)
-    np.cumsum(np.asarray(microbatch.captured, dtype=np.int64), out=offsets[1:])
-    col = pa.LargeListArray.from_arrays(
-        pa.array(offsets, type=pa.int64()), numpy_to_routes(out, spec)
-    )
-    return cast("pa.LargeListArray[Any]", col)
-
-
-def _check_ids(
-    picked: np.ndarray, spec: RouteSpec, need: list[int], traj: np.ndarray, tok: np.ndarray
-) -> None:
-    """The id rules on the captured tokens, errors located in the table."""
-    cap = int(np.iinfo(spec.dtype).max)
-    bound = spec.num_experts if spec.num_experts is not None else cap + 1
-    try:
+    try:  # the id rules on the captured tokens, errors located in the table
+        bound = spec.num_experts
         check_routes(
-            picked, num_experts=bound, layer_ids=need, layers_first=True, what="recorded routes"
+            picked,
+            num_experts=int(np.iinfo(spec.dtype).max) + 1 if bound is None else bound,
+            layer_ids=need,
+            layers_first=True,
+            what="recorded routes",
         )
     except (ExpertRangeError, DuplicateExpertError) as exc:
         at = exc.token
         if at is None:
             raise
-        unknown = f" (spec storage {spec.dtype}, num_experts unknown)"
-        hint = "" if spec.num_experts is not None else unknown
+        hint = "" if bound is not None else f" (spec storage {spec.dtype}, num_experts unknown)"
         raise type(exc)(
             f"{exc.message}{hint}; trajectory row {int(traj[at])}, token {int(tok[at])}",
             row=int(traj[at]),
             token=int(tok[at]),
             layer=exc.layer,
         ) from None
+    out = np.zeros((index.shape[0], spec.num_layers, spec.topk), dtype=spec.dtype)
+    out[:, rows, :] = picked.transpose(1, 0, 2)
+    out.flags.writeable = False  # referenced by the column, not copied
+    return chunk([out], np.asarray(microbatch.captured, dtype=np.int64).tolist(), spec)

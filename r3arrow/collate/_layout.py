@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
 from r3arrow._checks import check_positive_int
-from r3arrow.errors import RouteShapeError
 
 
 def alignment_multiple(
@@ -68,42 +66,21 @@ def _layout(n: np.ndarray, *, packed: bool, multiple: int, cp_size: int, cp_rank
         positions, columns, col, gbase = max_len // cp_size, b, traj, zeros
         full = np.full(b, max_len, dtype=np.int64)
     base = gbase // cp_size
-    if cp_size == 1:
+    if cp_size == 1:  # one segment per sequence: all of it
         return _Layout(positions, columns, traj, zeros, full, base, col, gbase, cu, cu_pad, max_len)
     # Chunk r then chunk 2cp-1-r of each sequence (row), back to back; lengths divide by 2cp.
     chunk = full // (2 * cp_size)
-    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
-
-    def pairs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        return np.stack([x, y], axis=1).reshape(-1)
-
+    start = np.stack([cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk], axis=1).reshape(-1)
     return _Layout(
         positions,
         columns,
         np.repeat(traj, 2),
-        pairs(first, second),
+        start,
         np.repeat(chunk, 2),
-        pairs(base, base + chunk),
+        np.stack([base, base + chunk], axis=1).reshape(-1),
         np.repeat(col, 2),
-        pairs(gbase + first, gbase + second),
+        np.repeat(gbase, 2) + start,
         cu,
         cu_pad,
         max_len,
     )
-
-
-def layer_positions(present: Sequence[int], layers: Sequence[int]) -> np.ndarray:
-    """int64 index into a routes column's layer axis of each global layer in ``layers``.
-
-    ``present``: the global layer of each route row present (`r3arrow.table.route_layers`).
-    Raises `RouteShapeError` naming the missing layers.
-    """
-    where = {g: i for i, g in enumerate(present)}
-    missing = [g for g in layers if g not in where]
-    if missing:
-        raise RouteShapeError(
-            f"routes: expected global layers {list(layers)} (this collator's routers), found a "
-            f"table holding layers {list(present)}; missing {missing} (read the table with "
-            f"layers= including them)"
-        )
-    return np.asarray([where[g] for g in layers], dtype=np.int64)

@@ -114,9 +114,9 @@ class Microbatch:
             )
         n_layers, positions, columns, k = self.layer_major.shape
         flat = self.layer_major.reshape(n_layers, positions * columns, k)
-        if self.sequence_parallel and self.tp_size > 1:
-            per = positions // self.tp_size * columns
-            flat = flat[:, self.tp_rank * per : (self.tp_rank + 1) * per]
+        if self.sequence_parallel:
+            n = self.num_router_tokens
+            flat = flat[:, self.tp_rank * n : (self.tp_rank + 1) * n]
         return flat
 
     def replay_targets(self) -> list[torch.Tensor]:
@@ -165,10 +165,10 @@ def _as_index(x: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:
 
 
 def _packed_positions(
-    cu_seqlens: torch.Tensor, cu_padded: torch.Tensor, shift: int
+    cu_seqlens: torch.Tensor, cu_padded: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sequence, offset, packed position) of positions ``0 .. len-1-shift`` of each sequence."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1] - shift).clamp(min=0)
+    """(sequence, offset, packed position) of positions ``0 .. len-2`` of each sequence."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1] - 1).clamp(min=0)
     seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens)
     starts = torch.cumsum(lens, 0) - lens
     off = torch.arange(int(lens.sum()), device=lens.device) - starts[seq]
@@ -193,7 +193,7 @@ def next_token_shift(
     if flat.shape[0] != int(cup[-1]):
         raise RouteShapeError(f"expected {int(cup[-1])} packed positions, found {flat.shape[0]}")
     out = torch.full_like(flat, fill)
-    _, _, where = _packed_positions(cu.to(flat.device), cup.to(flat.device), 1)
+    _, _, where = _packed_positions(cu.to(flat.device), cup.to(flat.device))
     out[where] = flat[where + 1]
     return out.reshape(values.shape)
 
@@ -220,7 +220,7 @@ def packed_to_batch(
     if w < int(lens.max()) - 1:
         raise ValueError(f"width: expected at least {int(lens.max()) - 1}, found {w}")
     out = torch.full((lens.shape[0], max(w, 0)), fill, dtype=flat.dtype, device=flat.device)
-    seq, off, where = _packed_positions(cu.to(flat.device), cup.to(flat.device), 1)
+    seq, off, where = _packed_positions(cu.to(flat.device), cup.to(flat.device))
     out[seq, off] = flat[where]
     return out
 

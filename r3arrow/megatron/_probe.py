@@ -7,6 +7,7 @@ the CPU, torch on the CPU, the full top-k elsewhere): ``docs/replay-probe.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from typing import TYPE_CHECKING, Any
@@ -27,14 +28,13 @@ _users = 0
 _local = threading.local()  # .probe: the open ReplayProbe; .frame: (instance, router, mask)
 
 
+@dataclasses.dataclass
 class _Layer:
     """A ``RouterReplay`` instance's calls: int8 ``[T]`` ``|native ∩ target|`` rows, -1 = pad."""
 
-    __slots__ = ("layer", "rows", "topk")
-
-    def __init__(self, layer: int, topk: int) -> None:
-        self.layer, self.topk = layer, topk
-        self.rows: list[torch.Tensor] = []
+    layer: int
+    topk: int
+    rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class ReplayProbe:
@@ -98,9 +98,9 @@ class ReplayProbe:
     ) -> None:
         """Record one replayed call: ``scores`` ``[T, E]``, ``replayed`` (probs, ids ``[T, K]``)."""
         frame = getattr(_local, "frame", None)
-        router, pad = (None, None)
-        if frame is not None and frame[0] is inst:  # called from this router's routing()
-            router, pad = frame[1], frame[2]
+        if frame is None or frame[0] is not inst:  # not called from this router's routing()
+            frame = (inst, None, None)
+        _, router, pad = frame
         if pad is None:
             pad = self._padding.get(id(inst))
         tokens, k = int(scores.shape[0]), int(replayed[1].shape[-1])
@@ -129,13 +129,7 @@ class ReplayProbe:
                 )
                 return
             pad = pad.reshape(-1).to(device=scores.device, dtype=torch.bool)
-        row = _compiled_row(scores, replayed, topk, groups, default_compute_topk, pad)
-        if row is None:
-            overlap = _native_overlap(scores, replayed, topk, groups, default_compute_topk, pad)
-            row = overlap.to(torch.int8)
-            if pad is not None:
-                row.masked_fill_(pad, -1)
-        acc.rows.append(row)
+        acc.rows.append(_overlap_row(scores, replayed, topk, groups, default_compute_topk, pad))
 
     def _finish(self, ok: bool) -> None:
         """Close: the rows become `agreement`'s counts (one host sync), or are dropped."""
@@ -176,31 +170,18 @@ def _summed(layers: list[_Layer], fail: Any) -> tuple[Any, ...] | None:
                 )
                 return None
     k = layers[0].topk
-    if all(r.device.type == "cpu" for a in layers for r in a.rows):
-        # numpy's reductions over small int8 arrays cost a fraction of torch's dispatch
-        grid = np.stack([np.concatenate([r.numpy() for r in a.rows]) for a in layers])
-        same = grid == k
-        host = np.concatenate(
-            [
-                np.count_nonzero(same, axis=1),
-                np.maximum(grid, 0).sum(axis=1, dtype=np.int64),
-                np.count_nonzero(grid >= 0, axis=1),
-                [np.count_nonzero(same.all(axis=0))],
-            ]
-        ).astype(np.int64)
-    else:
-        dev = layers[0].rows[0].device
-        grid_t = torch.stack([torch.cat(a.rows).to(dev) for a in layers])  # [L, tokens] int8
-        same_t = grid_t == k
-        counts = torch.cat(
-            [
-                same_t.sum(dim=1),
-                grid_t.clamp(min=0).sum(dim=1, dtype=torch.int64),
-                (grid_t >= 0).sum(dim=1),
-                same_t.all(dim=0).sum().reshape(1),
-            ]
-        )
-        host = counts.cpu().numpy().astype(np.int64)  # the schedule's one host sync
+    dev = layers[0].rows[0].device
+    grid = torch.stack([torch.cat(a.rows).to(dev) for a in layers])  # [L, tokens] int8
+    same = grid == k
+    counts = torch.cat(
+        [
+            same.sum(dim=1),
+            grid.clamp(min=0).sum(dim=1, dtype=torch.int64),
+            (grid >= 0).sum(dim=1),
+            same.all(dim=0).sum().reshape(1),
+        ]
+    )
+    host = counts.cpu().numpy().astype(np.int64)  # the schedule's one host sync
     identical, overlap, tokens = host[:-1].reshape(3, len(layers))
     if (tokens != tokens[0]).any():
         fail(
@@ -222,7 +203,7 @@ def _layer_id(inst: Any, router: Any) -> int:
     return next((i for i, x in enumerate(instances) if x is inst), -1)
 
 
-def _native_overlap(
+def _overlap_row(
     scores: torch.Tensor,
     replayed: tuple[torch.Tensor, torch.Tensor],
     topk: int,
@@ -230,80 +211,64 @@ def _native_overlap(
     default_compute_topk: Any,
     pad: torch.Tensor | None,
 ) -> torch.Tensor:
-    """int64 ``[T]``: ``|N ∩ R|`` per row, N the router's own top-k of ``scores``, R the
-    replayed ids ``replayed[1]``; rows ``pad`` marks may hold anything. Off the CPU (or with
-    group-limited routing) N on every row; on the CPU only on the rows R may not be the
-    unique top-k set of (the torch path of ``docs/replay-probe.md``, "Cost")."""
+    """The int8 ``[T]`` row of `_Layer`: ``|N ∩ R|`` per row (-1 where ``pad`` marks), N the
+    router's own top-k of ``scores``, R the replayed ids ``replayed[1]``. On the CPU by the
+    numba kernel, else on the rows R may not be the unique top-k set of (ties, NaN: the
+    native top-k); off the CPU or with group-limited routing N on every row
+    (``docs/replay-probe.md``, "Cost")."""
     probs, target = replayed
-    num_groups, group_topk = groups
     k = int(target.shape[-1])
+    kern = compiled()
+    cpu = scores.device.type == "cpu" and not groups[1] and k == topk
+    if (
+        kern is not None
+        and cpu
+        and scores.dim() == 2
+        and target.shape == (scores.shape[0], k)
+        and int(scores.shape[1]) > k
+        and target.dtype in (torch.int32, torch.int64)
+        and scores.dtype in _MARKABLE
+    ):
+        s = scores.detach().contiguous()
+        mask = _NO_PAD if pad is None else pad.contiguous().view(torch.uint8).numpy()
+        out = torch.empty(int(scores.shape[0]), dtype=torch.int8)
+        if s.dtype == torch.bfloat16:
+            fn, vals = kern.overlap_rows_bf16, s.view(torch.int16).numpy().view(np.uint16)
+        else:
+            fn, vals = kern.overlap_rows, s.numpy()
+        if fn(vals, target.contiguous().numpy(), mask, out.numpy()):
+            rest = torch.nonzero(out == kern.UNSURE).reshape(-1)
+            overlap = _rows_overlap(scores, target, rest, topk, groups, default_compute_topk)
+            out[rest] = overlap.to(torch.int8)
+        return out
     target = target.to(torch.int64)
-    if scores.device.type != "cpu" or group_topk or probs.shape != target.shape or k != topk:
-        native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        return _set_overlap(native[1], target)
-    floor = probs.detach().to(scores.dtype).amin(dim=1)  # the weakest replayed score
-    if scores.dtype in _MARKABLE:
-        # One scatter does both checks: replayed slots get distinct marks -(j+1)·2^100,
-        # below any router score, so the row max is the best non-replayed score, and
-        # reading the marks back finds a repeated id (its slot holds one mark for two j).
-        marks = _marks(k, scores.dtype).expand(target.shape)
-        marked = scores.detach().scatter(1, target, marks)
+    if cpu and probs.shape == target.shape:
+        values = scores.detach()
+        if values.dtype not in _MARKABLE:  # float16 cannot hold the marks; float32 holds it
+            values = values.float()
+        floor = probs.detach().to(scores.dtype).to(values.dtype).amin(dim=1)  # weakest replayed
+        # One scatter does both checks: replayed slots get distinct marks -(j+1)·2^100, below
+        # any router score, so the row max is the best non-replayed score, and reading the
+        # marks back finds a repeated id (its slot holds one mark for two j).
+        marks = _marks(k, values.dtype).expand(target.shape)
+        marked = values.scatter(1, target, marks)
         others = marked.amax(dim=1)
         repeated = (marked.gather(1, target) != marks).any(dim=1)
         # not `>=`: a NaN (torch.topk ranks it first) must leave the row unsure
         unsure = ~(others < floor) | repeated | (floor <= _MARK_FLOOR)
-    else:  # float16 cannot hold the marks
-        others = scores.detach().scatter(1, target, float("-inf")).amax(dim=1)
-        hits = torch.zeros_like(scores, dtype=torch.uint8).scatter_add_(
-            1, target, torch.ones((1, 1), dtype=torch.uint8).expand(target.shape)
-        )
-        unsure = ~(others < floor) | (hits.gather(1, target).amax(dim=1) != 1)
-    if pad is not None:
-        unsure.masked_fill_(pad, False)
-    overlap = torch.full((int(target.shape[0]),), k, dtype=torch.int64)
-    rest = torch.nonzero(unsure).reshape(-1)
-    if rest.numel():
-        overlap[rest] = _rows_overlap(scores, target, rest, topk, groups, default_compute_topk)
-    return overlap
-
-
-def _compiled_row(
-    scores: torch.Tensor,
-    replayed: tuple[torch.Tensor, torch.Tensor],
-    topk: int,
-    groups: tuple[int | None, int | None],
-    default_compute_topk: Any,
-    pad: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """The int8 row of `_Layer` by the numba kernel (ties, NaN: the native top-k), or None."""
-    kern = compiled()
-    target = replayed[1]
-    k = int(target.shape[-1])
-    if (
-        kern is None
-        or scores.device.type != "cpu"
-        or groups[1]
-        or scores.dim() != 2
-        or target.shape != (scores.shape[0], k)
-        or k != topk
-        or int(scores.shape[1]) <= k
-        or target.dtype not in (torch.int32, torch.int64)
-        or scores.dtype not in (torch.float32, torch.float64, torch.bfloat16)
-    ):
-        return None
-    s = scores.detach().contiguous()
-    ids = target.contiguous()
-    mask = _NO_PAD if pad is None else pad.contiguous().view(torch.uint8).numpy()
-    out = torch.empty(int(scores.shape[0]), dtype=torch.int8)
-    if s.dtype == torch.bfloat16:
-        fn, vals = kern.overlap_rows_bf16, s.view(torch.int16).numpy().view(np.uint16)
+        if pad is not None:
+            unsure.masked_fill_(pad, False)
+        overlap = torch.full((int(target.shape[0]),), k, dtype=torch.int64)
+        rest = torch.nonzero(unsure).reshape(-1)
+        if rest.numel():
+            overlap[rest] = _rows_overlap(scores, target, rest, topk, groups, default_compute_topk)
     else:
-        fn, vals = kern.overlap_rows, s.numpy()
-    if fn(vals, ids.numpy(), mask, out.numpy()):
-        rest = torch.nonzero(out == kern.UNSURE).reshape(-1)
-        overlap = _rows_overlap(scores, target, rest, topk, groups, default_compute_topk)
-        out[rest] = overlap.to(torch.int8)
-    return out
+        native = default_compute_topk(scores, topk, num_groups=groups[0], group_topk=groups[1])
+        overlap = _set_overlap(native[1], target)
+    row = overlap.to(torch.int8)
+    if pad is not None:
+        row.masked_fill_(pad, -1)
+    return row
 
 
 def _rows_overlap(

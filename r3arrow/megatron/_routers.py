@@ -38,22 +38,9 @@ def _instances() -> list[Any]:
     return list(_router_replay().RouterReplay.global_router_replay_instances)
 
 
-def _replay_of(router: Any) -> Any:
-    """The ``RouterReplay`` of a router (or the instance itself)."""
-    rr = _router_replay().RouterReplay
-    if isinstance(router, rr):
-        return router
-    inst = getattr(router, "router_replay", None)
-    if inst is None:
-        raise ReplayError(
-            f"expected a MoE router built with moe_enable_routing_replay=True, found "
-            f"{type(router).__name__} without a RouterReplay"
-        )
-    return inst
-
-
 def _routers(obj: Any) -> list[Any]:
-    """Routers (with a ``router_replay``) of a model or a list, in order; else `TypeError`."""
+    """Routers with a ``RouterReplay`` (``router_replay``) of a model or a list, in order;
+    else `TypeError`."""
     items = obj if isinstance(obj, list | tuple) else [obj]
     out: list[Any] = []
     for item in items:
@@ -81,23 +68,25 @@ def _global_layer(router: Any) -> int:
     ``num_layers + d`` by 0.16, ``d`` with ``is_mtp_layer`` by 0.19) -> ``num_layers + d - 1``."""
     number = int(router.layer_number)
     cfg = getattr(router, "config", None)
-    decoder_layers = int(cfg.num_layers) if cfg is not None else None
-    in_block = getattr(router, "is_mtp_layer", False) and decoder_layers is not None
-    if in_block and decoder_layers is not None and number <= decoder_layers:
-        return decoder_layers + number - 1  # numbered within the MTP block (0.19)
+    if getattr(router, "is_mtp_layer", False) and cfg is not None and number <= int(cfg.num_layers):
+        return int(cfg.num_layers) + number - 1  # numbered within the MTP block (0.19)
     return number - 1
 
 
+def _numbered(routers: list[Any], other: str = "") -> list[int]:
+    """`_global_layer` of each router; `ReplayError` for one without a ``layer_number``."""
+    if bad := [type(r).__name__ for r in routers if getattr(r, "layer_number", None) is None]:
+        raise ReplayError(
+            f"expected routers with a layer_number (1-based, global){other}, found "
+            f"{len(bad)} without one ({bad[0]})"
+        )
+    return [_global_layer(r) for r in routers]
+
+
 def _model_router_layers(model_or_routers: Any) -> list[int]:
-    """``layer_number - 1`` of a model's routers, MTP excluded; `ReplayError` without one."""
+    """Global layer ids of a model's routers, MTP excluded."""
     routers = _routers(model_or_routers)
-    for r in routers:
-        if getattr(r, "layer_number", None) is None:
-            raise ReplayError(
-                "expected routers with a layer_number (1-based, global), found None on "
-                f"{type(r).__name__}"
-            )
-    return [int(r.layer_number) - 1 for r in routers if not _is_mtp(r)]
+    return [g for g, r in zip(_numbered(routers), routers, strict=True) if not _is_mtp(r)]
 
 
 def _check_spec_fits(spec: RouteSpec, configs: Iterable[Any]) -> None:

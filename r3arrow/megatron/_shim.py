@@ -18,28 +18,16 @@ _originals: dict[str, Any] = {}  # shim name -> what it replaced (None: inherite
 
 def _unwrapped(fn: Any) -> Callable[..., Any]:
     """The Python body under ``torch.compile`` / ``functools.wraps`` layers."""
-    seen = 0
-    while seen < 8:
+    for _ in range(8):
         inner = getattr(fn, "_torchdynamo_orig_callable", None) or getattr(fn, "__wrapped__", None)
         if inner is None:
             break
-        fn, seen = inner, seen + 1
+        fn = inner
     return fn  # type: ignore[no-any-return]
 
 
-def _masked_count_is_right(fn: Callable[..., Any]) -> bool | None:
-    """Whether ``fn`` counts 2 of 3 tokens per expert, one padded (None: needs a router)."""
-    probe = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(4))
-    routing_map = torch.ones(3, 4, dtype=torch.bool)
-    padding = torch.tensor([True, False, False])
-    with torch.enable_grad():
-        try:
-            fn(probe, routing_map, padding_mask=padding)
-        except AttributeError:
-            return None
-        except (RuntimeError, ValueError, TypeError):
-            return False
-    return bool(torch.equal(probe.local_tokens_per_expert, torch.full((4,), 2.0)))
+def _is_shim(fn: Any) -> bool:
+    return bool(getattr(fn, "_r3arrow_shim", False))
 
 
 def _padding_mask_fix_present() -> bool:
@@ -48,13 +36,21 @@ def _padding_mask_fix_present() -> bool:
     from megatron.core.transformer.moe.router import TopKRouter
 
     fn = getattr(TopKRouter, "_apply_expert_bias", None)
-    if fn is None or getattr(fn, "_r3arrow_shim", False):
+    if fn is None or _is_shim(fn):
         return True
-    verdict = _masked_count_is_right(_unwrapped(fn))
-    if verdict is not None:
-        return verdict
+    fn = _unwrapped(fn)
+    probe = types.SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(4))
+    padding = torch.tensor([True, False, False])
+    with torch.enable_grad():  # right: 2 of 3 tokens per expert counted, one padded
+        try:
+            fn(probe, torch.ones(3, 4, dtype=torch.bool), padding_mask=padding)
+            return bool(torch.equal(probe.local_tokens_per_expert, torch.full((4,), 2.0)))
+        except AttributeError:  # it needs a real router: read the source instead
+            pass
+        except (RuntimeError, ValueError, TypeError):
+            return False
     try:
-        src = inspect.getsource(_unwrapped(fn)).replace(" ", "")
+        src = inspect.getsource(fn).replace(" ", "")
     except (OSError, TypeError):
         return False
     return any(s in src for s in ("unsqueeze(-1)", "unsqueeze(1)", "[:,None]", "(-1,1)"))
@@ -74,7 +70,6 @@ def _apply_expert_bias(
 _apply_expert_bias._r3arrow_shim = True  # type: ignore[attr-defined]
 
 
-# ------------------------------------------------- all-padding microbatches and aux loss
 def _at_least_one(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return torch.clamp(x, min=1)
@@ -101,7 +96,7 @@ def _all_padding_aux_loss_fix_present() -> bool:
     from megatron.core.transformer.moe import router
 
     fn = router.switch_load_balancing_loss_func
-    if getattr(fn, "_r3arrow_shim", False):
+    if _is_shim(fn):
         return True
     loss = fn(
         probs=torch.zeros(2, 4),
@@ -129,18 +124,16 @@ def apply_shims() -> dict[str, bool]:
 
     with _shim_lock:
         bias = router.TopKRouter.__dict__.get("_apply_expert_bias")
-        if not getattr(bias, "_r3arrow_shim", False) and not _padding_mask_fix_present():
+        if not _is_shim(bias) and not _padding_mask_fix_present():
             _originals["padding_mask"] = bias
             router.TopKRouter._apply_expert_bias = _apply_expert_bias
         loss = router.switch_load_balancing_loss_func
-        if not getattr(loss, "_r3arrow_shim", False) and not _all_padding_aux_loss_fix_present():
+        if not _is_shim(loss) and not _all_padding_aux_loss_fix_present():
             _originals["all_padding_aux_loss"] = loss
             router.switch_load_balancing_loss_func = _guard_token_count(loss)
-        bias = router.TopKRouter.__dict__.get("_apply_expert_bias")
-        loss = router.switch_load_balancing_loss_func
         return {
-            "padding_mask": bool(getattr(bias, "_r3arrow_shim", False)),
-            "all_padding_aux_loss": bool(getattr(loss, "_r3arrow_shim", False)),
+            "padding_mask": _is_shim(router.TopKRouter.__dict__.get("_apply_expert_bias")),
+            "all_padding_aux_loss": _is_shim(router.switch_load_balancing_loss_func),
         }
 
 

@@ -1,5 +1,7 @@
-"""Which routers a pipeline rank builds (``docs/design.md`` §6 PP-local layers), and
-`collator_for`, the one way to build a collator from a Megatron config or model."""
+"""Fitting a pipeline stage: which routers it builds (``docs/design.md`` §6 PP-local
+layers); `collator_for`, the one way to build a collator from a Megatron config or model; and
+`model_inputs`, ``GPTModel.forward``'s keyword arguments with the router padding mask the
+stage needs and, packed, ``PackedSeqParams`` (§5, *Sequence parallelism*)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import numpy as np
 import torch
 
 from r3arrow._checks import check_int
-from r3arrow.collate import MegatronCollator, Parallelism
+from r3arrow.collate import MegatronCollator, Microbatch, Parallelism
 from r3arrow.errors import ReplayError
 from r3arrow.megatron._routers import (
     _check_spec_fits,
@@ -72,21 +74,19 @@ def _stage_range(config: Any, pp_rank: int, vp_stage: int | None, use_megatron: 
     n = int(config.num_layers)
     pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
     vp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    chunks, chunk = (1, 0) if vp is None else (int(vp), int(vp_stage or 0))
     if pp == 1:
         return range(n)
     if n % pp:
         raise ReplayError(
             f"stage layers: expected num_layers divisible by pipeline size {pp}, found {n}"
         )
-    per_rank = n // pp
-    if vp is None:
-        return range(pp_rank * per_rank, (pp_rank + 1) * per_rank)
-    if per_rank % vp:
+    per_chunk, rest = divmod(n // pp, chunks)
+    if rest:
         raise ReplayError(
-            f"stage layers: expected {per_rank} layers per rank divisible by vpp size {vp}"
+            f"stage layers: expected {n // pp} layers per rank divisible by vpp size {vp}"
         )
-    per_chunk = per_rank // vp
-    start = int(vp_stage or 0) * (n // vp) + pp_rank * per_chunk
+    start = chunk * (n // chunks) + pp_rank * per_chunk
     return range(start, start + per_chunk)
 
 
@@ -173,19 +173,115 @@ def collator_for(
             layers = _model_router_layers(routers)
         else:
             layers = router_layers(config, pp_rank=pp_rank, vp_stage=vp_stage)
-    params: dict[str, Any] = {}
-    sizes: dict[str, Any] = {}
-    if config is not None:
-        sizes = {
-            "tp_size": int(getattr(config, "tensor_model_parallel_size", 1) or 1),
-            "cp_size": int(getattr(config, "context_parallel_size", 1) or 1),
-            "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
-        }
-        params["fp8"] = bool(getattr(config, "fp8", None))
-    ps = _parallel_state()
+    ps = _parallel_state()  # (getattr of a None config: the defaults)
     if tp_rank is None:
         tp_rank = 0 if ps is None else int(ps.get_tensor_model_parallel_rank())
     if cp_rank is None:
         cp_rank = 0 if ps is None else int(ps.get_context_parallel_rank())
-    params["parallel"] = Parallelism(tp_rank=tp_rank, cp_rank=cp_rank, **sizes)
+    parallel = Parallelism(
+        tp_size=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+        tp_rank=tp_rank,
+        cp_size=int(getattr(config, "context_parallel_size", 1) or 1),
+        cp_rank=cp_rank,
+        sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+    )
+    params: dict[str, Any] = {"fp8": bool(getattr(config, "fp8", None)), "parallel": parallel}
     return MegatronCollator(spec, layers=layers, **(params | kwargs))
+
+
+def _model_chunk(mb: Microbatch, model: Any) -> Any:
+    """The module with ``pre_process`` under ``.module`` wrappers (else `TypeError`), its TP
+    size and sequence parallelism checked against the microbatch's."""
+    if isinstance(model, list | tuple):
+        raise TypeError(
+            f"model: expected one model chunk (the one this microbatch enters), found a "
+            f"{type(model).__name__} of {len(model)}"
+        )
+    m = model
+    for _ in range(8):
+        if hasattr(m, "pre_process") or not hasattr(m, "module"):
+            break
+        m = m.module
+    if not hasattr(m, "pre_process"):
+        raise TypeError(
+            f"model: expected a GPTModel (or a wrapper of one) with a pre_process attribute, "
+            f"found {type(model).__name__}"
+        )
+    config = getattr(m, "config", None)
+    sp = bool(getattr(config, "sequence_parallel", False))
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    if config is not None and (sp != mb.sequence_parallel or (sp and tp != mb.tp_size)):
+        raise ValueError(
+            f"model_inputs: expected a microbatch collated for the model's "
+            f"tensor_model_parallel_size={tp}, sequence_parallel={sp}; found tp_size="
+            f"{mb.tp_size}, sequence_parallel={mb.sequence_parallel}"
+        )
+    return m
+
+
+def _stage_padding_mask(mb: Microbatch, *, pre_process: bool) -> Any:
+    """The whole mask, or this TP rank's ``[b, S/tp]`` slice where Megatron scatters none."""
+    pad = mb.padding_mask
+    if pre_process or not mb.sequence_parallel or mb.tp_size == 1:
+        return pad
+    per = int(pad.shape[1]) // mb.tp_size  # the collator aligns positions to tp
+    return pad[:, mb.tp_rank * per : (mb.tp_rank + 1) * per].contiguous()
+
+
+def model_inputs(
+    mb: Microbatch,
+    *,
+    labels: bool = True,
+    pre_process: bool | None = None,
+    model: Any = None,
+    vp_stage: int | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``GPTModel.forward``: tokens, positions, the router padding mask
+    (True = padding) this stage's routers need, labels and, packed, ``PackedSeqParams``.
+
+    The stage embeds tokens (whole mask) or not (this TP rank's sequence-parallel slice)
+    according to, first found: ``pre_process``; ``model.pre_process`` (``model``: the chunk
+    the microbatch enters, its TP size and sequence parallelism checked against the
+    microbatch's); Megatron's ``parallel_state`` (pipeline rank 0 and, virtual pipelining,
+    ``vp_stage == 0``); else the first stage.
+
+    Raises `TypeError` for a ``model`` that is a list of chunks or has no ``pre_process``,
+    `ValueError` for a model whose TP size or sequence parallelism differ from the
+    microbatch's, or for virtual pipelining without ``vp_stage`` or ``pre_process``.
+    """
+    chunk = None if model is None else _model_chunk(mb, model)
+    if pre_process is None and chunk is not None:
+        pre_process = bool(chunk.pre_process)
+    elif pre_process is None:  # Megatron's pre_process of chunk vp_stage (none: the first)
+        ps = _parallel_state()
+        virtual = ps is not None and ps.get_virtual_pipeline_model_parallel_world_size() is not None
+        if virtual and vp_stage is None:
+            raise ValueError(
+                "model_inputs: expected vp_stage (the model chunk) or pre_process with virtual "
+                "pipeline parallelism, found neither"
+            )
+        first = ps is None or ps.get_pipeline_model_parallel_rank() == 0
+        pre_process = bool(first and (not virtual or vp_stage == 0))
+    out: dict[str, Any] = {
+        "input_ids": mb.input_ids,
+        "position_ids": mb.position_ids,
+        "attention_mask": None,
+        "padding_mask": _stage_padding_mask(mb, pre_process=bool(pre_process)),
+    }
+    if labels:
+        out["labels"] = mb.labels
+    if mb.packed:  # THD
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        if mb.cu_seqlens is None or mb.cu_seqlens_padded is None:
+            raise ValueError("model_inputs: expected cu_seqlens on a packed microbatch, found None")
+        out["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=mb.cu_seqlens,
+            cu_seqlens_kv=mb.cu_seqlens,
+            cu_seqlens_q_padded=mb.cu_seqlens_padded,
+            cu_seqlens_kv_padded=mb.cu_seqlens_padded,
+            max_seqlen_q=mb.max_seqlen,
+            max_seqlen_kv=mb.max_seqlen,
+        )
+    return out

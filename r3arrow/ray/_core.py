@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
@@ -12,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_choice, check_int
+from r3arrow._extras import require
 from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
 from r3arrow.io import read_rollouts, rollout_files
@@ -30,7 +32,6 @@ _CombineFn = Callable[[Any, Any], np.ndarray]
 Reduce = Literal["driver", "ray"]
 
 
-# ================================================================== reading
 def _units(path: PathLike, steps: Sequence[int] | None) -> tuple[RouteSpec, list[dict[str, Any]]]:
     """The shared spec and the read units (path, row group, step); one footer read per file."""
     files = rollout_files(path, steps=steps, require_routes=True)
@@ -84,7 +85,8 @@ def rollout_dataset(
 def _read(
     path: PathLike, columns: Sequence[str] | None, steps: Sequence[int] | None
 ) -> tuple[ray.data.Dataset, RouteSpec]:
-    import ray.data
+    with require(extra="ray", feature="r3arrow.ray"):
+        import ray.data
 
     # Not ray.data.read_parquet: its Parquet reader (Ray 2.60) bin-packs small files into
     # one read task (no parallelism below ~128 MB), and a list of paths is resolved on
@@ -98,7 +100,6 @@ def _read(
     return ds.map_batches(read, batch_format="pyarrow", batch_size=1), spec
 
 
-# =========================================================== aggregation
 def _partials(spec_json: bytes, block_fn: _BlockFn, batch: pa.Table) -> pa.Table:
     """Block → one row per step present: ``step`` int64, ``partial`` large_list<int64>."""
     parts = block_fn(batch.replace_schema_metadata({SPEC_METADATA_KEY: spec_json}))
@@ -111,13 +112,12 @@ def _partials(spec_json: bytes, block_fn: _BlockFn, batch: pa.Table) -> pa.Table
 
 
 def _vectors(batch: pa.Table) -> Iterator[tuple[int, np.ndarray]]:
-    """(step, int64 vector) of each partial row (one per block and step: not a hot loop)."""
-    steps: Iterator[Any] = iter(batch.column("step").to_pylist())
-    for chunk in cast(Any, batch.column("partial")).chunks:  # large_list<int64> chunks
-        offsets = np.asarray(chunk.offsets, dtype=np.int64)
-        flat = np.asarray(chunk.values.to_numpy(zero_copy_only=False), dtype=np.int64)
-        for i in range(len(chunk)):
-            yield int(next(steps)), flat[offsets[i] : offsets[i + 1]]
+    """(step, int64 vector) of each partial row (one per block and step)."""
+    col = cast(Any, batch.column("partial")).combine_chunks()  # large_list<int64>
+    flat = np.asarray(col.values.to_numpy(zero_copy_only=False), dtype=np.int64)
+    vectors = [flat[a:b] for a, b in itertools.pairwise(np.asarray(col.offsets).tolist())]
+    steps: list[Any] = batch.column("step").to_pylist()
+    return zip(steps, vectors, strict=True)
 
 
 def _sum_aggregate(combine: _CombineFn) -> Any:
@@ -148,39 +148,6 @@ def _keep_steps(steps: list[int], batch: pa.Table) -> pa.Table:
     if "step" not in batch.schema.names:
         raise SchemaError(f"steps= needs a 'step' column, found {batch.schema.names}")
     return batch.filter(pc.is_in(batch.column("step"), pa.array(steps, type=pa.int64())))
-
-
-def _as_dataset(
-    source: Any, spec: RouteSpec | None, columns: list[str], steps: Sequence[int] | None
-) -> tuple[Any, RouteSpec]:
-    if isinstance(source, str | os.PathLike):
-        return _read(source, columns, steps)
-    if isinstance(source, pa.Table | pa.RecordBatch):
-        raise TypeError(
-            "RayExecutor: expected a rollout path or a Ray Dataset, found an in-memory "
-            f"{type(source).__name__} (use executor=None)"
-        )
-    if spec is None:
-        raise TypeError(
-            "expected spec= with a Ray Dataset (Ray blocks carry no schema metadata), found None"
-        )
-    if steps is not None:
-        source = source.map_batches(
-            functools.partial(_keep_steps, [check_int(s, "steps") for s in steps]),
-            batch_format="pyarrow",
-            batch_size=None,
-            zero_copy_batch=True,
-        )
-    return source, spec
-
-
-def _drain(parts: Any, combine: _CombineFn) -> dict[int, np.ndarray]:
-    """Sum partial rows per step on the driver as they stream in (each row is a few KB)."""
-    acc: dict[int, np.ndarray] = {}
-    for batch in parts.iter_batches(batch_format="pyarrow", batch_size=None):
-        for step, vec in _vectors(batch):
-            acc[step] = combine(acc.get(step, np.zeros(0, np.int64)), vec)
-    return acc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,11 +182,34 @@ class RayExecutor:
         `rollout_dataset` Dataset (``spec`` required; ``steps`` filters its rows). Raises
         ``TypeError`` for an in-memory table or a Dataset without ``spec``.
         """
-        ds, spec = _as_dataset(source, spec, list(columns), steps)
+        if isinstance(source, str | os.PathLike):
+            ds, spec = _read(source, list(columns), steps)
+        elif isinstance(source, pa.Table | pa.RecordBatch):
+            raise TypeError(
+                "RayExecutor: expected a rollout path or a Ray Dataset, found an in-memory "
+                f"{type(source).__name__} (use executor=None)"
+            )
+        elif spec is None:
+            raise TypeError(
+                "expected spec= with a Ray Dataset (Ray blocks carry no schema metadata), "
+                "found None"
+            )
+        elif steps is None:
+            ds = source
+        else:
+            keep = functools.partial(_keep_steps, [check_int(s, "steps") for s in steps])
+            ds = source.map_batches(
+                keep, batch_format="pyarrow", batch_size=None, zero_copy_batch=True
+            )
         fn = functools.partial(_partials, spec.to_json(), block_fn)
-        parts = ds.map_batches(fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True)
-        if self.reduce == "driver":
-            per = _drain(parts, combine_fn)
+        parts: Any = ds.map_batches(
+            fn, batch_format="pyarrow", batch_size=None, zero_copy_batch=True
+        )
+        per: dict[int, np.ndarray] = {}
+        if self.reduce == "driver":  # summed as the partials stream in (a few KB each)
+            for batch in parts.iter_batches(batch_format="pyarrow", batch_size=None):
+                for step, vec in _vectors(batch):
+                    per[step] = combine_fn(per.get(step, np.zeros(0, np.int64)), vec)
         elif by_step:
             rows = parts.groupby("step").aggregate(_sum_aggregate(combine_fn)).take_all()
             per = {int(r["step"]): np.asarray(r["partial"], dtype=np.int64) for r in rows}

@@ -1,11 +1,7 @@
-"""Shard-aware delivery on Ray: each (DP rank, PP stage) gets its trajectories and its layers.
-
-The driver plans every step once (`r3arrow._plan.plan_steps`, token columns only); each
-shard's lazy Dataset has one read task per step (`r3arrow._plan.read_share`: only the
-rank's row groups and the stage's layers, within ``max_memory``), run in order by Ray
-Data's streaming executor under the shard's own limits (``docs/ray.md``, "Knobs").
-Ray drops schema metadata, so each delivered row carries its microbatch's metadata (an
-Arrow IPC schema), step, index and row count in the `_INTERNAL` columns, which
+"""Shard-aware delivery on Ray (``docs/ray.md``, "Ray: shard_microbatches"): each (DP rank,
+PP stage) gets its trajectories and its layers, one read task per step (`read_share`).
+Ray drops schema metadata, so each delivered row carries its microbatch's step, index, row
+count and metadata (an Arrow IPC schema) in the `_INTERNAL` columns, which
 `Shard.iter_tables` strips again while reassembling the microbatches.
 """
 
@@ -14,19 +10,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_int, check_optional_int, check_positive_int
+from r3arrow._extras import require
+from r3arrow._plan import StepPlan, plan_steps, read_share
 from r3arrow._typing import PathLike
 from r3arrow._validated import mark_validated
 from r3arrow.errors import SchemaError
+from r3arrow.io import DEFAULT_MAX_MEMORY
 from r3arrow.spec import RouteSpec
-
-if TYPE_CHECKING:
-    from r3arrow._plan import StepPlan
 
 #: Columns added to every delivered row (`Shard.iter_tables` drops them).
 STEP_COLUMN = "_r3arrow_step"
@@ -39,9 +35,7 @@ _INTERNAL = (STEP_COLUMN, MICROBATCH_COLUMN, ROWS_COLUMN, METADATA_COLUMN)
 def _tagged(table: pa.Table, step: int | None, j: int) -> pa.Table:
     """``table`` with the delivery columns (step, microbatch, rows, metadata) appended."""
     n = table.num_rows
-    metadata: dict[bytes | str, bytes | str] = {
-        k: v for k, v in (table.schema.metadata or {}).items()
-    }
+    metadata = cast("dict[bytes | str, bytes | str]", table.schema.metadata or {})
     meta = pa.schema([], metadata=metadata).serialize().to_pybytes()
     cols: dict[str, pa.Array[Any]] = {
         STEP_COLUMN: pa.array([step] * n, type=pa.int64()),
@@ -65,8 +59,6 @@ def _read_shard(
     batch: pa.Table,
 ) -> Iterator[pa.Table]:
     """Read task: step units → the microbatch tables of one (DP rank, PP stage), in order."""
-    from r3arrow._plan import read_share  # torch-free: a read task never imports torch
-
     spec = RouteSpec.from_json(spec_json)
     for unit in batch.column("unit").to_pylist():  # one step each: not a hot loop
         plan = plans[int(cast(int, unit))]
@@ -101,60 +93,49 @@ class Shard:
         table), its schema metadata restored, marked validated when read validating.
         Raises `SchemaError` if the stream does not deliver the plan.
         """
-        expected = [
-            (step, j)
-            for step, count in zip(self.steps, self.num_microbatches, strict=True)
-            for j in range(count)
-        ]
-        keys = iter(expected)
+        plan = zip(self.steps, self.num_microbatches, strict=True)
+        keys = ((step, j) for step, count in plan for j in range(count))
+        where = f"shard (dp {self.dp_rank}, pp {self.pp_stage}): expected"
+        key: tuple[int | None, int] | None = None
         pending: list[pa.Table] = []
         have = 0
-        batches = self.dataset.iter_batches(batch_format="pyarrow", batch_size=None)
-        for batch in batches:
+        for batch in self.dataset.iter_batches(batch_format="pyarrow", batch_size=None):
             if not batch.num_rows:
                 continue
             steps = np.asarray(batch.column(STEP_COLUMN).fill_null(-1).to_numpy(), dtype=np.int64)
             mbs = np.asarray(batch.column(MICROBATCH_COLUMN).to_numpy(), dtype=np.int64)
-            change = np.flatnonzero((np.diff(steps) != 0) | (np.diff(mbs) != 0)) + 1
-            for a, b in zip([0, *change.tolist()], [*change.tolist(), batch.num_rows], strict=True):
-                pending.append(batch.slice(a, b - a))  # per microbatch piece: not a hot loop
+            cut = (np.flatnonzero((np.diff(steps) != 0) | (np.diff(mbs) != 0)) + 1).tolist()
+            for a, b in zip([0, *cut], [*cut, batch.num_rows], strict=True):
+                if not pending:  # per microbatch piece: not a hot loop
+                    key = next(keys, None)
+                found = (batch.column(STEP_COLUMN)[a].as_py(), int(mbs[a]))
+                if key is None or key != found:
+                    raise SchemaError(
+                        f"{where} microbatch {key}, found step {found[0]} microbatch {found[1]}"
+                    )
+                pending.append(batch.slice(a, b - a))
                 have += b - a
                 want = int(batch.column(ROWS_COLUMN)[a].as_py())
                 if have > want:
                     raise SchemaError(
-                        f"shard (dp {self.dp_rank}, pp {self.pp_stage}): expected {want} rows "
-                        f"in a microbatch, found {have} (blocks out of order)"
+                        f"{where} {want} rows in a microbatch, found {have} (blocks out of order)"
                     )
                 if have == want:
-                    yield self._finish(pending, next(keys, None))
+                    meta = pa.ipc.read_schema(
+                        pa.py_buffer(batch.column(METADATA_COLUMN)[a].as_py())
+                    )
+                    table = pa.concat_tables(pending).drop_columns(list(_INTERNAL))
+                    out = table.replace_schema_metadata(meta.metadata)
+                    if self.validate:
+                        mark_validated(out)  # read validated by the shard's read task
+                    yield *key, out
                     pending, have = [], 0
-        left = next(keys, None)
-        if pending or left is not None:
+        left = next(keys, None) if not pending else key
+        if left is not None:
             raise SchemaError(
-                f"shard (dp {self.dp_rank}, pp {self.pp_stage}): expected every microbatch of "
-                f"the plan, found the stream ended before step {left[0] if left else None} "
-                f"microbatch {left[1] if left else None}"
+                f"{where} every microbatch of the plan, found the stream ended before step "
+                f"{left[0]} microbatch {left[1]}"
             )
-
-    def _finish(
-        self, pieces: list[pa.Table], key: tuple[int | None, int] | None
-    ) -> tuple[int | None, int, pa.Table]:
-        table = pa.concat_tables(pieces)
-        step_value = table.column(STEP_COLUMN)[0].as_py()
-        j = int(table.column(MICROBATCH_COLUMN)[0].as_py())
-        tags = set(
-            zip(table[STEP_COLUMN].to_pylist(), table[MICROBATCH_COLUMN].to_pylist(), strict=True)
-        )
-        if key is None or key != (step_value, j) or len(tags) != 1:
-            raise SchemaError(
-                f"shard (dp {self.dp_rank}, pp {self.pp_stage}): expected microbatch {key}, "
-                f"found step {step_value} microbatch {j}"
-            )
-        meta = pa.ipc.read_schema(pa.py_buffer(table.column(METADATA_COLUMN)[0].as_py()))
-        out = table.drop_columns(list(_INTERNAL)).replace_schema_metadata(meta.metadata)
-        if self.validate:
-            mark_validated(out)  # read validated by the shard's read task (`read_share`)
-        return step_value, j, out
 
 
 def shard_microbatches(
@@ -188,10 +169,8 @@ def shard_microbatches(
     files, and the readers' errors (of the token columns while planning, of the routes
     while a worker iterates).
     """
-    import ray.data
-
-    from r3arrow._plan import plan_steps
-    from r3arrow.io import DEFAULT_MAX_MEMORY
+    with require(extra="ray", feature="r3arrow.ray"):
+        import ray.data
 
     dp = check_positive_int(dp_size, "dp_size")
     stages = [tuple(check_int(i, "pp_layers") for i in stage) for stage in pp_layers]

@@ -306,12 +306,10 @@ def test_contiguous_ranks_read_only_their_row_groups(
 def test_waves_hold_at_most_the_budget(root: Path, budget: int) -> None:
     """A wave of several microbatches holds at most ``budget`` bytes of taken rows."""
     spec, plans = plan_steps(root, dp_size=2, max_tokens=40, multiple=4)
-    per_token = _plan._per_token(spec, STAGE)
-    columns = [*_plan.COLLATE_COLUMNS, "routes"]
     shared = 0  # waves of several microbatches seen
     for plan in plans:
         for rank in range(2):
-            loaders = _plan._wave_loaders(plan, rank, list(STAGE), columns, budget, per_token, True)
+            loaders = _plan._wave_loaders(plan, rank, list(STAGE), spec, budget, True)
             waves = [load() for _, load in loaders]
             assert [j for w in waves for j in w.js] == list(range(plan.num_microbatches))
             for wave in waves:

@@ -33,10 +33,10 @@ try:  # megatron-core (extra "megatron"): the install test needs real RouterRepl
         warnings.simplefilter("ignore")
         import megatron.core  # noqa: F401
 
-    from r3arrow.megatron import _install, install_replay, replay_schedule
+    from r3arrow.megatron import _schedule, install_replay, replay_schedule
     from r3arrow.testing.megatron import build_routers, cpu_router_harness
 except ImportError:  # pragma: no cover - the CI image has it
-    _install = None  # type: ignore[assignment]
+    _schedule = None  # type: ignore[assignment]
 
 BACKENDS = ["numba", "numpy"]
 
@@ -301,18 +301,18 @@ def test_fused_check_names_trajectory_row_and_token(backend: str) -> None:
 @pytest.mark.filterwarnings("ignore:full scope is deprecated:UserWarning")
 @pytest.mark.filterwarnings("ignore:Using a large number of experts:UserWarning")
 def test_install_skips_what_collation_validated(monkeypatch: pytest.MonkeyPatch) -> None:
-    if _install is None:  # pragma: no cover
+    if _schedule is None:  # pragma: no cover
         pytest.skip("megatron-core is not installed")
     table = _rollouts(9)
     layers = [1, 2, 3]
     calls: list[int] = []
-    real = _install._check_target_ids
+    real = _schedule._check_target_ids
 
     def counting(arr: torch.Tensor, experts: int | None, ids: Any) -> None:
         calls.append(int(arr.shape[0]))
         real(arr, experts, ids)
 
-    monkeypatch.setattr(_install, "_check_target_ids", counting)
+    monkeypatch.setattr(_schedule, "_check_target_ids", counting)
     with cpu_router_harness():
         routers = build_routers(SPEC, layers)
         mb = MegatronCollator(SPEC, layers=layers, packed=True)(table)

@@ -19,7 +19,7 @@ from r3arrow import RouteSpec
 from r3arrow.collate import MegatronCollator, Microbatch, Parallelism
 from r3arrow.errors import ReplayError, SchemaError
 from r3arrow.megatron import install_replay, model_inputs
-from r3arrow.megatron._inputs import _stage_padding_mask  # no megatron-core import (packed)
+from r3arrow.megatron._stages import _stage_padding_mask  # no megatron-core import (packed)
 from r3arrow.microbatch import is_padding_table, padding_table, split_microbatches
 from r3arrow.table import rollout_table
 from r3arrow.testing import random_rollouts
