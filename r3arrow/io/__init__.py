@@ -2,7 +2,8 @@
 
 The only owner of the on-disk layout; the contract is ``docs/design.md``, "Persistence", and
 ``docs/storage.md``. Write with `write_rollouts` / `write_ipc`, discover with
-`rollout_files`, read with `iter_rollouts` (bounded pieces) or `read_rollouts`; replay
+`rollout_files`, read with `iter_rollouts` (bounded pieces), `read_rollouts` or, for generic
+tools, `rollout_reader` (an Arrow stream); replay
 diagnostics with `write_diagnostics` / `read_diagnostics`; writers' temps with
 `find_temps` / `remove_stale_temps` (``r3arrow gc``).
 """
@@ -22,6 +23,7 @@ from r3arrow.io._parquet import (
     iter_rollouts,
     read_rollouts,
     rollout_files,
+    rollout_reader,
     write_rollouts,
 )
 from r3arrow.io._project import project_layers
@@ -41,6 +43,7 @@ __all__ = [
     "read_rollouts",
     "remove_stale_temps",
     "rollout_files",
+    "rollout_reader",
     "route_rows",
     "write_diagnostics",
     "write_ipc",

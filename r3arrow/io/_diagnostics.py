@@ -6,16 +6,19 @@
 (`DIAGNOSTICS_SCHEMA`), atomically, sealed and page-checksummed; the rollout readers never
 look there (Arrow skips ``_`` names too). `read_diagnostics` reads them all back, checking
 the seal, the schema, the counts' invariants and that a file's step and source match its
-path; a violation is a `SchemaError` whose ``path`` names the file.
+path; a violation is a `SchemaError` whose ``path`` names the file. A log-prob mismatch
+(an `r3arrow.stats.logprob_mismatch` dict, ``docs/mismatch.md``) is stored the same way,
+one row (`MISMATCH_SCHEMA`, tag ``mismatch.v1``), read back with ``kind="mismatch"``.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -50,7 +53,29 @@ DIAGNOSTICS_SCHEMA = pa.schema(
     ]
 )
 
+#: Default ``source`` of a mismatch: the trainer's log-probs against the engine's.
+TRAIN_VS_ROLLOUT = "train_vs_rollout"
+MISMATCH_VERSION = b"mismatch.v1"
+#: The float fields of a mismatch row (the keys of an `r3arrow.stats.logprob_mismatch` dict).
+_MISMATCH_FLOATS = (
+    "k1",
+    "k2",
+    "k3",
+    "abs_mean",
+    "abs_max",
+    "frac_abs_gt_ln2",
+    "token_mult_prob_error",
+    "js_divergence",
+)
+#: One row per step and source: tokens and the mismatch metrics (NaN when tokens is 0).
+MISMATCH_SCHEMA = pa.schema(
+    [pa.field("step", pa.int64(), nullable=False), pa.field("tokens", pa.int64(), nullable=False)]
+    + [pa.field(name, pa.float64(), nullable=False) for name in _MISMATCH_FLOATS]
+    + [pa.field("source", pa.string(), nullable=False)]
+)
+
 _SOURCE = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
+_INT32_MAX, _INT64_MAX = 2**31 - 1, 2**63 - 1
 _INT_COLUMNS = ("step", "layer", "tokens", "identical", "overlap", "all_identical", "topk")
 
 
@@ -65,69 +90,108 @@ def _check_source(source: Any) -> str:
     return source
 
 
+def _ints(values: Any, name: str, maximum: int) -> list[int]:
+    """``values`` as Python ints in ``[0, maximum]`` (``TypeError`` / ``ValueError``)."""
+    return [check_int(v, name, minimum=0, maximum=maximum) for v in values]
+
+
 def _agreement_table(step: int, agreement: Any, source: str) -> pa.Table:
-    """The rows of one agreement (duck-typed `RouteAgreement`); `TypeError` if it is not one."""
+    """The rows of one agreement (duck-typed `RouteAgreement`), every count an exact int of
+    its column's type; `TypeError` if it is not one, `ValueError` for a count out of range."""
     try:
-        layers = np.asarray(tuple(agreement.layers), dtype=np.int64)
-        identical = np.asarray(agreement.identical, dtype=np.int64)
-        overlap = np.asarray(agreement.overlap, dtype=np.int64)
-        tokens = check_int(agreement.tokens, "agreement.tokens", minimum=0)
-        topk = check_int(agreement.topk, "agreement.topk", minimum=1)
-        all_identical = check_int(agreement.all_identical, "agreement.all_identical", minimum=0)
+        layers = _ints(agreement.layers, "agreement.layers", _INT32_MAX)
+        identical = _ints(agreement.identical, "agreement.identical", _INT64_MAX)
+        overlap = _ints(agreement.overlap, "agreement.overlap", _INT64_MAX)
+        tokens = check_int(agreement.tokens, "agreement.tokens", minimum=0, maximum=_INT64_MAX)
+        topk = check_int(agreement.topk, "agreement.topk", minimum=1, maximum=_INT32_MAX)
+        all_identical = check_int(
+            agreement.all_identical, "agreement.all_identical", minimum=0, maximum=_INT64_MAX
+        )
     except AttributeError as exc:
         raise TypeError(
             f"agreement: expected an r3arrow.stats.RouteAgreement (layers, topk, tokens, "
             f"identical, overlap, all_identical), found {type(agreement).__name__} ({exc})"
         ) from None
-    n = layers.shape[0]
-    if layers.ndim != 1 or identical.shape != (n,) or overlap.shape != (n,):
+    n = len(layers)
+    if len(identical) != n or len(overlap) != n:
         raise ValueError(
-            f"agreement: expected layers, identical and overlap of one length, found shapes "
-            f"{list(layers.shape)}, {list(identical.shape)}, {list(overlap.shape)}"
+            f"agreement: expected layers, identical and overlap of one length, found lengths "
+            f"{n}, {len(identical)}, {len(overlap)}"
         )
     columns: dict[str, Any] = {
-        "step": np.full(n, step, np.int64),
-        "layer": layers.astype(np.int32),
-        "tokens": np.full(n, tokens, np.int64),
+        "step": [step] * n,
+        "layer": layers,
+        "tokens": [tokens] * n,
         "identical": identical,
         "overlap": overlap,
-        "all_identical": np.full(n, all_identical, np.int64),
-        "topk": np.full(n, topk, np.int32),
-        "source": pa.array([source] * n, pa.string()),
+        "all_identical": [all_identical] * n,
+        "topk": [topk] * n,
+        "source": [source] * n,
     }
     meta = sealed({DIAGNOSTICS_KEY: DIAGNOSTICS_VERSION})
     return pa.Table.from_pydict(columns, schema=DIAGNOSTICS_SCHEMA.with_metadata(meta))
 
 
+def _mismatch_table(step: int, mismatch: Mapping[Any, Any], source: str) -> pa.Table:
+    """The one row of a mismatch dict; ``TypeError`` for a foreign one, ``ValueError`` for
+    NaN where tokens > 0 (or a number where tokens is 0)."""
+    want = {"tokens", *_MISMATCH_FLOATS}
+    if set(mismatch) != want:
+        raise TypeError(
+            f"agreement: expected an r3arrow.stats.RouteAgreement or a logprob_mismatch dict "
+            f"with the keys {sorted(want)}, "
+            f"found {sorted(map(str, mismatch))[:12]}"
+        )
+    tokens = mismatch["tokens"]
+    if isinstance(tokens, float) and tokens.is_integer():
+        tokens = int(tokens)
+    columns: dict[str, Any] = {
+        "step": [step],
+        "tokens": [check_int(tokens, "mismatch['tokens']", minimum=0, maximum=_INT64_MAX)],
+    }
+    for name in _MISMATCH_FLOATS:
+        value = mismatch[name]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"mismatch[{name!r}]: expected a float, found {value!r:.40}")
+        if math.isnan(value) != (columns["tokens"][0] == 0):
+            raise ValueError(f"mismatch[{name!r}]: expected NaN exactly when tokens is 0")
+        columns[name] = [float(value)]
+    columns["source"] = [source]
+    meta = sealed({DIAGNOSTICS_KEY: MISMATCH_VERSION})
+    return pa.Table.from_pydict(columns, schema=MISMATCH_SCHEMA.with_metadata(meta))
+
+
 def _check_counts(table: pa.Table) -> None:
-    """The counts' invariants (``docs/diagnostics.md``); `SchemaError` without a path."""
-    cols = {c: table.column(c).to_numpy() for c in _INT_COLUMNS}
+    """The counts' invariants (``docs/diagnostics.md``), in exact (Python) integers;
+    `SchemaError` without a path."""
     if table.num_rows == 0:
         raise SchemaError("expected one row per router layer, found no rows")
+    cols = {c: cast("list[int]", table.column(c).to_pylist()) for c in _INT_COLUMNS}
     layer = cols["layer"]
-    if (layer < 0).any() or np.unique(layer).size != layer.size:
-        raise SchemaError(f"column 'layer': expected distinct ids >= 0, found {layer.tolist()}")
+    if min(layer) < 0 or len(set(layer)) != len(layer):
+        raise SchemaError(f"column 'layer': expected distinct ids >= 0, found {layer[:16]}")
     for name in ("step", "tokens", "topk", "all_identical", "source"):
         values = table.column(name).unique()
         if len(values) != 1:
             raise SchemaError(
                 f"column {name!r}: expected one value per file, found {values.to_pylist()[:8]}"
             )
-    tokens, topk = int(cols["tokens"][0]), int(cols["topk"][0])
+    tokens, topk, every = cols["tokens"][0], cols["topk"][0], cols["all_identical"][0]
     identical, overlap = cols["identical"], cols["overlap"]
+    pairs = list(zip(identical, overlap, strict=True))
     checks = (
         ("tokens", tokens >= 0, f">= 0, found {tokens}"),
         ("topk", topk >= 1, f">= 1, found {topk}"),
-        ("identical", bool(((identical >= 0) & (identical <= tokens)).all()), f"in [0, {tokens}]"),
+        ("identical", all(0 <= i <= tokens for i in identical), f"in [0, {tokens}]"),
         (
             "overlap",
-            bool(((overlap >= identical * topk) & (overlap <= tokens * topk)).all()),
+            all(i * topk <= o <= tokens * topk for i, o in pairs),
             f"in [identical * topk, tokens * topk = {tokens * topk}]",
         ),
         (
             "all_identical",
-            0 <= int(cols["all_identical"][0]) <= int(identical.min()),
-            f"in [0, min(identical) = {int(identical.min())}]",
+            0 <= every <= min(identical),
+            f"in [0, min(identical) = {min(identical)}]",
         ),
     )
     for name, ok, want in checks:
@@ -136,16 +200,22 @@ def _check_counts(table: pa.Table) -> None:
 
 
 def write_diagnostics(
-    root: PathLike, step: int, agreement: Any, *, source: str = NATIVE_VS_REPLAY
+    root: PathLike, step: int, agreement: Any, *, source: str | None = None
 ) -> Path:
-    """Write ``agreement`` (a `r3arrow.stats.RouteAgreement`) of step ``step``, replacing that
-    step and source; return the path. ``TypeError`` / ``ValueError`` for bad arguments,
-    `SchemaError` for counts off the invariants, before touching the disk.
+    """Write ``agreement`` (a `r3arrow.stats.RouteAgreement`, or a log-prob mismatch dict of
+    `r3arrow.stats.logprob_mismatch`) of step ``step``, replacing that step and source
+    (default ``native_vs_replay``, for a mismatch ``train_vs_rollout``); return the path.
+    ``TypeError`` / ``ValueError`` for bad arguments, `SchemaError` for counts off the
+    invariants, before touching the disk.
     """
     step = check_step(step)
-    source = _check_source(source)
-    table = _agreement_table(step, agreement, source)
-    _check_counts(table)
+    if isinstance(agreement, Mapping):
+        source = _check_source(TRAIN_VS_ROLLOUT if source is None else source)
+        table = _mismatch_table(step, agreement, source)
+    else:
+        source = _check_source(NATIVE_VS_REPLAY if source is None else source)
+        table = _agreement_table(step, agreement, source)
+        _check_counts(table)
     dest = Path(root) / DIAGNOSTICS_DIR / f"step={step}" / f"{source}.parquet"
     with atomic_path(dest) as paths:
         pq.write_table(
@@ -154,16 +224,21 @@ def write_diagnostics(
     return paths[-1]
 
 
-def _read_file(path: Path, step: int) -> pa.Table:
+def _read_file(path: Path, step: int, version: bytes = DIAGNOSTICS_VERSION) -> pa.Table | None:
+    """The file's rows, or None for a file of the other kind (agreement / mismatch)."""
+    schema = DIAGNOSTICS_SCHEMA if version == DIAGNOSTICS_VERSION else MISMATCH_SCHEMA
     with reading(path, "diagnostics"):
         check_regular(path)
         with pq.ParquetFile(path, page_checksum_verification=True) as pf:
             meta = {bytes(k): bytes(v) for k, v in (pf.schema_arrow.metadata or {}).items()}
-            if meta.get(DIAGNOSTICS_KEY) != DIAGNOSTICS_VERSION:
+            tag = meta.get(DIAGNOSTICS_KEY)
+            if tag in (DIAGNOSTICS_VERSION, MISMATCH_VERSION) and tag != version:
+                return None
+            if tag != version:
                 found = meta.get(DIAGNOSTICS_KEY, b"no such key").decode(errors="replace")
                 raise SchemaError(
                     f"metadata key {DIAGNOSTICS_KEY.decode()!r}: expected "
-                    f"{DIAGNOSTICS_VERSION.decode()!r}, found {found!r:.80}"
+                    f"{version.decode()!r}, found {found!r:.80}"
                 )
             if meta.get(META_SHA_KEY) != meta_digest(meta):
                 raise SchemaError(
@@ -176,11 +251,12 @@ def _read_file(path: Path, step: int) -> pa.Table:
                 f"expected {pf.metadata.num_rows} rows (footer), read {table.num_rows}"
             )
         table = table.replace_schema_metadata(None)
-        if not table.schema.equals(DIAGNOSTICS_SCHEMA):
-            raise SchemaError(
-                f"expected the diagnostics schema {DIAGNOSTICS_SCHEMA}, found {table.schema}"
-            )
-        _check_counts(table)
+        if not table.schema.equals(schema):
+            raise SchemaError(f"expected the diagnostics schema {schema}, found {table.schema}")
+        if schema is DIAGNOSTICS_SCHEMA:
+            _check_counts(table)
+        elif table.num_rows != 1:
+            raise SchemaError(f"expected one mismatch row, found {table.num_rows}")
         for name, want, why in (
             ("step", step, "the path's"),
             ("source", path.stem, "the file name"),
@@ -223,23 +299,38 @@ def diagnostics_files(root: PathLike) -> list[tuple[int, Path]]:
     return sorted(out, key=lambda sf: (sf[0], sf[1].name))
 
 
-def read_diagnostics(root: PathLike, *, source: str | None = None) -> pa.Table:
-    """Every diagnostics row under ``root`` (`DIAGNOSTICS_SCHEMA`) by step, source, layer
-    (``source``: that one only); ``FileNotFoundError`` without ``root``, `SchemaError`
-    (``path`` set) for a bad file.
+def read_diagnostics(
+    root: PathLike,
+    *,
+    source: str | None = None,
+    kind: Literal["agreement", "mismatch"] = "agreement",
+) -> pa.Table:
+    """Every diagnostics row of ``kind`` under ``root`` by step, source, layer: route
+    agreement (`DIAGNOSTICS_SCHEMA`) or log-prob mismatch (`MISMATCH_SCHEMA`, one row per
+    step and source); ``source``: that one only. ``FileNotFoundError`` without ``root``,
+    `SchemaError` (``path`` set) for a bad file, ``ValueError`` for another ``kind``.
     """
+    if kind not in ("agreement", "mismatch"):
+        raise ValueError(f"kind: expected 'agreement' or 'mismatch', found {kind!r}")
+    version, schema = (
+        (DIAGNOSTICS_VERSION, DIAGNOSTICS_SCHEMA)
+        if kind == "agreement"
+        else (MISMATCH_VERSION, MISMATCH_SCHEMA)
+    )
     wanted = None if source is None else _check_source(source)
-    parts = [
-        _read_file(f, step)
+    read = [
+        _read_file(f, step, version)
         for step, f in diagnostics_files(root)
         if wanted is None or f.stem == wanted
     ]
+    parts = [t for t in read if t is not None]
     if not parts:
-        return DIAGNOSTICS_SCHEMA.empty_table()
+        return schema.empty_table()
     table = pa.concat_tables(parts)
     order: list[tuple[str, Literal["ascending", "descending"]]] = [
         ("step", "ascending"),
         ("source", "ascending"),
-        ("layer", "ascending"),
     ]
-    return table.sort_by(order).cast(DIAGNOSTICS_SCHEMA)
+    if kind == "agreement":
+        order.append(("layer", "ascending"))
+    return table.sort_by(order).cast(schema)

@@ -11,7 +11,7 @@ from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated
 from r3arrow.errors import SchemaError
 from r3arrow.io._layout import atomic_path
-from r3arrow.io._verify import check_table, file_spec, reading
+from r3arrow.io._verify import file_spec, reading
 from r3arrow.table import validate_rollouts
 
 IPC_MAGIC = b"ARROW1"
@@ -44,8 +44,8 @@ def is_ipc(path: Path) -> bool:
         raise SchemaError(f"{path}: cannot read the rollout file ({exc})", path=path) from exc
 
 
-def read_ipc_file(path: Path, *, validate: bool = True) -> pa.Table:
-    """An IPC rollout file, memory-mapped, its schema (and with ``validate`` its rows) checked."""
+def read_ipc_file(path: Path) -> pa.Table:
+    """An IPC rollout file, memory-mapped, its schema checked (its rows are not)."""
     try:
         table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
     except (pa.ArrowException, OSError) as exc:
@@ -54,7 +54,5 @@ def read_ipc_file(path: Path, *, validate: bool = True) -> pa.Table:
             path=path,
         ) from exc
     with reading(path):
-        spec = file_spec(table.schema)
-        if validate:
-            table = check_table(table, spec)
+        file_spec(table.schema)
     return table

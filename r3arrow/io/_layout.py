@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import re
 import socket
@@ -16,10 +17,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from r3arrow._checks import check_int, check_nonnegative_int, check_regular
+from r3arrow._checks import check_int, check_regular
 from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
 
+#: The largest step a root holds (the int64 ``step`` column readers add), for writers and readers.
+MAX_STEP = 2**63 - 1
+#: The column readers add to a root's rows; a table written to a root may not have one.
+STEP_COLUMN = "step"
+#: Prefix of the column names r3arrow keeps for itself (never written, never read).
+RESERVED_PREFIX = "__r3arrow"
 # Canonical digits are told apart separately: ``step=01`` is an error, not an invisible dir.
 _STEP_LIKE = re.compile(r"^step=([0-9]+)$")
 _CANONICAL_STEP = re.compile(r"^(0|[1-9][0-9]*)$")
@@ -27,11 +34,23 @@ _CANONICAL_STEP = re.compile(r"^(0|[1-9][0-9]*)$")
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>[A-Za-z0-9._-]+)-(?P<pid>[0-9]+)-[0-9a-f]{32}$")
 
 
-def check_step(step: Any) -> int:
-    """``step`` as an int ``>= 0``: ``TypeError`` for a non-int (``1.9``, ``True``, ``"1_0"``
-    are refused), ``ValueError`` if negative.
+def check_step(step: Any, name: str = "step") -> int:
+    """``step`` as an int in ``[0, MAX_STEP]``: ``TypeError`` for a non-int (``1.9``, ``True``,
+    ``"1_0"`` are refused), ``ValueError`` outside.
     """
-    return check_nonnegative_int(step, "step")
+    return check_int(step, name, minimum=0, maximum=MAX_STEP)
+
+
+def check_reserved(names: Sequence[str], in_root: bool) -> None:
+    """`SchemaError` for a column named ``__r3arrow*``, or ``step`` in a root (``in_root``):
+    the readers' own columns, which a file's column must never stand in for.
+    """
+    bad = [n for n in names if n.startswith(RESERVED_PREFIX) or (in_root and n == STEP_COLUMN)]
+    if bad:
+        raise SchemaError(
+            f"expected no reserved column ({STEP_COLUMN!r} in a step root, where readers add "
+            f"the partition's; {RESERVED_PREFIX + '*'!r}), found {bad}; drop or rename them"
+        )
 
 
 def step_dir(root: PathLike, step: int) -> Path:
@@ -39,18 +58,28 @@ def step_dir(root: PathLike, step: int) -> Path:
     return Path(root) / f"step={check_step(step)}"
 
 
-def dir_step(path: Path) -> int | None:
-    """The step of a directory named ``step=N``, else ``None``; `SchemaError` for ``step=01``."""
-    m = _STEP_LIKE.match(path.name)
-    if m is None:
+def _name_step(name: str) -> int | None:
+    """The step of a canonical ``step=N`` name (``N <= MAX_STEP``), else ``None``."""
+    m = _STEP_LIKE.match(name)
+    if m is None or not _CANONICAL_STEP.match(m.group(1)) or len(m.group(1)) > 19:
         return None
-    if not _CANONICAL_STEP.match(m.group(1)):
+    step = int(m.group(1))
+    return step if step <= MAX_STEP else None
+
+
+def dir_step(path: Path) -> int | None:
+    """The step of a directory named ``step=N``, else ``None``; `SchemaError` for ``step=01``
+    or ``N > MAX_STEP``."""
+    if _STEP_LIKE.match(path.name) is None:
+        return None
+    step = _name_step(path.name)
+    if step is None:
         raise SchemaError(
-            f"{path}: expected a partition named step=N with N a non-negative integer "
+            f"{path}: expected a partition named step=N with N an integer in [0, {MAX_STEP}] "
             f"without leading zeros, found {path.name!r}",
             path=path,
         )
-    return int(m.group(1))
+    return step
 
 
 def _iterdir(root: Path) -> list[Path]:
@@ -68,11 +97,10 @@ def _list_steps(root: Path) -> list[int]:
     found: dict[int, Path] = {}
     bad: list[Path] = []
     for child in _iterdir(root):
-        m = _STEP_LIKE.match(child.name)
-        if m is None or not child.is_dir():
+        if _STEP_LIKE.match(child.name) is None or not child.is_dir():
             continue
-        if _CANONICAL_STEP.match(m.group(1)):
-            found[int(m.group(1))] = child
+        if (step := _name_step(child.name)) is not None:
+            found[step] = child
         else:
             bad.append(child)
     if bad:
@@ -80,8 +108,8 @@ def _list_steps(root: Path) -> list[int]:
         twins = sorted(found[int(n[5:])].name for n in names if int(n[5:]) in found)
         also = f" next to {twins}" if twins else ""
         raise SchemaError(
-            f"{root}: expected partitions named step=N without leading zeros, found "
-            f"{names}{also}; rename or remove them (they are not read as aliases)",
+            f"{root}: expected partitions named step=N, N in [0, {MAX_STEP}] without leading "
+            f"zeros, found {names}{also}; rename or remove them (they are not read as aliases)",
             path=root,
         )
     return sorted(found)
@@ -92,12 +120,12 @@ def _part_files(directory: Path) -> list[Path]:
 
 
 def check_steps(steps: Sequence[int] | None) -> list[int] | None:
-    """``steps`` as a list of ints (``None`` passes); raises ``TypeError`` for a non-int."""
+    """``steps`` as a list of ints (``None`` passes): `check_step` of each."""
     if steps is None:
         return None
     if isinstance(steps, str | bytes) or not isinstance(steps, Sequence | set | frozenset):
         raise TypeError(f"steps: expected a sequence of ints, found {type(steps).__name__}")
-    return [check_int(s, "steps") for s in steps]
+    return [check_step(s, "steps") for s in steps]
 
 
 def rollout_paths(
@@ -142,7 +170,8 @@ def temp_name(dest_name: str) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (a zombie counts; so may a reused pid)."""
+    """Whether process ``pid`` exists in this PID namespace (a zombie counts; so may a reused
+    pid); a hint only, since a writer in another namespace has another pid there."""
     if pid <= 0:
         return True  # never signal a process group: treat as alive, keep the file
     try:
@@ -154,10 +183,35 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _try_lock(fd: int) -> bool:
+    """Take the exclusive lock of the open temp ``fd`` without waiting; False if a writer holds
+    it, or if the file system cannot lock (ownership unknown: the temp is kept)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # BlockingIOError: held; ENOLCK, EOPNOTSUPP: no locks here
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _abandoned(path: Path) -> Iterator[bool]:
+    """Whether no writer holds the temp ``path``'s lock, holding that lock meanwhile (False:
+    held, gone or unreadable)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # gone (renamed into place), not ours to read
+        yield False
+        return
+    try:
+        yield _try_lock(fd)
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @dataclasses.dataclass(frozen=True)
 class TempFile:
     """A writer's temporary file: ``host`` and ``pid`` name the writer; ``alive`` is whether
-    it still runs (``None``: unknown, another host)."""
+    it still writes: its lock is held or its pid runs here (``None``: unknown, another host)."""
 
     path: Path
     size: int
@@ -167,7 +221,7 @@ class TempFile:
 
     @property
     def stale(self) -> bool:
-        """A temp that :func:`remove_stale_temps` removes: its writer on this host is dead."""
+        """A temp that :func:`remove_stale_temps` removes: its writer on this host is gone."""
         return self.alive is False
 
 
@@ -185,7 +239,10 @@ def _scan_temps(directory: Path, here: str) -> list[TempFile]:
         if not stat.S_ISREG(st.st_mode):
             continue
         host, pid = m.group("host"), int(m.group("pid"))
-        alive = _pid_alive(pid) if host == here else None
+        alive = None
+        if host == here:
+            with _abandoned(child) as free:
+                alive = _pid_alive(pid) or not free
         out.append(TempFile(child, st.st_size, host, pid, alive))
     return out
 
@@ -205,22 +262,38 @@ def find_temps(path: PathLike) -> list[TempFile]:
 
 
 def _remove_stale(temps: Iterable[TempFile], dry_run: bool = False) -> list[tuple[Path, int]]:
+    """Remove the stale ``temps`` whose lock is still free (checked again, held while removing)."""
     removed = []
     for t in (t for t in temps if t.stale):
-        try:
+        with _abandoned(t.path) as free:
+            if not free:
+                continue
             if not dry_run:
-                t.path.unlink()
-        except FileNotFoundError:  # removed meanwhile
-            continue
+                try:
+                    t.path.unlink()
+                except FileNotFoundError:  # removed meanwhile
+                    continue
         removed.append((t.path, t.size))
     return removed
 
 
 def remove_stale_temps(path: PathLike, *, dry_run: bool = False) -> list[tuple[Path, int]]:
-    """Remove the temps (as `find_temps`) of dead writers on this host; their ``(path, bytes)``
-    (``dry_run``: remove nothing).
+    """Remove the temps (as `find_temps`) of writers on this host that are gone (no lock held,
+    no such pid here); their ``(path, bytes)`` (``dry_run``: remove nothing).
     """
     return _remove_stale(find_temps(path), dry_run)
+
+
+def _locked_temp(directory: Path, dest_name: str) -> tuple[Path, int]:
+    """A new temp file for ``dest_name`` and an open descriptor holding its exclusive lock:
+    the writer's ownership, which survives PID namespaces (`remove_stale_temps`)."""
+    while True:
+        tmp = directory / temp_name(dest_name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink:  # not removed as abandoned before the lock was taken
+            return tmp, fd
+        os.close(fd)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -248,27 +321,30 @@ def _claim_next_part(tmp: Path, directory: Path) -> Path:
 
 @contextlib.contextmanager
 def atomic_path(dest: Path, *, new_part: bool = False) -> Iterator[list[Path]]:
-    """Yield ``[tmp]`` beside ``dest``; on success move it into place (``new_part``: the next
-    free part of the directory ``dest``), append the final path and remove stale temps.
+    """Yield ``[tmp]`` beside ``dest``, locked by this writer until it is gone; on success move
+    it into place (``new_part``: the next free part of the directory ``dest``), append the
+    final path and remove stale temps.
     """
     directory = dest if new_part else dest.parent
     directory.mkdir(parents=True, exist_ok=True)
     if not new_part and dest.is_dir():
         raise IsADirectoryError(f"{dest}: expected a file path, found a directory")
-    tmp = directory / temp_name(dest.name)
+    tmp, fd = _locked_temp(directory, dest.name)
     paths = [tmp]
     try:
-        yield paths
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        if new_part:
-            paths.append(_claim_next_part(tmp, directory))
-        else:
-            os.replace(tmp, dest)
-            paths.append(dest)
+        try:
+            yield paths
+            os.fsync(fd)
+            if new_part:
+                paths.append(_claim_next_part(tmp, directory))
+            else:
+                os.replace(tmp, dest)
+                paths.append(dest)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        os.close(fd)  # the lock goes with the temp's name
     fsync_dir(directory)
     with contextlib.suppress(OSError, SchemaError):  # housekeeping never fails a write
         _remove_stale(_scan_temps(directory, _host()))

@@ -70,10 +70,11 @@ def restore(table: pa.Table, layers: Sequence[int] | None = None) -> pa.Table:
 def read_leaves(
     schema: pa.Schema, columns: Sequence[str] | None, layers: Sequence[int] | None
 ) -> list[str] | None:
-    """The Parquet column paths to read for ``columns`` and ``layers`` (``None``: all; ``step``
-    is no file column; a layer-group file reads only the groups holding ``layers``).
+    """The Parquet column paths to read for ``columns`` and ``layers`` (``None``: all; names
+    the file lacks, a root's ``step``, are skipped; a layer-group file reads only the groups
+    holding ``layers``).
     """
-    names = None if columns is None else [c for c in columns if c in schema.names or c != "step"]
+    names = None if columns is None else [c for c in columns if c in schema.names]
     info = storage_info(cast("dict[bytes, bytes] | None", schema.metadata))
     if layers is None or info is None or info["format"] != GROUP_FORMAT:
         return names

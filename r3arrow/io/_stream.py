@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from itertools import groupby, pairwise
 from pathlib import Path
@@ -33,21 +35,49 @@ DEFAULT_ROW_GROUP_BYTES = 64 << 20
 #: A piece is at most this fraction of ``max_memory``: the piece held, the next one read,
 #: the restore copy and the validation temporaries all fit in the budget.
 PIECE_FRACTION = 4
-#: Read buffer for row groups split into batches: pages stream instead of whole chunks.
-_BUFFER = 4 << 20
+#: Data page size of the writer: a row group split into batches streams page by page, so a
+#: reader holds about one page per column chunk read beside the batch.
+PAGE_BYTES = 64 << 10
+#: Read buffer per column chunk of a row group split into batches (neither whole chunks
+#: pre-buffered nor read unbuffered, which both hold the whole row group).
+_BUFFER = 64 << 10
 #: Placeholder column of a unit read for ``step`` alone (dropped by `shape`).
 ROWS_COLUMN = "__r3arrow_rows"
 
+#: (device, inode, size, mtime in ns) of an open file: what its footer was read from.
+Identity = tuple[int, int, int, int]
+#: What the readers need of a checked file: (step, path, footer, identity).
+FileRef = tuple[int | None, Path, pq.FileMetaData, Identity]
+
+
+@contextlib.contextmanager
+def open_file(path: Path, identity: Identity | None = None) -> Iterator[tuple[Any, Identity]]:
+    """``path`` opened for reading, with its `Identity`; ``identity``: that of the file whose
+    footer was read, else `SchemaError` (replaced or rewritten since: never read under a
+    footer that does not describe it)."""
+    with pa.OSFile(str(path), "r") as fh:
+        st = os.fstat(fh.fileno())
+        found = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if identity is not None and found != identity:
+            raise SchemaError(
+                f"{path}: expected the file whose footer was read (device, inode, size, "
+                f"mtime {identity}), found another ({found}): replaced or rewritten since; "
+                f"read it again",
+                path=path,
+            )
+        yield fh, found
+
 
 def open_parquet(
-    path: Path, *, buffered: bool = False, metadata: pq.FileMetaData | None = None
+    source: Any, metadata: pq.FileMetaData | None = None, *, streaming: bool = False
 ) -> pq.ParquetFile:
-    """A ParquetFile verifying page checksums; ``buffered`` streams the pages of a chunk;
-    ``metadata``: the footer, already read and checked."""
+    """A ParquetFile of an open file verifying page checksums; ``metadata``: the footer,
+    already read and checked from it; ``streaming``: pages read as batches need them."""
     return pq.ParquetFile(
-        path,
+        source,
         page_checksum_verification=True,
-        buffer_size=_BUFFER if buffered else 0,
+        buffer_size=_BUFFER if streaming else 0,
+        pre_buffer=not streaming,
         metadata=metadata,
     )
 
@@ -76,17 +106,22 @@ def row_group_bounds(table: pa.Table, target: int) -> list[tuple[int, int]]:
 
 
 def _file_units(
-    path: Path,
+    file: FileRef,
     columns: Sequence[str] | None,
     layers: Sequence[int] | None,
     target: int | None,
     batch_rows: int | None,
-    footer: pq.FileMetaData,
     row_groups: Sequence[int] | None,
 ) -> Iterator[tuple[pa.Table, int]]:
-    """(storage-form table, footer bytes) of a file's row groups, split to fit ``target``,
-    each held to the checked ``footer``'s row count."""
-    with reading(path), open_parquet(path, buffered=target is not None, metadata=footer) as pf:
+    """(storage-form table, footer bytes) of a file's row groups, split to fit ``target``
+    (streamed page by page), each held to the checked footer's row count."""
+    _, path, footer, identity = file
+    with (
+        reading(path),
+        open_file(path, identity) as (fh, _),
+        open_parquet(fh, footer) as pf,
+        open_parquet(fh, footer, streaming=True) as streamed,
+    ):
         schema = pf.schema_arrow
         leaves = read_leaves(schema, columns, layers)
         md = pf.metadata
@@ -110,7 +145,7 @@ def _file_units(
             size = rows if fits or target is None else max(1, rows * target // max(nbytes, 1))
             size = min(size, batch_rows) if batch_rows is not None else size
             seen = 0
-            for batch in pf.iter_batches(batch_size=size, row_groups=[g], columns=leaves):
+            for batch in streamed.iter_batches(batch_size=size, row_groups=[g], columns=leaves):
                 seen += batch.num_rows
                 part = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
                 yield part, nbytes * batch.num_rows // max(rows, 1)
@@ -150,13 +185,10 @@ def shape(
 
 
 def empty_piece(
-    file: tuple[int | None, Path, pq.FileMetaData],
-    columns: Sequence[str] | None,
-    layers: Sequence[int] | None,
-    validate: bool,
+    file: FileRef, columns: Sequence[str] | None, layers: Sequence[int] | None, validate: bool
 ) -> pa.Table:
-    """No rows of ``(step, path, checked footer)``, its schema under ``columns`` / ``layers``."""
-    step, path, footer = file
+    """No rows of ``file``, its schema under ``columns`` / ``layers``."""
+    step, path, footer, _ = file
     with reading(path):
         schema = footer.schema.to_arrow_schema()
         table = schema.empty_table()
@@ -179,7 +211,7 @@ def concat(parts: list[pa.Table], where: Path) -> pa.Table:
 
 
 def iter_pieces(
-    files: Sequence[tuple[int | None, Path, pq.FileMetaData]],
+    files: Sequence[FileRef],
     *,
     columns: Sequence[str] | None,
     layers: Sequence[int] | None,
@@ -189,20 +221,34 @@ def iter_pieces(
     check: bool | None = None,
     row_groups: Sequence[int] | None = None,
 ) -> Iterator[pa.Table]:
-    """The pieces `iter_rollouts` yields for ``(step, path, checked footer)`` triples;
-    ``check`` (default ``validate``): the storage null checks."""
+    """The pieces `iter_rollouts` yields for ``files`` (``max_memory`` and ``batch_rows``
+    checked now); ``check`` (default ``validate``): the storage null checks."""
     budget = None if max_memory is None else check_int(max_memory, "max_memory", minimum=1)
     target = None if budget is None else max(1, budget // PIECE_FRACTION)
     rows_cap = None if batch_rows is None else check_int(batch_rows, "batch_rows", minimum=1)
-    projected = columns is not None
     storage_check = validate if check is None else check
+    return _pieces(files, columns, layers, target, rows_cap, validate, storage_check, row_groups)
+
+
+def _pieces(
+    files: Sequence[FileRef],
+    columns: Sequence[str] | None,
+    layers: Sequence[int] | None,
+    target: int | None,
+    rows_cap: int | None,
+    validate: bool,
+    storage_check: bool,
+    row_groups: Sequence[int] | None,
+) -> Iterator[pa.Table]:
+    projected = columns is not None
     for step, group in groupby(files, key=lambda f: f[0]):
         step_files = list(group)
         pending: list[pa.Table] = []
         held = rows = 0
         emitted = False
-        for _, path, footer in step_files:
-            units = _file_units(path, columns, layers, target, rows_cap, footer, row_groups)
+        for file in step_files:
+            path = file[1]
+            units = _file_units(file, columns, layers, target, rows_cap, row_groups)
             for unit, nbytes in units:
                 if pending and (
                     (target is not None and held + nbytes > target)

@@ -9,10 +9,11 @@ cast never wraps; the routes column references each finalized trace's buffer whe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from r3arrow._routes import chunk, chunked, chunked_routes
 from r3arrow._schema import rollout_schema
@@ -27,30 +28,65 @@ def _check_rows(name: str, rows: int, found: int) -> None:
         raise SchemaError(f"{name}: expected {rows} rows (one per trajectory), found {found}")
 
 
-def _large_list(values: Any, value_type: pa.DataType, name: str, rows: int) -> pa.Array[Any]:
-    """Coerce a column of per-trajectory sequences to ``large_list<value_type>`` (nulls kept)."""
+#: The exact range of each list value type `rollout_table` converts to.
+_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "uint8": (0, 2**8 - 1)}
+
+
+def _fits(values: pa.Array[Any], typ: pa.DataType, mask: bool) -> Any:
+    """Per value of a list column's ``values``, whether it converts to ``typ`` exactly (a
+    boolean array, null stays null); ``None`` when no value of this type can: ints and
+    integral floats, and for a ``mask`` bools (``True`` is 1)."""
+    t = values.type
+    if pa.types.is_null(t) or (mask and pa.types.is_boolean(t)):
+        return pc.is_valid(values)
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+        return None
+    lo, hi = _BOUNDS[str(typ)]
+    ok: Any = pc.and_(pc.greater_equal(values, lo), pc.less_equal(values, hi))  # type: ignore[call-overload]
+    return pc.and_(ok, pc.equal(values, pc.floor(values))) if pa.types.is_floating(t) else ok
+
+
+def _large_list(
+    values: Any, value_type: pa.DataType, name: str, tids: pa.Array[Any], *, mask: bool = False
+) -> pa.Array[Any]:
+    """A column of per-trajectory sequences (Arrow, numpy arrays or Python lists, one per row
+    of ``tids``) as ``large_list<value_type>``, nulls kept; `SchemaError` naming the row for
+    a value it does not hold exactly (`_fits`)."""
     want = pa.large_list(value_type)
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
-    if isinstance(values, pa.Array):
-        arr = values
-    elif len(values) and all(isinstance(v, np.ndarray) for v in values):
-        offsets = pa.array(np.cumsum([0, *map(len, values)]), type=pa.int64())
-        arr = pa.LargeListArray.from_arrays(offsets, pa.array(np.concatenate(values)))
-    else:
-        try:
-            arr = pa.array(values, type=want)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as exc:
-            raise SchemaError(
-                f"{name}: expected a sequence of {value_type} lists, found {exc}"
-            ) from exc
-    _check_rows(name, rows, len(arr))
-    if arr.type != want:
-        try:
-            arr = arr.cast(want)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise SchemaError(f"{name}: expected {want}, found {arr.type} ({exc})") from exc
-    return arr
+    try:
+        if isinstance(values, pa.Array):
+            arr = values
+        elif len(values) and all(isinstance(v, np.ndarray) for v in values):
+            offsets = pa.array(np.cumsum([0, *map(len, values)]), type=pa.int64())
+            arr = pa.LargeListArray.from_arrays(offsets, pa.array(np.concatenate(values)))
+        else:  # types inferred, never a lossy conversion on the way in
+            arr = pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+        raise SchemaError(
+            f"{name}: expected a sequence of {value_type} lists, found {exc}"
+        ) from exc
+    _check_rows(name, len(tids), len(arr))
+    if pa.types.is_null(arr.type):  # no row has a list: the nulls are refused by validation
+        return pa.nulls(len(arr), want)
+    if not (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        raise SchemaError(f"{name}: expected {want}, found {arr.type}")
+    lists = cast("pa.LargeListArray[Any]", arr)
+    flat = lists.flatten()
+    ok = _fits(flat, value_type, mask)
+    what = "0 or 1 (bools, ints or integral floats)" if mask else f"integral {value_type} token ids"
+    if ok is None:
+        raise SchemaError(f"{name}: expected {what}, found {flat.type} values")
+    if (bad := np.flatnonzero(~ok.fill_null(True).to_numpy(zero_copy_only=False))).size:
+        starts = np.asarray(lists.offsets, dtype=np.int64)
+        row = int(np.searchsorted(starts - starts[0], bad[0], side="right")) - 1
+        raise SchemaError(
+            f"row {row}: {name}: expected {what}, found {flat[int(bad[0])].as_py()!r}",
+            row=row,
+            trajectory_id=tids[row].as_py(),
+        )
+    return lists if lists.type == want else lists.cast(want)
 
 
 def _column(values: Any, typ: pa.DataType | None, name: str, rows: int) -> pa.Array[Any]:
@@ -148,7 +184,9 @@ def rollout_table(
     **extra: Any,
 ) -> pa.Table:
     """Build and validate a rollout table (schema rollout.v1, spec in the metadata), marked
-    validated. ``routes``: per-trajectory arrays (Arrow or numpy ``[rows, L, K]``) or a
+    validated. Token ids and ``loss_mask`` (Arrow, numpy or Python lists) hold integers or
+    integral floats that fit int32 / uint8 (masks: 0 or 1, bools allowed), never converted
+    lossily. ``routes``: per-trajectory arrays (Arrow or numpy ``[rows, L, K]``) or a
     ``large_list`` column of ``spec``; neither for R3 off. Extra keyword columns follow.
     ``TypeError`` for one of ``routes`` / ``spec`` alone or a bad ``spec``; `SchemaError`,
     `RouteShapeError`, `ExpertRangeError`, `DuplicateExpertError`, `TerminalGapError` for bad
@@ -163,12 +201,13 @@ def rollout_table(
     if spec is not None and not isinstance(spec, RouteSpec):
         raise TypeError(f"rollout_table: expected spec to be a RouteSpec, found {type(spec)}")
     rows = len(trajectory_id)
+    tids = _column(trajectory_id, pa.large_string(), "trajectory_id", rows)
     cols: dict[str, pa.Array[Any] | pa.ChunkedArray[Any]] = {
-        "trajectory_id": _column(trajectory_id, pa.large_string(), "trajectory_id", rows),
+        "trajectory_id": tids,
         "group_id": _column(group_id, pa.large_string(), "group_id", rows),
-        "prompt_ids": _large_list(prompt_ids, pa.int32(), "prompt_ids", rows),
-        "response_ids": _large_list(response_ids, pa.int32(), "response_ids", rows),
-        "loss_mask": _large_list(loss_mask, pa.uint8(), "loss_mask", rows),
+        "prompt_ids": _large_list(prompt_ids, pa.int32(), "prompt_ids", tids),
+        "response_ids": _large_list(response_ids, pa.int32(), "response_ids", tids),
+        "loss_mask": _large_list(loss_mask, pa.uint8(), "loss_mask", tids, mask=True),
         "reward": _column(reward, pa.float64(), "reward", rows),
     }
     owing: Owing = []

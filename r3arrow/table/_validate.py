@@ -3,8 +3,8 @@
 In this order, so the first message names the real problem (``docs/design.md``, "The
 Arrow data model", "Ragged routes and the terminal gap", "Expert ids"): columns and types
 of rollout.v1 (a ``routes`` column iff the spec is in the metadata); no nulls at any level
-(located only on failure); ``len(loss_mask) == len(response_ids)`` and routes ``<=``
-tokens; the expert-id rules per chunk; the terminal gap. Errors set ``row`` and
+(located only on failure); ``len(loss_mask) == len(response_ids)``, mask values 0 or 1 and
+routes ``<=`` tokens; the expert-id rules per chunk; the terminal gap. Errors set ``row`` and
 ``trajectory_id`` when a trajectory is at fault, ``token`` / ``layer`` where they apply.
 """
 
@@ -198,6 +198,14 @@ def validate_table(
             f"row {i}: expected loss_mask over the {rlen[i]} response tokens, found {mlen[i]}"
         ),
     )
+    mask = np.asarray(pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False))
+    if (bad := np.flatnonzero(mask > 1)).size:
+        row = int(np.searchsorted(np.cumsum(mlen), bad[0], side="right"))
+        raise SchemaError(
+            f"row {row}: loss_mask: expected values 0 or 1, found {int(mask[bad[0]])}",
+            row=row,
+            trajectory_id=trajectory_id_at(table, row),
+        )
     if spec is None:
         return None  # R3 off: nothing is replayed, so no route rule applies
     cap = list_lengths(table.column("routes"))
@@ -216,7 +224,6 @@ def validate_table(
             check_chunk_ids(table, flat, ch, spec, base, ids)
             base += len(ch)
     # The terminal gap: a loss-active response token t needs route row t - 1.
-    mask = np.asarray(pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False))
     if mask.size and (gap := first_terminal_gap_rows(mask, mlen, plen, cap)) is not None:
         row, token = gap
         raise terminal_gap_error(

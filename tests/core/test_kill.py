@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from r3arrow.io import find_temps, read_rollouts, write_rollouts
+from r3arrow.io import TempFile, find_temps, read_rollouts, write_rollouts
 from r3arrow.spec import RouteSpec
 from r3arrow.testing import assert_rollouts_equal, random_rollouts
 
@@ -77,6 +77,12 @@ def _kill_writer(root: Path, delay: float) -> int:
     return proc.pid
 
 
+def _temps(root: Path) -> list[TempFile]:
+    """The temps beside ``r.parquet`` and in the ``run`` root's partitions."""
+    run = root / "run"
+    return find_temps(root) + (find_temps(run) if run.exists() else [])
+
+
 def _visible_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
 
@@ -91,10 +97,10 @@ def test_sigkill_at_random_moments_never_exposes_a_partial_file(tmp_path: Path) 
         killed.add(_kill_writer(tmp_path, float(delay)))
         for f in _visible_files(tmp_path):  # every final name holds a complete file
             assert_rollouts_equal(read_rollouts(f), expected)
-        saw_temp |= any(t.pid in killed for t in find_temps(tmp_path))
+        saw_temp |= any(t.pid in killed for t in _temps(tmp_path))
     # the next write to each directory removes the dead writers' temps there
     small = random_rollouts(np.random.default_rng(1), SPEC, [(2, 2, 3)])
     write_rollouts(small, tmp_path / "other.parquet")
     write_rollouts(small, tmp_path / "run", step=0)
-    assert [t for t in find_temps(tmp_path) if t.pid in killed] == []
+    assert [t for t in _temps(tmp_path) if t.pid in killed] == []
     assert saw_temp or not killed, "no kill landed mid-write: the test checked nothing"

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -629,3 +630,87 @@ def test_rollout_table_routes_round_trip_for_random_shapes_and_dtypes(
         writer.write_table(table)
     back = pa.ipc.open_file(sink.getvalue()).read_all()
     assert back.equals(table) and route_spec(back).dtype == out_spec.dtype
+
+
+# ------------------------------------------- token ids and masks: never cast lossily
+def _r3off(**change: Any) -> pa.Table:
+    base: dict[str, Any] = {
+        "trajectory_id": ["a", "b"],
+        "group_id": ["g", "g"],
+        "prompt_ids": [[1], [2]],
+        "response_ids": [[1, 2], [3]],
+        "loss_mask": [[1, 0], [1]],
+        "reward": [0.0, 1.0],
+    }
+    return rollout_table(**{**base, **change})
+
+
+def _as(kind: str, rows: list[list[Any]]) -> Any:
+    """``rows`` as Python lists, numpy arrays or an Arrow column (types as inferred)."""
+    if kind == "numpy":
+        return [np.asarray(r) for r in rows]
+    return pa.array(rows) if kind == "arrow" else rows
+
+
+@pytest.mark.parametrize("kind", ["list", "numpy", "arrow"])
+@pytest.mark.parametrize(
+    ("column", "rows", "match"),
+    [
+        ("prompt_ids", [[1], [1.5, 2.7]], r"row 1: prompt_ids: expected integral int32.*1\.5"),
+        ("prompt_ids", [[1], [2**40]], "row 1: prompt_ids: expected integral int32"),
+        ("prompt_ids", [[float("nan")], [1]], "row 0: prompt_ids.*nan"),
+        ("prompt_ids", [[True], [False]], "prompt_ids: expected integral int32.*bool"),
+        ("response_ids", [[1, 2], [3.5]], r"row 1: response_ids.*3\.5"),
+        ("loss_mask", [[0.6, 2], [1]], r"row 0: loss_mask: expected 0 or 1.*0\.6"),
+        ("loss_mask", [[1, 0], [2]], "row 1: loss_mask: expected values 0 or 1, found 2"),
+        ("loss_mask", [[1, 0], [-1]], "row 1: loss_mask: expected 0 or 1.*-1"),
+    ],
+)
+def test_token_ids_and_masks_are_refused_on_every_path_rather_than_cast(
+    kind: str, column: str, rows: list[list[Any]], match: str
+) -> None:
+    with pytest.raises(SchemaError, match=match) as info:
+        _r3off(**{column: _as(kind, rows)})
+    if "row" in match:
+        assert info.value.row == int(match.split("row ")[1][0])
+        assert info.value.trajectory_id == "ab"[info.value.row]
+
+
+@pytest.mark.parametrize("kind", ["list", "numpy", "arrow"])
+def test_integral_floats_and_bool_masks_are_held_exactly(kind: str) -> None:
+    table = _r3off(
+        prompt_ids=_as(kind, [[1.0], [2**31 - 1.0]]), loss_mask=_as(kind, [[True, False], [True]])
+    )
+    assert table.column("prompt_ids").to_pylist() == [[1], [2**31 - 1]]
+    assert table.column("loss_mask").to_pylist() == [[1, 0], [1]]
+    assert table.schema.field("loss_mask").type == pa.large_list(pa.uint8())
+
+
+@given(st.lists(st.lists(st.floats(allow_nan=True) | st.integers(-(2**40), 2**40), max_size=4)))
+def test_token_ids_are_stored_exactly_or_refused(values: list[list[float | int]]) -> None:
+    n = len(values)
+    try:
+        table = rollout_table(
+            trajectory_id=[f"t{i}" for i in range(n)],
+            group_id=["g"] * n,
+            prompt_ids=values,
+            response_ids=[[]] * n,
+            loss_mask=[[]] * n,
+            reward=[0.0] * n,
+        )
+    except SchemaError:
+        return
+    assert table.column("prompt_ids").to_pylist() == values  # never truncated or wrapped
+
+
+def test_validation_refuses_a_mask_value_other_than_0_or_1(tmp_path: Path) -> None:
+    table = _r3off()
+    mask = pa.array([[1, 0], [3]], pa.large_list(pa.uint8()))
+    bad = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask", mask)
+    with pytest.raises(SchemaError, match="row 1: loss_mask: expected values 0 or 1, found 3"):
+        validate_rollouts(bad)
+    path = tmp_path / "bad.parquet"
+    pq.write_table(bad, path, use_compliant_nested_type=False)  # a foreign writer's file
+    with pytest.raises(SchemaError, match="loss_mask: expected values 0 or 1") as info:
+        r3arrow.read_rollouts(path)
+    assert info.value.path == str(path) and info.value.row == 1
