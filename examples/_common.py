@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import orjson
 import pyarrow as pa
 
 if TYPE_CHECKING:
@@ -105,7 +106,8 @@ def parquet_stage(table: pa.Table, out: Path, stage: str) -> tuple[pa.Table, boo
 
 
 def stats_stage(table: pa.Table, stage: str) -> None:
-    from r3arrow.stats import expert_load, load_summary
+    from r3arrow.stats import expert_load, load_summary, r3_metrics
+    from r3arrow.table import captured_lengths
 
     summary = load_summary(expert_load(table, tokens="loss"))
     worst = summary.sort("max_over_mean", descending=True).row(0, named=True)
@@ -113,6 +115,10 @@ def stats_stage(table: pa.Table, stage: str) -> None:
         f"[{stage}] routing stats: {summary.height} MoE layers, most imbalanced layer "
         f"{worst['layer']} (max/mean {worst['max_over_mean']:.2f})"
     )
+    # what a training loop hands its logger each step (wandb.log, SummaryWriter, mlflow)
+    captured = max(1, int(captured_lengths(table).sum()))
+    metrics = r3_metrics(route_bytes_per_token=table.column("routes").nbytes / captured)
+    say(f"  logged metrics: {orjson.dumps(metrics).decode()}")
 
 
 def collate(spec: RouteSpec, table: pa.Table) -> tuple[list[pa.Table], list[Microbatch]]:

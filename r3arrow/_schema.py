@@ -29,6 +29,10 @@ SCHEMA_VERSION = "rollout.v1"
 VERSION_KEY = b"r3arrow.schema"
 #: Schema metadata key of a layer-projected table's global layer ids (`route_layers`).
 ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
+#: Optional extra columns (``docs/mismatch.md``): the rollout engine's and the trainer's
+#: log-prob of each response token, ``list<float32>`` one per response token.
+ROLLOUT_LOGPROBS = "rollout_logprobs"
+TRAIN_LOGPROBS = "train_logprobs"
 
 
 def rollout_schema(spec: RouteSpec | None, extra: Sequence[pa.Field[Any]] = ()) -> pa.Schema:

@@ -345,8 +345,12 @@ def plot_disagreement(
     path: PathLike,
     *,
     title: str | None = None,
+    mismatch: Mapping[int, Mapping[str, float]] | None = None,
 ) -> Path:
     """Disagreement per router layer (the R3 paper's quantities), ``r3arrow diagnose``'s PNG.
+
+    ``mismatch``: step -> `r3arrow.stats.logprob_mismatch` dict, drawn beside it: the
+    fraction of loss tokens with |Δ| > ln 2 as a line over steps (one step: in the title).
 
     ``agreement``: step -> `RouteAgreement`. One step: bars per layer of the router
     decisions that differ (``1 - overlap / (tokens * K)``) and the tokens whose top-k set
@@ -370,6 +374,11 @@ def plot_disagreement(
                 "router decisions that differ (worst layer)": np.nanmax(decisions, axis=0),
                 "tokens differing on ≥ 1 layer": anywhere,
             }
+            if mismatch:
+                lines["log-prob |Δ| > ln 2 (fraction of loss tokens)"] = np.array(
+                    [mismatch.get(s, {}).get("frac_abs_gt_ln2", np.nan) for s in steps], float
+                )
+                anywhere = np.concatenate([anywhere, np.nan_to_num(lines[next(reversed(lines))])])
         top = np.nanmax(np.concatenate([decisions.ravel(), anywhere, [0.01]]))
         return _lines_and_heatmap(
             out,
@@ -399,7 +408,11 @@ def plot_disagreement(
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     head = title or f"Routing disagreement (step {steps[0]}, {first.tokens} tokens)"
-    ax.set_title(f"{head}\ntokens differing on ≥ 1 layer: {anywhere[0]:.1%}", fontsize=10)
+    sub = f"tokens differing on ≥ 1 layer: {anywhere[0]:.1%}"
+    lp = (mismatch or {}).get(steps[0])
+    if lp is not None and lp["frac_abs_gt_ln2"] == lp["frac_abs_gt_ln2"]:
+        sub += f"; log-prob |Δ| > ln 2: {lp['frac_abs_gt_ln2']:.1%}, k3 {lp['k3']:.3g}"
+    ax.set_title(f"{head}\n{sub}", fontsize=10)
     return _save(fig, out)
 
 

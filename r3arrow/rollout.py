@@ -15,10 +15,10 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_positive_int
-from r3arrow._schema import list_lengths
+from r3arrow._schema import ROLLOUT_LOGPROBS, list_lengths
 from r3arrow.capture import TurnStore
 from r3arrow.client import EngineClient, GenerateOutput
-from r3arrow.errors import RouteShapeError
+from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import rollout_table
 
@@ -204,9 +204,49 @@ async def run_trajectory(
     )
 
 
+def _rollout_logprobs(trajectories: Sequence[Trajectory]) -> dict[str, pa.Array[Any]]:
+    """``{"rollout_logprobs": list<float32>}`` when every turn of every trajectory carried the
+    engine's log-probs (0.0 on observation tokens, loss mask 0), ``{}`` when none did;
+    `SchemaError` (``trajectory_id``, ``row``) for a mix."""
+    has = [[o.logprobs is not None for o in t.outputs] for t in trajectories]
+    flat = [h for row in has for h in row]
+    if not flat or not any(flat):
+        return {}
+    if not all(flat):
+        row = next(i for i, h in enumerate(has) if not all(h))
+        raise SchemaError(
+            f"trajectory {trajectories[row].trajectory_id!r}: expected log-probs on every "
+            f"engine turn or on none (column {ROLLOUT_LOGPROBS!r}), found turns without",
+            trajectory_id=trajectories[row].trajectory_id,
+            row=row,
+        )
+    values: list[np.ndarray] = []
+    lengths: list[int] = []
+    for t in trajectories:
+        mask = np.asarray(t.loss_mask, np.uint8).astype(bool)
+        lps = [np.asarray(o.logprobs, np.float32) for o in t.outputs]
+        sampled = np.concatenate(lps) if lps else np.zeros(0, np.float32)
+        row_values = np.zeros(mask.size, np.float32)
+        if sampled.size != int(mask.sum()):
+            raise SchemaError(
+                f"trajectory {t.trajectory_id!r}: expected one log-prob per generated token "
+                f"({int(mask.sum())}), found {sampled.size}",
+                trajectory_id=t.trajectory_id,
+            )
+        row_values[mask] = sampled
+        values.append(row_values)
+        lengths.append(mask.size)
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    flat_values = np.concatenate(values) if values else np.zeros(0, np.float32)
+    arr = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(flat_values, pa.float32()))
+    return {ROLLOUT_LOGPROBS: arr}
+
+
 def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> pa.Table:
-    """The rollout table of ``trajectories`` in order, routes from ``store``, plus ``num_turns``
-    and ``stop``; `RouteShapeError` (``trajectory_id``, ``row``) where the store disagrees.
+    """The rollout table of ``trajectories`` in order, routes from ``store``, plus ``num_turns``,
+    ``stop`` and, when every engine turn returned log-probs (``sampling_params`` asking for
+    them), ``rollout_logprobs`` (``docs/mismatch.md``); `RouteShapeError` (``trajectory_id``,
+    ``row``) where the store disagrees.
     """
     ids = [t.trajectory_id for t in trajectories]
     routes = store.routes_chunked(ids)
@@ -232,6 +272,7 @@ def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> 
         spec=store.spec,
         num_turns=pa.array([t.num_turns for t in trajectories], type=pa.int32()),
         stop=pa.array([t.stop for t in trajectories], type=pa.large_string()),
+        **_rollout_logprobs(trajectories),
     )
 
 

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from r3arrow._checks import check_choice
 from r3arrow._routes import dummy_route_row
-from r3arrow._schema import ROLLOUT_COLUMNS, list_lengths
+from r3arrow._schema import ROLLOUT_COLUMNS, ROLLOUT_LOGPROBS, list_lengths
 from r3arrow.adapters._arrays import check_unique, host, id_strings, number, vector
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
@@ -29,8 +29,8 @@ from r3arrow.table import captured_lengths, flat_routes, rollout_table, route_sp
 
 __all__ = ["from_samples", "to_samples"]
 
-#: Extra column for ``Sample.rollout_log_probs``.
-LOGPROBS_COLUMN = "rollout_log_probs"
+#: The ``Sample`` field of the engine's log-probs (column ``rollout_logprobs``).
+LOGPROBS_FIELD = "rollout_log_probs"
 #: The ``Sample`` fields the rollout columns hold (every other field is an extra column).
 MAPPED_FIELDS = (
     "group_index",
@@ -39,7 +39,7 @@ MAPPED_FIELDS = (
     "response_length",
     "loss_mask",
     "reward",
-    LOGPROBS_COLUMN,
+    LOGPROBS_FIELD,
     "rollout_routed_experts",
 )
 # Schema metadata: the extra columns holding their field as JSON text (orjson).
@@ -121,7 +121,8 @@ def from_samples(
     None; unique), ``group_id`` is ``str(group_index)`` (required). The prompt is
     ``tokens[:len(tokens) - response_length]``. Every ``rollout_routed_experts`` row is
     captured (slime gives ``len(tokens) - 1`` rows). ``rollout_log_probs`` (one per
-    response token) becomes a float32 extra column when a sample has it. Every other
+    response token) becomes the float32 column ``rollout_logprobs`` when a sample has
+    it. Every other
     field not None in some sample becomes an extra column of its ``to_dict()`` values,
     as JSON text where Arrow would not give them back unchanged (dicts with differing
     keys, say); ``ignore`` leaves fields out. Raises `TypeError` for a bad spec,
@@ -178,19 +179,19 @@ def from_samples(
                 row=i,
             ) from exc
         routes.append(arr.reshape(0, *spec.row_shape).astype(spec.dtype) if not arr.size else arr)
-        lp = f.get(LOGPROBS_COLUMN)
+        lp = f.get(LOGPROBS_FIELD)
         if lp is not None:
-            lp = vector(lp, f"samples[{i}].{LOGPROBS_COLUMN}", i, "float").astype(np.float32)
+            lp = vector(lp, f"samples[{i}].{LOGPROBS_FIELD}", i, "float").astype(np.float32)
             if len(lp) != rlen:
                 raise SchemaError(
-                    f"samples[{i}].{LOGPROBS_COLUMN}: expected one per response token "
+                    f"samples[{i}].{LOGPROBS_FIELD}: expected one per response token "
                     f"({rlen}), found {len(lp)}",
                     row=i,
                 )
         logprobs.append(lp)
     extra: dict[str, Any] = {}
     if any(lp is not None for lp in logprobs):
-        extra[LOGPROBS_COLUMN] = pa.array(logprobs, type=pa.large_list(pa.float32()))
+        extra[ROLLOUT_LOGPROBS] = pa.array(logprobs, type=pa.large_list(pa.float32()))
     as_json: list[str] = []
     names = dict.fromkeys(n for f in fields for n in f)
     for name in [n for n in names if n not in MAPPED_FIELDS and n not in ignore]:
@@ -232,7 +233,7 @@ def _extras(table: pa.Table) -> dict[str, list[Any]]:
         raise SchemaError(f"metadata {_JSON_KEY.decode()!r}: expected a JSON list") from exc
     out: dict[str, list[Any]] = {}
     for name in table.schema.names:
-        if name in ROLLOUT_COLUMNS or name == LOGPROBS_COLUMN:
+        if name in ROLLOUT_COLUMNS or name == ROLLOUT_LOGPROBS:
             continue
         if name in MAPPED_FIELDS:
             raise ValueError(
@@ -254,8 +255,8 @@ def to_samples(table: pa.Table, *, fill_gap: bool = False, as_dataclass: str = "
 
     Each carries ``tokens`` (prompt + response, list[int]), ``response_length``,
     ``loss_mask`` (list[int]), ``reward`` (float), ``index`` and ``group_index`` (int
-    when the id is an integer string, else the string), ``rollout_log_probs`` (when the
-    table has that column, else None), ``rollout_routed_experts``: int32
+    when the id is an integer string, else the string), ``rollout_log_probs`` (from the
+    table's ``rollout_logprobs`` column, else None), ``rollout_routed_experts``: int32
     ``[len(tokens) - 1, L, K]`` (numpy in a dict, a torch tensor in slime's ``Sample``),
     and one field per other extra column (`from_samples`' unmapped fields; one named like
     a field above raises ``ValueError``).
@@ -309,8 +310,8 @@ def to_samples(table: pa.Table, *, fill_gap: bool = False, as_dataclass: str = "
     rewards = table.column("reward").to_pylist()
     groups: list[Any] = table.column("group_id").to_pylist()
     logprobs = (
-        table.column(LOGPROBS_COLUMN).to_pylist()
-        if LOGPROBS_COLUMN in table.column_names
+        table.column(ROLLOUT_LOGPROBS).to_pylist()
+        if ROLLOUT_LOGPROBS in table.column_names
         else [None] * table.num_rows
     )
     samples: list[Any] = []
@@ -323,7 +324,7 @@ def to_samples(table: pa.Table, *, fill_gap: bool = False, as_dataclass: str = "
             "response_length": int(rlen[i]),
             "loss_mask": masks[i],
             "reward": rewards[i],
-            LOGPROBS_COLUMN: logprobs[i],
+            LOGPROBS_FIELD: logprobs[i],
             "rollout_routed_experts": experts,
             **{name: column[i] for name, column in extras.items()},
         }

@@ -27,7 +27,7 @@ from r3arrow._extras import require
 with require(extra="torch", feature="r3arrow.adapters.verl"):
     import torch
 
-from r3arrow._schema import ROLLOUT_COLUMNS, list_lengths
+from r3arrow._schema import ROLLOUT_COLUMNS, ROLLOUT_LOGPROBS, TRAIN_LOGPROBS, list_lengths
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.adapters._arrays import check_unique, flat_values, id_strings, scatter
 from r3arrow.errors import RouteShapeError, SchemaError
@@ -59,6 +59,10 @@ LAYOUT_KEYS: tuple[str, ...] = (
     "rm_scores",
     "routed_experts",
 )
+# verl's log-prob batch keys and the rollout-table columns they are (both ways).
+_LOGPROB_COLUMNS = {"rollout_log_probs": ROLLOUT_LOGPROBS, "old_log_probs": TRAIN_LOGPROBS}
+_LOGPROB_KEYS = {column: key for key, column in _LOGPROB_COLUMNS.items()}
+
 # Schema metadata: each extra column's kind and dtype in a DataProto, for the way back.
 _META_KEY = b"r3arrow.verl.keys"
 _ROUTES_DTYPE = torch.int16
@@ -379,6 +383,11 @@ def from_dataproto(
     # the keys the core columns came from are no extras
     skip = {*ignore, CAPTURED_KEY, trajectory_key, group_key}
     extra, meta = _extras(batch, non_tensor, rows, resp_att, rlen, skip - {None})
+    for key, column in _LOGPROB_COLUMNS.items():
+        if key in extra and column in extra:
+            raise SchemaError(f"batch[{key!r}] and batch[{column!r}]: both would be {column!r}")
+    extra = {_LOGPROB_COLUMNS.get(k, k): v for k, v in extra.items()}
+    meta = {_LOGPROB_COLUMNS.get(k, k): v for k, v in meta.items()}
     stored = _stored_schema(getattr(data, "meta_info", None))
     extra, user_meta = _restore(extra, stored)
     tid = _ids(non_tensor, trajectory_key, rows) or [str(i) for i in range(rows)]
@@ -544,15 +553,16 @@ def to_dataproto(
             )
         how = meta.get(name, {"kind": "non_tensor", "dtype": None})
         column = table.column(name)
+        key = _LOGPROB_KEYS.get(name, name)
         if how["kind"] == "non_tensor":
-            non_tensor[name] = _non_tensor(column, how["dtype"])
+            non_tensor[key] = _non_tensor(column, how["dtype"])
             continue
         dtype = getattr(torch, how["dtype"].removeprefix("torch."))
         if how["kind"] == "scalar":
             # a copy: Arrow's buffers are read-only and torch wants writable memory
-            tensors[name] = torch.from_numpy(np.array(column.to_numpy())).to(dtype)
+            tensors[key] = torch.from_numpy(np.array(column.to_numpy())).to(dtype)
         else:
-            tensors[name] = torch.from_numpy(_dense(column, (rows, width_r), zeros, 0)).to(dtype)
+            tensors[key] = torch.from_numpy(_dense(column, (rows, width_r), zeros, 0)).to(dtype)
     batch = tensordict.TensorDict(tensors, batch_size=[rows])
     # The schema rides in meta_info so from_dataproto restores extra column types and user
     # metadata exactly (Arrow IPC schema bytes: no pickle).

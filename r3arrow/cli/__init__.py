@@ -121,12 +121,14 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     path = Path(args.path)
     check_input(path)
     source, per_step = diag.load_agreements(path, args.source)
-    info = diag.report(source, per_step)
+    mismatch = diag.load_mismatch(path)
+    info = diag.report(source, per_step, mismatch or None)
     png = None
     if args.png:
         from r3arrow.plot import plot_disagreement
 
-        png = plot_disagreement(per_step, args.png, title=f"Routing disagreement: {path.name}")
+        title = f"Routing disagreement: {path.name}"
+        png = plot_disagreement(per_step, args.png, title=title, mismatch=mismatch or None)
     if args.json:
         out = {**info, "png": str(png) if png is not None else None}
         return _print_json(out)

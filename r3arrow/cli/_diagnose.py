@@ -104,8 +104,35 @@ def _quantities(a: RouteAgreement) -> dict[str, float]:
     }
 
 
-def report(source: str, per_step: Mapping[int, RouteAgreement]) -> dict[str, Any]:
-    """JSON-ready report: totals, per step, per layer (fractions as floats)."""
+#: The log-prob mismatch metrics printed beside each step's disagreement.
+MISMATCH_SHOWN = ("k3", "frac_abs_gt_ln2", "token_mult_prob_error")
+
+
+def load_mismatch(path: Path) -> dict[int, dict[str, float]]:
+    """``step -> mismatch row`` of the ``train_vs_rollout`` (or only) mismatch diagnostics
+    under ``path`` (`r3arrow.io.read_diagnostics` with ``kind="mismatch"``); {} for none."""
+    from r3arrow.io import read_diagnostics
+
+    if not path.is_dir():
+        return {}
+    table = read_diagnostics(path, kind="mismatch")
+    rows: list[dict[str, Any]] = table.to_pylist()
+    sources = sorted({r["source"] for r in rows})
+    pick = "train_vs_rollout" if "train_vs_rollout" in sources else (sources or [None])[0]
+    return {
+        int(r["step"]): {k: v for k, v in r.items() if k not in ("step", "source")}
+        for r in rows
+        if r["source"] == pick
+    }
+
+
+def report(
+    source: str,
+    per_step: Mapping[int, RouteAgreement],
+    mismatch: Mapping[int, Mapping[str, float]] | None = None,
+) -> dict[str, Any]:
+    """JSON-ready report: totals, per step (with ``mismatch``: each step's log-prob mismatch
+    row under ``"mismatch"``, None for a step without one), per layer (fractions as floats)."""
     total = functools.reduce(operator.add, (per_step[s] for s in sorted(per_step)))
     with np.errstate(all="ignore"):
         decisions = 1.0 - total.mean_overlap
@@ -114,7 +141,14 @@ def report(source: str, per_step: Mapping[int, RouteAgreement]) -> dict[str, Any
         "source": source,
         "topk": total.topk,
         "total": _quantities(total),
-        "steps": [{"step": s, **_quantities(per_step[s])} for s in sorted(per_step)],
+        "steps": [
+            {
+                "step": s,
+                **_quantities(per_step[s]),
+                **({} if mismatch is None else {"mismatch": _finite(mismatch.get(s))}),
+            }
+            for s in sorted(per_step)
+        ],
         "layers": [
             {
                 "layer": int(layer),
@@ -126,6 +160,20 @@ def report(source: str, per_step: Mapping[int, RouteAgreement]) -> dict[str, Any
     }
 
 
+def _finite(row: Mapping[str, float] | None) -> dict[str, float | None] | None:
+    """A mismatch row with NaN as None (JSON has no NaN)."""
+    if row is None:
+        return None
+    return {k: (None if v != v else float(v)) for k, v in row.items()}
+
+
+def _mismatch_cells(row: Mapping[str, Any] | None) -> str:
+    if row is None:
+        return "   " + "-".rjust(12) * len(MISMATCH_SHOWN)
+    cells = ("n/a" if row[k] is None else f"{row[k]:.4g}" for k in MISMATCH_SHOWN)
+    return "   " + "".join(c.rjust(12) for c in cells)
+
+
 def print_report(path: Path, info: Mapping[str, Any]) -> None:
     """The human-readable form of `report`."""
     t = info["total"]
@@ -135,12 +183,17 @@ def print_report(path: Path, info: Mapping[str, Any]) -> None:
     print(f"  tokens compared:                         {t['tokens']}")
     print(f"  router decisions that differ:            {t['decisions_differ']:.2%}")
     print(f"  tokens differing on at least one layer:  {t['tokens_differ_any_layer']:.2%}")
-    if len(steps) > 1:
-        print("  step   tokens   decisions differ   tokens differ (any layer)")
+    with_lp = any("mismatch" in s for s in steps)
+    if len(steps) > 1 or with_lp:
+        head = "  step   tokens   decisions differ   tokens differ (any layer)"
+        if with_lp:
+            head += "   " + "".join(k.rjust(12) for k in ("lp k3", "|Δ|>ln2", "mult_err"))
+        print(head)
         for s in steps:
             print(
                 f"  {s['step']:>4} {s['tokens']:>8}   {s['decisions_differ']:>16.2%}"
                 f"   {s['tokens_differ_any_layer']:>25.2%}"
+                + (_mismatch_cells(s.get("mismatch")) if with_lp else "")
             )
     print("  layer   decisions differ   top-k set differs")
     for row in info["layers"]:
@@ -151,9 +204,11 @@ def print_report(path: Path, info: Mapping[str, Any]) -> None:
 
 
 __all__ = [
+    "MISMATCH_SHOWN",
     "TRAIN_ROUTES",
     "agreements_from_table",
     "load_agreements",
+    "load_mismatch",
     "print_report",
     "report",
 ]

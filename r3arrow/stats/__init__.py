@@ -1,4 +1,5 @@
-"""Routing analytics: expert load, imbalance, entropy, drift and route agreement.
+"""Routing analytics: expert load, imbalance, entropy, drift and route agreement, the
+train-vs-rollout log-prob mismatch (`logprob_mismatch`) and one logger dict (`r3_metrics`).
 
 Every statistic is a sum of partials that add up exactly (`ExpertCounts`,
 `RouteAgreement`): a table is processed record batch by record batch, a Parquet file or
@@ -34,6 +35,8 @@ from r3arrow.stats._api import (
 )
 from r3arrow.stats._counts import ExpertCounts, count_routes
 from r3arrow.stats._interop import routes_torch, to_polars
+from r3arrow.stats._metrics import r3_metrics
+from r3arrow.stats._mismatch import logprob_mismatch
 from r3arrow.stats._selection import TokenSubset, token_selection
 from r3arrow.stats._summaries import (
     agreement_over_steps,
@@ -60,6 +63,8 @@ __all__ = [
     "hot_experts",
     "load_drift",
     "load_summary",
+    "logprob_mismatch",
+    "r3_metrics",
     "route_agreement",
     "route_agreement_by_step",
     "routes_torch",

@@ -311,3 +311,28 @@ def test_groups_stick_to_one_server_and_prefixes_share_a_store(engine: Reference
     # greedy: both batches are the same conversations, with the same routes, from one shared store
     assert first.column("routes").equals(second.column("routes"))
     assert store.num_turns == 2 * 18 * 2
+
+
+def test_rollout_table_carries_the_engines_logprobs_when_asked(
+    engine: ReferenceEngine, server: EngineServer
+) -> None:
+    env = ArithmeticEnv(vocab_size=512, turns=2, observation_len=3)
+    prompts = [list(range(100, 108)), list(range(200, 206))]
+
+    async def main(sp: dict[str, Any]) -> pa.Table:
+        async with EngineClient(server.url, engine.spec) as client:
+            return await run_rollouts(client, env, prompts, max_turns=4, sampling_params=sp)
+
+    table = run(main({**SP, "logprobs": 0}))
+    assert table.schema.field("rollout_logprobs").type == pa.large_list(pa.float32())
+    lps, masks = pylist(table.column("rollout_logprobs")), pylist(table.column("loss_mask"))
+    for lp, mask in zip(lps, masks, strict=True):
+        assert len(lp) == len(mask)  # one per response token
+        assert all(v == 0.0 for v, m in zip(lp, mask, strict=True) if m == 0)
+        assert all(v <= 0.0 for v in lp) and any(v < 0.0 for v in lp)
+    # the engine's own log-prob of each sampled token, turn by turn
+    out = engine.generate(prompts[0], max_tokens=4, temperature=0.0, logprobs=True)
+    first = [v for v, m in zip(lps[0], masks[0], strict=True) if m][:4]
+    assert first == pytest.approx(out.logprobs, abs=1e-6)
+    # without logprobs asked the column is absent
+    assert "rollout_logprobs" not in run(main(SP)).schema.names

@@ -277,12 +277,16 @@ def test_extra_keys_keep_their_kind_and_dtype() -> None:
     data.batch["rollout_log_probs"] = -torch.rand(3, 7, dtype=torch.float32) * (
         data.batch["attention_mask"][:, 6:] > 0
     )
+    data.batch["old_log_probs"] = data.batch["rollout_log_probs"] * 0.5
     data.batch["seq_score"] = torch.tensor([1, 2, 3], dtype=torch.int32)
     data.non_tensor_batch["__num_turns__"] = np.array([2, 2, 4], dtype=np.int32)
     data.non_tensor_batch["data_source"] = np.array(["gsm8k", "math", "gsm8k"], dtype=object)
     table = from_dataproto(data, SPEC)
-    assert list_lengths(table.column("rollout_log_probs")).tolist() == [4, 2, 6]
+    # verl's log-prob keys land in the rollout table's log-prob columns, and go back
+    assert list_lengths(table.column("rollout_logprobs")).tolist() == [4, 2, 6]
+    assert "rollout_log_probs" not in table.column_names
     assert table.schema.field("seq_score").type == pa.int32()
+    assert list_lengths(table.column("train_logprobs")).tolist() == [4, 2, 6]
     back = to_dataproto(table, pad_token_id=PAD, **_widths(data))
     _assert_same_tensors(data, back)
     turns = back.non_tensor_batch["__num_turns__"]
