@@ -1,10 +1,11 @@
 """Cost of the portable routes layout (`write_rollouts(portable=True)`) vs the default storage.
 
-The default stores each trajectory's routes as layer groups of binary columns (docs/storage.md);
-the portable layout stores plain nested integer lists that pandas, Polars, DuckDB and HF ``datasets`` read as
-integers (docs/portable.md). Both are written and read through r3arrow in the same run, with the
-machine's memory-copy speed, and reported as ratios (portable / default, and each / memcpy of the
-route bytes), file sizes and the Arrow pool's peak.
+The default stores each trajectory's routes as layer groups of binary columns
+(docs/storage.md); the portable layout stores plain nested integer lists that pandas, Polars,
+DuckDB and HF ``datasets`` read as integers (docs/portable.md). Both are written and read
+through r3arrow in the same run, with the machine's memory-copy speed, and reported as ratios
+(portable / default, and each / memcpy of the route bytes), file sizes and the Arrow pool's
+peak.
 
     python benchmarks/bench_portable.py [--quick] [--json]
 """
