@@ -67,7 +67,8 @@ _LOGPROB_KEYS = {column: key for key, column in _LOGPROB_COLUMNS.items()}
 _META_KEY = b"r3arrow.verl.keys"
 _ROUTES_DTYPE = torch.int16
 _INSTALL = (
-    "verl is not installed: pip install --no-deps verl==0.9.1 and -r ci/verl-requirements.txt"
+    "verl is not installed: pip install verl (DataProto alone: pip install --no-deps "
+    "verl==0.9.1 'tensordict>=0.8,<=0.10,!=0.9.0' omegaconf)"
 )
 
 
