@@ -33,6 +33,18 @@ ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
 #: log-prob of each response token, ``list<float32>`` one per response token.
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 TRAIN_LOGPROBS = "train_logprobs"
+#: The float metrics of a log-prob mismatch, in order (`r3arrow.stats.logprob_mismatch`'s keys
+#: after ``tokens``; the columns of a stored mismatch row; ``docs/mismatch.md``).
+MISMATCH_FLOATS = (
+    "k1",
+    "k2",
+    "k3",
+    "abs_mean",
+    "abs_max",
+    "frac_abs_gt_ln2",
+    "token_mult_prob_error",
+    "js_divergence",
+)
 
 
 def rollout_schema(spec: RouteSpec | None, extra: Sequence[pa.Field[Any]] = ()) -> pa.Schema:

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3arrow._checks import check_int, check_regular
+from r3arrow._schema import MISMATCH_FLOATS
 from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
 from r3arrow.io._layout import atomic_path, check_step, dir_step
@@ -56,21 +57,10 @@ DIAGNOSTICS_SCHEMA = pa.schema(
 #: Default ``source`` of a mismatch: the trainer's log-probs against the engine's.
 TRAIN_VS_ROLLOUT = "train_vs_rollout"
 MISMATCH_VERSION = b"mismatch.v1"
-#: The float fields of a mismatch row (the keys of an `r3arrow.stats.logprob_mismatch` dict).
-_MISMATCH_FLOATS = (
-    "k1",
-    "k2",
-    "k3",
-    "abs_mean",
-    "abs_max",
-    "frac_abs_gt_ln2",
-    "token_mult_prob_error",
-    "js_divergence",
-)
 #: One row per step and source: tokens and the mismatch metrics (NaN when tokens is 0).
 MISMATCH_SCHEMA = pa.schema(
     [pa.field("step", pa.int64(), nullable=False), pa.field("tokens", pa.int64(), nullable=False)]
-    + [pa.field(name, pa.float64(), nullable=False) for name in _MISMATCH_FLOATS]
+    + [pa.field(name, pa.float64(), nullable=False) for name in MISMATCH_FLOATS]
     + [pa.field("source", pa.string(), nullable=False)]
 )
 
@@ -135,7 +125,7 @@ def _agreement_table(step: int, agreement: Any, source: str) -> pa.Table:
 def _mismatch_table(step: int, mismatch: Mapping[Any, Any], source: str) -> pa.Table:
     """The one row of a mismatch dict; ``TypeError`` for a foreign one, ``ValueError`` for
     NaN where tokens > 0 (or a number where tokens is 0)."""
-    want = {"tokens", *_MISMATCH_FLOATS}
+    want = {"tokens", *MISMATCH_FLOATS}
     if set(mismatch) != want:
         raise TypeError(
             f"agreement: expected an r3arrow.stats.RouteAgreement or a logprob_mismatch dict "
@@ -149,7 +139,7 @@ def _mismatch_table(step: int, mismatch: Mapping[Any, Any], source: str) -> pa.T
         "step": [step],
         "tokens": [check_int(tokens, "mismatch['tokens']", minimum=0, maximum=_INT64_MAX)],
     }
-    for name in _MISMATCH_FLOATS:
+    for name in MISMATCH_FLOATS:
         value = mismatch[name]
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"mismatch[{name!r}]: expected a float, found {value!r:.40}")

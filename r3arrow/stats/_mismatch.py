@@ -16,7 +16,13 @@ from typing import Any, Literal, cast, overload
 import numpy as np
 import pyarrow as pa
 
-from r3arrow._schema import ROLLOUT_LOGPROBS, TRAIN_LOGPROBS, list_lengths, trajectory_id_at
+from r3arrow._schema import (
+    MISMATCH_FLOATS,
+    ROLLOUT_LOGPROBS,
+    TRAIN_LOGPROBS,
+    list_lengths,
+    trajectory_id_at,
+)
 from r3arrow._typing import TableLike
 from r3arrow.errors import SchemaError
 from r3arrow.stats._sources import check_budget, iter_source
@@ -25,17 +31,7 @@ _COLUMNS = ["response_ids", "loss_mask", ROLLOUT_LOGPROBS, TRAIN_LOGPROBS]
 _LN2 = math.log(2.0)
 
 #: The keys of a mismatch dict, in order (``docs/mismatch.md`` defines each).
-MISMATCH_KEYS: tuple[str, ...] = (
-    "tokens",
-    "k1",
-    "k2",
-    "k3",
-    "abs_mean",
-    "abs_max",
-    "frac_abs_gt_ln2",
-    "token_mult_prob_error",
-    "js_divergence",
-)
+MISMATCH_KEYS: tuple[str, ...] = ("tokens", *MISMATCH_FLOATS)
 
 
 @dataclasses.dataclass
