@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import os
 import re
 import socket
@@ -16,6 +15,11 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): a temp's owner is its pid/host hint alone
+    fcntl = None  # type: ignore[assignment]
 
 from r3arrow._checks import check_int, check_regular
 from r3arrow._typing import PathLike
@@ -185,7 +189,10 @@ def _pid_alive(pid: int) -> bool:
 
 def _try_lock(fd: int) -> bool:
     """Take the exclusive lock of the open temp ``fd`` without waiting; False if a writer holds
-    it, or if the file system cannot lock (ownership unknown: the temp is kept)."""
+    it, or if the file system cannot lock (ownership unknown: the temp is kept). Without
+    flock (Windows) True: the pid hint alone decides."""
+    if fcntl is None:
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # BlockingIOError: held; ENOLCK, EOPNOTSUPP: no locks here
@@ -290,7 +297,10 @@ def _locked_temp(directory: Path, dest_name: str) -> tuple[Path, int]:
     while True:
         tmp = directory / temp_name(dest_name)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if fcntl is not None:
+            # ENOLCK, EOPNOTSUPP: this file system has no locks; removal then keeps the temp
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
         if os.fstat(fd).st_nlink:  # not removed as abandoned before the lock was taken
             return tmp, fd
         os.close(fd)
