@@ -93,13 +93,13 @@ def _partial(batch: TableLike) -> _Partial:
         )
     want = list_lengths(batch.column("response_ids"))
     for name in ("loss_mask", ROLLOUT_LOGPROBS, TRAIN_LOGPROBS):
-        bad = np.flatnonzero(list_lengths(batch.column(name)) != want)
+        got = list_lengths(batch.column(name))
+        bad = np.flatnonzero(got != want)
         if bad.size:
             row = int(bad[0])
             raise SchemaError(
                 f"column {name!r}: expected one value per response token "
-                f"({int(want[row])}) in row {row}, found "
-                f"{len(batch.column(name)[row].values)}",
+                f"({int(want[row])}) in row {row}, found {int(got[row])}",
                 row=row,
                 trajectory_id=trajectory_id_at(batch, row),
             )
