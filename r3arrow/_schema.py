@@ -47,6 +47,78 @@ MISMATCH_FLOATS = (
 )
 
 
+#: Default diagnostics ``source`` of a mismatch: the trainer's log-probs against the engine's.
+TRAIN_VS_ROLLOUT = "train_vs_rollout"
+#: The agreement source of mismatch source ``S``'s own routing is ``S + ROUTING_SUFFIX``
+#: (a step's file per source holds one kind, so the two cannot share a name); ``r3arrow
+#: diagnose`` pairs them, the demo writes them.
+ROUTING_SUFFIX = "_routing"
+#: Optional column (``docs/fallback.md``): ``large_list<uint8>``, one entry per ``routes`` row,
+#: 1 where the engine delivered no route for that token. Its ``routes`` row then holds the
+#: placeholder of `placeholder_rows` (ids ``0..K-1`` on every layer), which never replays.
+ROUTES_MISSING = "routes_missing"
+#: Schema metadata key of a table whose routes may have missing rows (value ``b"1"``): a
+#: table that carries it without the ``routes_missing`` column is refused, so dropping the
+#: column can never turn placeholders into routes.
+MISSING_KEY = b"r3arrow.routes_missing"
+
+
+def placeholder_rows(spec: RouteSpec, n: int) -> np.ndarray:
+    """The ``[n, L, K]`` rows (``spec.dtype``) a missing token route holds: ``0..K-1`` on every
+    layer, in range and distinct, so every id check passes and only the mark says they are
+    not routes."""
+    row = np.arange(spec.topk, dtype=spec.dtype)
+    return np.broadcast_to(row, (n, spec.num_layers, spec.topk)).copy()
+
+
+def missing_routes(table: pa.Table | pa.RecordBatch) -> np.ndarray | None:
+    """The flat uint8 ``[T]`` marks of a table's route rows (1 = missing), aligned with the
+    flattened ``routes`` column; None when the table has no ``routes_missing`` column (and no
+    `MISSING_KEY`). `SchemaError` when the key is there without the column, the column is not
+    a list of 0/1 ``uint8`` with one entry per route row, or a list is null."""
+    names = table.schema.names
+    if ROUTES_MISSING not in names:
+        if MISSING_KEY in (table.schema.metadata or {}):
+            raise SchemaError(
+                f"expected a {ROUTES_MISSING!r} column (metadata {MISSING_KEY.decode()!r} says "
+                f"some route rows are placeholders for missing routes), found none (columns "
+                f"{names}); read or select it with 'routes'"
+            )
+        return None
+    require_routes(table, ROUTES_MISSING)
+    col = table.column(ROUTES_MISSING)
+    value_type = getattr(col.type, "value_type", None)
+    if not (pa.types.is_large_list(col.type) or pa.types.is_list(col.type)) or (
+        value_type != pa.uint8()
+    ):
+        raise SchemaError(
+            f"column {ROUTES_MISSING!r}: expected large_list<uint8> (one 0/1 per route row), "
+            f"found {col.type}"
+        )
+    lengths, want = list_lengths(col), captured_lengths(table)
+    if not np.array_equal(lengths, want):
+        row = int(np.flatnonzero(lengths != want)[0])
+        raise SchemaError(
+            f"column {ROUTES_MISSING!r}: expected one mark per route row, found "
+            f"{int(lengths[row])} marks for {int(want[row])} route rows in row {row}",
+            row=row,
+            trajectory_id=trajectory_id_at(table, row),
+        )
+    flat = pc.list_flatten(col)
+    if flat.null_count:
+        raise SchemaError(
+            f"column {ROUTES_MISSING!r}: expected a 0/1 mark per route row, found "
+            f"{flat.null_count} null marks"
+        )
+    marks = np.asarray(flat.to_numpy(zero_copy_only=False), dtype=np.uint8)
+    if marks.size and int(marks.max()) > 1:
+        raise SchemaError(
+            f"column {ROUTES_MISSING!r}: expected 0 (route delivered) or 1 (missing), found "
+            f"{int(marks.max())}"
+        )
+    return marks
+
+
 def rollout_schema(spec: RouteSpec | None, extra: Sequence[pa.Field[Any]] = ()) -> pa.Schema:
     """Arrow schema of a rollout table for ``spec`` (``None``: R3 off), ``extra`` fields last."""
     core = [

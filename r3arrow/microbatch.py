@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from r3arrow._checks import check_int, check_optional_int, check_positive_int
+from r3arrow._schema import ROUTES_MISSING
 from r3arrow._validated import is_validated, mark_validated
 from r3arrow.errors import SchemaError
 from r3arrow.table import sequence_lengths, take_rows
@@ -127,11 +128,13 @@ def padding_table(table: pa.Table) -> pa.Table:
     """A DP padding microbatch with ``table``'s schema: one dummy trajectory.
 
     Trajectory and group id `PADDING_TRAJECTORY_ID`, one prompt token 0, empty response and
-    loss mask, reward 0, no route rows; other columns null. The schema metadata is kept and
-    `PADDING_METADATA_KEY` added; marked validated when ``table`` is. The collator gives it
-    ``padding_mask`` True everywhere, dummy routes, loss mask 0 and ``Microbatch.is_padding``:
-    a loss normalised per microbatch must not divide by its zero loss-mask sum, and with a
-    router aux loss apply ``r3arrow.megatron.apply_shims()`` (megatron-core 0.16.1 gives NaN).
+    loss mask, reward 0, no route rows (nor ``routes_missing`` marks, nor rows in another
+    column of the routes type, e.g. ``train_routes``); other columns null. The schema
+    metadata is kept and `PADDING_METADATA_KEY` added; marked validated when ``table`` is.
+    The collator gives it ``padding_mask`` True everywhere, dummy routes, loss mask 0 and
+    ``Microbatch.is_padding``: a loss normalised per microbatch must not divide by its zero
+    loss-mask sum, and with a router aux loss apply ``r3arrow.megatron.apply_shims()``
+    (megatron-core 0.16.1 gives NaN).
 
     Raises `SchemaError` when ``table`` lacks the token columns.
     """
@@ -146,7 +149,11 @@ def padding_table(table: pa.Table) -> pa.Table:
         "loss_mask": [[]],
         "reward": [0.0],
         "routes": [[]],
+        ROUTES_MISSING: [[]],
     }
+    if "routes" in table.schema.names:  # e.g. train_routes: R2 collates from it
+        routes_type = table.schema.field("routes").type
+        values.update({f.name: [[]] for f in table.schema if f.type == routes_type})
     arrays = [
         pa.array(values[f.name], type=f.type) if f.name in values else pa.nulls(1, type=f.type)
         for f in table.schema

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -16,11 +17,13 @@ import pyarrow as pa
 
 from r3arrow._checks import check_positive_int
 from r3arrow._schema import ROLLOUT_LOGPROBS, list_lengths
-from r3arrow.capture import TurnStore
+from r3arrow.capture import OnShort, TurnStore
 from r3arrow.client import EngineClient, GenerateOutput
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.table import rollout_table
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -134,6 +137,7 @@ async def run_trajectory(
     max_total_tokens: int | None = None,
     seed: int | None = None,
     reward_fn: Callable[[Conversation, float], float] | None = None,
+    on_short: OnShort = "error",
 ) -> Trajectory:
     """Run one multi-turn trajectory; its routes go to ``store`` one record batch per turn.
 
@@ -141,7 +145,10 @@ async def run_trajectory(
     at ``max_total_tokens`` (that observation is dropped). Turn ``t`` samples with seed ``seed +
     t``; ``reward_fn(conversation, summed rewards)`` overrides the reward; a ``group_id`` (else
     the trajectory) is pinned to one server. On the client's errors the store keeps the turns
-    completed so far.
+    completed so far. ``on_short="mark"`` (``docs/fallback.md``): a turn whose route payload
+    is short, undecodable, refused by the quality guard or null keeps its tokens, its missing
+    route rows are marked in the store (a `logging` warning names the trajectory and the
+    counts) and the trajectory goes on; lost tokens and HTTP failures still raise.
     """
     check_positive_int(max_turns, "max_turns")
     spec = store.spec
@@ -166,8 +173,18 @@ async def run_trajectory(
         if seed is not None:
             sp["seed"] = seed + turn
         out = await client.generate(
-            conv.token_ids, sampling_params=sp, trace=trace, session_id=session
+            conv.token_ids, sampling_params=sp, trace=trace, session_id=session, on_short=on_short
         )
+        if out.missing_rows:
+            _log.warning(
+                "R3 route fallback: trajectory %r turn %d: %d of %d route rows missing (%s); "
+                "the trainer's router computes those tokens' experts",
+                trajectory_id,
+                turn,
+                out.missing_rows,
+                trace.captured - (out.token_start or 0),
+                out.fallback,
+            )
         conv.outputs.append(out)
         conv.add_generated(out.token_ids)
         step = await _call_step(env, conv)
@@ -262,6 +279,7 @@ def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> 
             row=k,
         )
     return rollout_table(
+        routes_missing=store.routes_missing(ids),
         trajectory_id=ids,
         group_id=[t.group_id for t in trajectories],
         prompt_ids=[t.prompt_ids for t in trajectories],
@@ -291,6 +309,7 @@ async def run_rollouts(
     reward_fn: Callable[[Conversation, float], float] | None = None,
     progress: bool = False,
     id_prefix: str = "",
+    on_short: OnShort = "error",
 ) -> pa.Table:
     """Run ``group_size`` trajectories per prompt concurrently; return their rollout table.
 
@@ -298,6 +317,7 @@ async def run_rollouts(
     rows in that order; with ``seed`` its seeds start at ``seed + (i * group_size + j) *
     max_turns``. ``spec`` defaults to the client's (with ``store``: must be the store's, else
     `RouteShapeError`). The first failure is raised after the others are cancelled.
+    ``on_short``: as `run_trajectory`; marked rows come back in a ``routes_missing`` column.
     """
     check_positive_int(group_size, "group_size")
     if store is not None and spec is not None and not spec.same_shape(store.spec):
@@ -330,6 +350,7 @@ async def run_rollouts(
             max_total_tokens=max_total_tokens,
             seed=None if seed is None else seed + k * max_turns,
             reward_fn=reward_fn,
+            on_short=on_short,
         )
         if bar is not None:
             bar.update(1)

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._routes import chunk, chunked_routes
+from r3arrow._schema import MISSING_KEY, ROUTES_MISSING, missing_routes
 from r3arrow._validated import mark_validated
 from r3arrow.capture._trace import RouteTrace, owned, validate_route_rows
 from r3arrow.errors import ContiguityError, R3ArrowError, SchemaError
@@ -23,15 +24,29 @@ from r3arrow.spec import RouteSpec, numpy_to_routes, routes_to_numpy
 
 
 @functools.lru_cache(maxsize=64)
-def turn_schema(spec: RouteSpec) -> pa.Schema:
-    """Schema of one turn batch: ``trajectory_id``, ``token_start``, ``routes``."""
+def turn_schema(spec: RouteSpec, missing: bool = False) -> pa.Schema:
+    """Schema of one turn batch: ``trajectory_id``, ``token_start``, ``routes`` and, with
+    ``missing``, ``routes_missing`` (``large_list<uint8>``, one 0/1 per route row) and
+    `MISSING_KEY` (``docs/fallback.md``)."""
     fields: list[pa.Field[Any]] = [
         pa.field("trajectory_id", pa.large_string(), nullable=False),
         pa.field("token_start", pa.int64(), nullable=False),
         pa.field("routes", spec.routes_type, nullable=False),
     ]
     meta = cast("dict[bytes | str, bytes | str]", spec.to_metadata())
+    if missing:
+        fields.append(pa.field(ROUTES_MISSING, pa.large_list(pa.uint8()), nullable=False))
+        meta = {**meta, MISSING_KEY: b"1"}
     return pa.schema(fields, metadata=meta)
+
+
+def _marks_column(marks: Sequence[np.ndarray]) -> pa.LargeListArray[Any]:
+    """``large_list<uint8>`` of one mark list per entry of ``marks``."""
+    offsets = np.cumsum([0, *(m.shape[0] for m in marks)], dtype=np.int64)
+    flat = np.concatenate(marks) if marks else np.zeros(0, np.uint8)
+    return pa.LargeListArray.from_arrays(
+        pa.array(offsets, type=pa.int64()), pa.array(flat, type=pa.uint8())
+    )
 
 
 def _check_tid(trajectory_id: Any) -> None:
@@ -42,7 +57,8 @@ def _check_tid(trajectory_id: Any) -> None:
 @dataclasses.dataclass
 class _Turn:
     """One turn: ``rows`` read-only, C-contiguous, in ``spec.dtype``; ``final``: the finalized
-    buffer of a bound trace that ``rows`` slices; ``batch``: the turn as a record batch, cached.
+    buffer of a bound trace that ``rows`` slices; ``batch``: the turn as a record batch, cached;
+    ``missing``: uint8 per row (1: a placeholder for a route that never arrived), or None.
     """
 
     tid: str
@@ -51,15 +67,24 @@ class _Turn:
     spec: RouteSpec
     final: np.ndarray | None = None
     batch: pa.RecordBatch | None = None
+    missing: np.ndarray | None = None
+
+    def marks(self) -> np.ndarray:
+        """uint8 per row: `missing`, or zeros."""
+        if self.missing is not None:
+            return self.missing
+        return np.zeros(self.rows.shape[0], dtype=np.uint8)
 
     def record_batch(self) -> pa.RecordBatch:
         if self.batch is None:
             tid = pa.array([self.tid], type=pa.large_string())
             start = pa.array([self.start], type=pa.int64())
             col = chunk([self.rows], [self.rows.shape[0]], self.spec)
-            self.batch = pa.RecordBatch.from_arrays(
-                [tid, start, col], schema=turn_schema(self.spec)
-            )
+            cols: list[pa.Array[Any]] = [tid, start, col]
+            if self.missing is not None:
+                cols.append(_marks_column([self.missing]))
+            schema = turn_schema(self.spec, self.missing is not None)
+            self.batch = pa.RecordBatch.from_arrays(cols, schema=schema)
         return self.batch
 
 
@@ -67,7 +92,9 @@ class TurnStore:
     """Thread-safe append-only log of turn record batches for many trajectories.
 
     `trace` is the capture path (each turn validated once, by the trace); `append` and
-    `append_batch` validate outside data with the same validator.
+    `append_batch` validate outside data with the same validator. Rows a trace marked missing
+    (``on_short="mark"``, ``docs/fallback.md``) keep their marks: `routes_missing`, and a
+    ``routes_missing`` column in `batches` / `to_table` when any row is marked.
     """
 
     def __init__(self, spec: RouteSpec) -> None:
@@ -85,8 +112,10 @@ class TurnStore:
         _check_tid(trajectory_id)
         mine: list[_Turn] = []
 
-        def sink(token_start: int, rows: np.ndarray, spec: RouteSpec) -> None:
-            turn = _Turn(trajectory_id, token_start, rows, spec)
+        def sink(
+            token_start: int, rows: np.ndarray, spec: RouteSpec, marks: np.ndarray | None
+        ) -> None:
+            turn = _Turn(trajectory_id, token_start, rows, spec, missing=marks)
             self._add([turn], spec, turn)
             mine.append(turn)
 
@@ -127,7 +156,9 @@ class TurnStore:
         self._add([turn], spec, turn)
 
     def append_batch(self, batch: pa.RecordBatch) -> None:
-        """Append a record batch of turns (schema `turn_schema`; any number of rows)."""
+        """Append a record batch of turns (schema `turn_schema`, with or without
+        ``routes_missing``; any number of rows); `SchemaError` for bad marks as
+        `r3arrow._schema.missing_routes` raises."""
         if batch.schema.names[:3] != (names := turn_schema(self.spec).names):
             raise SchemaError(f"turn batch: expected columns {names}, found {batch.schema.names}")
         spec = RouteSpec.from_schema(batch.schema)
@@ -142,8 +173,15 @@ class TurnStore:
         bounds = (offsets - offsets[0]).tolist()
         starts = np.asarray(batch.column(1).to_numpy(zero_copy_only=False), dtype=np.int64)
         tids = batch.column(0).to_pylist()
+        marks = missing_routes(batch)
         turns = [
-            _Turn(str(t), s, rows[a:b], spec)
+            _Turn(
+                str(t),
+                s,
+                rows[a:b],
+                spec,
+                missing=None if marks is None or not marks[a:b].any() else marks[a:b].copy(),
+            )
             for t, s, (a, b) in zip(tids, starts.tolist(), itertools.pairwise(bounds), strict=True)
         ]
         self._add(turns, spec, batch)
@@ -169,13 +207,28 @@ class TurnStore:
             return [e if isinstance(e, pa.RecordBatch) else e.record_batch() for e in self._log]
 
     def to_table(self) -> pa.Table:
-        """All turns as one table (cast to the widest routes dtype; no copy otherwise)."""
-        schema = turn_schema(self.spec)
-        batches = [
-            b if b.schema.equals(schema) else b.select([0, 1, 2]).cast(schema)
-            for b in self.batches()
-        ]
-        return pa.Table.from_batches(batches, schema=schema)
+        """All turns as one table (cast to the widest routes dtype; no copy otherwise), with a
+        ``routes_missing`` column (zeros on whole turns) when any turn has a marked row."""
+        with self._lock:
+            marked = any(t.missing is not None for t in self._turns)
+        if not marked:
+            schema = turn_schema(self.spec)
+            batches = [
+                b if b.schema.equals(schema) else b.select([0, 1, 2]).cast(schema)
+                for b in self.batches()
+            ]
+            return pa.Table.from_batches(batches, schema=schema)
+        schema = turn_schema(self.spec, True)
+        out = []
+        for b in self.batches():
+            if ROUTES_MISSING not in b.schema.names:
+                lens = np.diff(np.asarray(cast("Any", b.column(2)).offsets, dtype=np.int64))
+                zeros = _marks_column([np.zeros(int(n), np.uint8) for n in lens])
+                b = pa.RecordBatch.from_arrays([*b.columns[:3], zeros], names=schema.names)
+            else:
+                b = b.select([*schema.names[:3], ROUTES_MISSING])
+            out.append(b if b.schema.equals(schema) else b.cast(schema))
+        return pa.Table.from_batches(out, schema=schema)
 
     def routes(self, trajectory_ids: Sequence[str] | pa.Array[Any]) -> pa.LargeListArray[Any]:
         """Routes column aligned with ``trajectory_ids`` (no turns: ``[]``), with one copy.
@@ -205,12 +258,45 @@ class TurnStore:
         spec, items = self._plan(trajectory_ids)
         return mark_validated(chunked_routes(items, spec), spec=spec, max_id=_id_bound(spec))
 
+    def routes_missing(
+        self, trajectory_ids: Sequence[str] | pa.Array[Any]
+    ) -> pa.LargeListArray[Any] | None:
+        """The ``routes_missing`` column (``large_list<uint8>``, one 0/1 per row of `routes`)
+        aligned with ``trajectory_ids``, or None when none of their rows is marked; checks and
+        errors as `routes` (``docs/fallback.md``)."""
+        _, ordered = self._ordered(trajectory_ids)
+        if not any(t.missing is not None for turns in ordered for t in turns):
+            return None
+        per = [
+            np.concatenate([t.marks() for t in turns]) if turns else np.zeros(0, np.uint8)
+            for turns in ordered
+        ]
+        return _marks_column(per)
+
     def _plan(
         self, trajectory_ids: Sequence[str] | pa.Array[Any]
     ) -> tuple[RouteSpec, list[list[np.ndarray]]]:
         """(spec, each wanted trajectory's turns as views in token order, or its finalized buffer
         when they tile it); `ContiguityError` unless each trajectory's turns tile ``[0, captured)``.
         """
+        spec, ordered = self._ordered(trajectory_ids)
+        items: list[list[np.ndarray]] = []
+        for turns in ordered:
+            rows = [t.rows for t in turns]
+            finals = {id(t.final) for t in turns}
+            f = turns[0].final if turns else None
+            # A finalized trajectory's turns tile its buffer (checked): reference it whole.
+            tiled = isinstance(f, np.ndarray) and f.shape[0] == sum(q.shape[0] for q in rows)
+            if len(finals) == 1 and tiled:
+                rows = [cast(np.ndarray, f)]
+            items.append(rows)
+        return spec, items
+
+    def _ordered(
+        self, trajectory_ids: Sequence[str] | pa.Array[Any]
+    ) -> tuple[RouteSpec, list[list[_Turn]]]:
+        """(spec, each wanted trajectory's turns in token order); `ContiguityError` unless each
+        trajectory's turns tile ``[0, captured)``, ``ValueError`` for repeated ids."""
         wanted = pa.array(trajectory_ids, type=pa.large_string())
         if pc.count_distinct(wanted).as_py() != len(wanted):
             raise ValueError("trajectory_ids: expected unique ids, found duplicates")
@@ -243,17 +329,10 @@ class TurnStore:
                 trajectory_id=tid,
                 token=min(int(expect[k]), int(start_s[k])),
             )
-        items: list[list[np.ndarray]] = [[] for _ in range(len(wanted))]
-        whole: list[Any] = [None] * len(wanted)  # the one finalized buffer, False if several
+        ordered: list[list[_Turn]] = [[] for _ in range(len(wanted))]
         for i, p in zip(sel[order].tolist(), pos_s.tolist(), strict=True):
-            turn = turns[i]
-            items[p].append(turn.rows)
-            whole[p] = turn.final if whole[p] is None or whole[p] is turn.final else False
-        for p, f in enumerate(whole):
-            # A finalized trajectory's turns tile its buffer (checked): reference it whole.
-            if isinstance(f, np.ndarray) and f.shape[0] == sum(q.shape[0] for q in items[p]):
-                items[p] = [f]
-        return spec, items
+            ordered[p].append(turns[i])
+        return spec, ordered
 
     def clear(self) -> None:
         with self._lock:

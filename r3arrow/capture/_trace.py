@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import pyarrow as pa
 
-from r3arrow._checks import check_int, check_positive_int
+from r3arrow._checks import check_choice, check_int, check_positive_int
 from r3arrow._coverage import check_terminal_gap, expected_rows
 from r3arrow._routes import as_route_rows, rectangular
+from r3arrow._schema import placeholder_rows
 from r3arrow._validated import mark_validated
 from r3arrow.errors import (
     PrefixMismatchError,
@@ -28,6 +29,10 @@ from r3arrow.spec import RouteSpec
 
 #: A token count: an ``int`` or a numpy integer (``bool`` is refused).
 TokenCount = int | np.integer[Any]
+#: What `TokenTrace.record` does with a delivery of fewer rows than the turn needs: raise
+#: (``"error"``) or record them and mark the rest missing (``"mark"``, ``docs/fallback.md``).
+OnShort = Literal["error", "mark"]
+_ON_SHORT: tuple[str, ...] = get_args(OnShort)
 
 
 def as_token_ids(ids: Any, name: str = "prompt_ids") -> np.ndarray:
@@ -80,6 +85,7 @@ class TokenTrace:
         self._covered = 0
         self._hash = hashlib.blake2b(digest_size=16)
         self._checked: np.ndarray | None = None  # check_extends' result since the last record
+        self._missing: list[tuple[int, int]] = []  # (start, stop) row spans marked missing
 
     @property
     def captured(self) -> int:
@@ -98,6 +104,17 @@ class TokenTrace:
     @property
     def finalized(self) -> bool:
         return self._finalized
+
+    @property
+    def missing(self) -> np.ndarray | None:
+        """uint8 ``[captured]`` marks (1: the row is a placeholder, its route never arrived),
+        or None when no row was marked (``record(..., on_short="mark")``)."""
+        if not self._missing:
+            return None
+        marks = np.zeros(self._captured, dtype=np.uint8)
+        for a, b in self._missing:
+            marks[a:b] = 1
+        return marks
 
     @property
     def covered_tokens(self) -> np.ndarray:
@@ -187,8 +204,17 @@ class TokenTrace:
                 )
         return arr, self.dtype, None
 
-    def _accept(self, start: int, arr: np.ndarray, state: Any) -> None:
-        """Hook: a validated, owned turn before the trace commits it (may raise)."""
+    def _filler(self, n: int, dtype: np.dtype[Any]) -> np.ndarray:
+        """The ``n`` rows a missing row holds (zeros here; `RouteTrace`: `placeholder_rows`)."""
+        return np.zeros((n, *self.row_shape), dtype=dtype)
+
+    def _empty(self) -> np.ndarray:
+        """No rows, as `_coerce` takes them (``rows=None`` under ``on_short="mark"``)."""
+        return np.zeros((0, *self.row_shape), dtype=self.dtype)
+
+    def _accept(self, start: int, arr: np.ndarray, state: Any, marks: np.ndarray | None) -> None:
+        """Hook: a validated, owned turn (``marks``: uint8 per row, or None when every row
+        arrived) before the trace commits it (may raise)."""
 
     def record(
         self,
@@ -199,16 +225,23 @@ class TokenTrace:
         prompt_ids: Any = None,
         generated_ids: Any = None,
         copy: bool = True,
+        on_short: OnShort = "error",
     ) -> int:
         """Append one response's ``P - captured + G - 1`` rows; return the token index of the first.
 
         ``prompt_ids``/``generated_ids`` (``P``/``G`` ids) extend `covered_tokens`. ``copy=False``
         hands a writable array over (kept as a read-only view: do not mutate it while the trace, its
-        store or the result live). On any error nothing changes. Raises ``TypeError``/``ValueError``
-        (bad counts or ids), `PrefixMismatchError`, `DuplicateExpertError`, `ExpertRangeError`,
-        `RouteShapeError` (row count or shape, ``P <= captured``), `RouteDTypeError`,
-        `TraceStateError` (finalized).
+        store or the result live). ``on_short="mark"`` (``docs/fallback.md``): ``n`` rows fewer
+        than the turn needs fill its first ``n`` positions, checked as ever, and the rest hold
+        placeholders marked in `missing`; ``rows=None`` or no rows marks the whole turn. More
+        rows than the turn needs always raise (never truncated). On any error nothing changes.
+        Raises ``TypeError``/``ValueError`` (bad counts, ids or ``on_short``),
+        `PrefixMismatchError`, `DuplicateExpertError`, `ExpertRangeError`, `RouteShapeError`
+        (row count or shape, ``P <= captured``), `RouteDTypeError`, `TraceStateError`
+        (finalized).
         """
+        if on_short != "error":
+            check_choice(on_short, "on_short", _ON_SHORT)
         try:
             if self._finalized:
                 raise TraceStateError(
@@ -222,19 +255,33 @@ class TokenTrace:
                     f"start must lie inside the prompt), found prompt_tokens={p}"
                 )
             cover = self._cover(p, g, prompt_ids, generated_ids)
-            arr, dtype, state = self._coerce(rows)
+            marking = on_short == "mark"
+            arr, dtype, state = self._coerce(self._empty() if marking and rows is None else rows)
             want = expected_rows(prompt_tokens=p, generated_tokens=g, prompt_start=self._captured)
-            if arr.shape[0] != want:
+            n = arr.shape[0]
+            if n > want or (n < want and not marking):
                 raise RouteShapeError(
                     f"{self.name}: expected {want} rows (P={p} - captured={self._captured} + G={g} "
-                    f"- 1), found {arr.shape[0]}"
+                    f"- 1), found {n}"
                 )
-            # The caller may reuse its buffer: copy unless handed over or made from a list.
-            arr = owned(arr, dtype, copy=copy and not isinstance(rows, list | tuple))
+            marks: np.ndarray | None = None
+            if n < want:  # on_short="mark": the rows that came first, placeholders after
+                full = np.empty((want, *self.row_shape), dtype=dtype)
+                full[:n] = arr
+                full[n:] = self._filler(want - n, dtype)
+                full.flags.writeable = False
+                arr = full
+                marks = np.zeros(want, dtype=np.uint8)
+                marks[n:] = 1
+            else:
+                # The caller may reuse its buffer: copy unless handed over or made from a list.
+                arr = owned(arr, dtype, copy=copy and not isinstance(rows, list | tuple))
             start = self._captured
-            self._accept(start, arr, state)
+            self._accept(start, arr, state, marks)
             self._chunks.append(arr)
             self._captured += want
+            if marks is not None:
+                self._missing.append((start + n, start + want))
             self._seen_tokens = p + g
             if cover is not None:
                 self._ids, self._hash, self._covered = cover
@@ -311,7 +358,7 @@ class RouteTrace(TokenTrace):
         self.spec = spec
         # Set by `TurnStore.trace` (with `_tid`): `_sink` gets each validated turn before the trace
         # commits it (raising leaves the trace unchanged), `_final_sink` the finalized rows.
-        self._sink: Callable[[int, np.ndarray, RouteSpec], None] | None = None
+        self._sink: Callable[[int, np.ndarray, RouteSpec, np.ndarray | None], None] | None = None
         self._final_sink: Callable[[np.ndarray, RouteSpec], None] | None = None
         self._hi = -1  # largest id recorded (for `checked_for`)
 
@@ -324,12 +371,16 @@ class RouteTrace(TokenTrace):
         arr, spec, hi = validate_route_rows(rows, self.spec)
         return arr, spec.dtype, (spec, hi)
 
-    def _accept(self, start: int, arr: np.ndarray, state: Any) -> None:
+    def _filler(self, n: int, dtype: np.dtype[Any]) -> np.ndarray:
+        return placeholder_rows(self.spec, n).astype(dtype, copy=False)
+
+    def _accept(self, start: int, arr: np.ndarray, state: Any, marks: np.ndarray | None) -> None:
         spec: RouteSpec = state[0]
         if self._sink is not None:
-            self._sink(start, arr, spec)  # the store trusts the validated turn
+            self._sink(start, arr, spec, marks)  # the store trusts the validated turn
         self.spec, self.dtype = spec, spec.dtype
-        self._hi = max(self._hi, int(state[1]))
+        hi = int(state[1]) if marks is None else max(int(state[1]), spec.topk - 1)  # placeholders
+        self._hi = max(self._hi, hi)
 
     def _finished(self, rows: np.ndarray, result: pa.Array[Any]) -> None:
         mark_validated(result, spec=self.spec, max_id=self._hi)

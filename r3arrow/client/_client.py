@@ -24,7 +24,7 @@ from r3arrow._checks import (
     check_optional_int,
     check_positive_int,
 )
-from r3arrow.capture import RouteTrace, check_route_quality
+from r3arrow.capture import OnShort, RouteTrace, check_route_quality
 from r3arrow.client import _sglang
 from r3arrow.client._protocol import (
     ENDPOINT_PATHS,
@@ -39,12 +39,16 @@ from r3arrow.client._protocol import (
 from r3arrow.client._retry import RetryPolicy
 from r3arrow.codec import DEFAULT_MAX_RATIO
 from r3arrow.errors import (
+    DuplicateExpertError,
     EngineError,
     EngineHTTPError,
     EngineResponseError,
+    ExpertRangeError,
     PayloadTooLargeError,
     PrefixMismatchError,
     R3ArrowError,
+    RouteDTypeError,
+    RouteQualityError,
     RouteShapeError,
     TraceStateError,
 )
@@ -75,7 +79,9 @@ class GenerateOutput:
 
     ``routed_experts``: ``[num_route_rows, L, K]`` read-only, or None; ``token_start``: its
     first row's index in the trace; ``payload_bytes``: as received (base64); ``attempts``: HTTP
-    attempts; ``base_url``: the server that answered.
+    attempts; ``base_url``: the server that answered. ``missing_rows``: the turn's rows the
+    trace marked missing under ``on_short="mark"`` (``docs/fallback.md``), ``fallback`` why
+    (None when every row arrived); a payload refused then is not in ``routed_experts``.
     """
 
     token_ids: list[int]
@@ -91,6 +97,8 @@ class GenerateOutput:
     base_url: str
     attempts: int
     stop_reason: int | str | None = None
+    missing_rows: int = 0
+    fallback: str | None = None
 
 
 def _inflate(inflate: Any, data: bytes) -> Iterator[bytes]:
@@ -212,7 +220,8 @@ class EngineClient:
         self._busy_traces: set[int] = set()
         #: Counters; ``data_errors``: 2xx responses rejected (never retried),
         #: ``prefix_mismatches``: requests refused because the prompt does not extend its trace.
-        names = ("requests", "retries", "payload_bytes", "route_rows", "recorded")
+        #: ``missing_rows``: rows recorded as missing (``on_short="mark"``).
+        names = ("requests", "retries", "payload_bytes", "route_rows", "recorded", "missing_rows")
         self.stats: dict[str, int] = dict.fromkeys((*names, "data_errors", "prefix_mismatches"), 0)
 
     async def __aenter__(self) -> EngineClient:
@@ -546,38 +555,81 @@ class EngineClient:
         ids: np.ndarray | None,
         p: int,
         prompt_start: int,
-    ) -> tuple[ParsedResponse, int | None]:
-        """Decode a 2xx body, check it and record it into ``trace``: (parsed, token start)."""
-        parsed = await self._parse(content, url, spec, want_routes=return_routes)
+        on_short: OnShort = "error",
+    ) -> tuple[ParsedResponse, int | None, int, str | None]:
+        """Decode a 2xx body, check it and record it into ``trace``: (parsed, token start,
+        rows marked missing, why). Under ``on_short="mark"`` a route payload that is short,
+        fails to decode, is refused by the quality guard or the id rules, or is null marks the
+        turn's missing rows instead of raising (``docs/fallback.md``); the tokens must parse."""
+        marking = on_short == "mark" and trace is not None
+        fallback: str | None = None
+        try:
+            parsed = await self._parse(content, url, spec, want_routes=return_routes)
+        except R3ArrowError as exc:
+            if not marking:
+                raise
+            try:  # the tokens without the payload: did the payload alone fail?
+                parsed = await self._parse(content, url, spec, want_routes=False)
+            except R3ArrowError:
+                raise exc from None
+            fallback = f"route payload refused ({type(exc).__name__}: {exc})"
         g = len(parsed.token_ids)
         routes = parsed.routes
         token_start: int | None = None
+        want = p - prompt_start + g - 1
         if routes is not None:
-            check_row_count(
-                routes, prompt_tokens=p, generated_tokens=g, prompt_start=prompt_start, url=url
-            )
+            if not marking or routes.shape[0] > want:  # more rows: never truncated
+                check_row_count(
+                    routes, prompt_tokens=p, generated_tokens=g, prompt_start=prompt_start, url=url
+                )
             if spec is not None:
                 # The guard runs before the id rules: a zeroed router layer is also a
                 # duplicate, and the engine-bug message is the one that explains it.
-                if self.route_quality:
-                    check_route_quality(routes, spec, what=f"routed_experts from {url}")
-                if trace is None:
-                    check_routes(routes, spec, what="routed_experts")
-            if trace is not None:
-                token_start = trace.record(
-                    routes,
-                    prompt_tokens=p,
-                    generated_tokens=g,
-                    prompt_ids=ids,
-                    generated_ids=parsed.token_ids,
-                )
-                self.stats["recorded"] += 1
-        elif trace is not None:
+                try:
+                    if self.route_quality:
+                        check_route_quality(routes, spec, what=f"routed_experts from {url}")
+                except RouteQualityError as exc:
+                    if not marking:
+                        raise
+                    routes, fallback = None, f"route payload refused ({exc})"
+                if trace is None and routes is not None:
+                    check_routes(routes, spec, what="routed_experts", exact=False)
+        elif trace is not None and not marking:
             raise EngineError(
-                f"engine {url} returned no routed_experts; expected "
-                f"{p - prompt_start + g - 1} rows " + self._no_routes_hint
+                f"engine {url} returned no routed_experts; expected {want} rows "
+                + self._no_routes_hint
             )
-        return parsed, token_start
+        missing = 0
+        if trace is not None:
+            record = functools.partial(
+                trace.record,
+                prompt_tokens=p,
+                generated_tokens=g,
+                prompt_ids=ids,
+                generated_ids=parsed.token_ids,
+                on_short=on_short,
+            )
+            try:
+                token_start = record(routes)
+            except (DuplicateExpertError, ExpertRangeError, RouteDTypeError, RouteShapeError) as e:
+                if not marking or routes is None:
+                    raise
+                # The trace is unchanged: the whole turn is marked instead.
+                routes, fallback = None, f"route payload refused ({e})"
+                token_start = record(None)
+            # Recorded: the rows that arrived fill the turn's first positions, the rest marked.
+            missing = want - (0 if routes is None else int(routes.shape[0]))
+            if missing and fallback is None:
+                fallback = (
+                    f"short route payload ({want - missing} of {want} rows)"
+                    if routes is not None
+                    else "no routed_experts"
+                )
+            self.stats["recorded"] += 1
+            self.stats["missing_rows"] += missing
+        if routes is not parsed.routes:  # a refused payload is not handed on as routes
+            parsed = dataclasses.replace(parsed, routes=routes)
+        return parsed, token_start, missing, fallback
 
     async def generate(
         self,
@@ -589,6 +641,7 @@ class EngineClient:
         session_id: str | None = None,
         cache_salt: str | None = None,
         return_routes: bool = True,
+        on_short: OnShort = "error",
     ) -> GenerateOutput:
         """Generate after ``prompt_token_ids``, the whole conversation so far (P tokens).
 
@@ -599,8 +652,14 @@ class EngineClient:
         `TraceStateError` before sending, then `EngineHTTPError`, `EngineError` and data errors
         (never retried; ``stats["data_errors"]``): `EngineResponseError`, `PayloadError`,
         `RouteShapeError`, `ExpertRangeError`, `DuplicateExpertError`, `RouteQualityError`;
-        whatever the engine answers, nothing but an `R3ArrowError`.
+        whatever the engine answers, nothing but an `R3ArrowError`. ``on_short="mark"`` (with a
+        ``trace``; ``docs/fallback.md``): a short, undecodable, refused or null route payload
+        is recorded with the missing rows marked (``missing_rows``, ``fallback``) instead of
+        raising; more rows than asked, token and HTTP errors raise as ever.
         """
+        check_choice(on_short, "on_short", get_args(OnShort))
+        if on_short == "mark" and trace is None:
+            raise ValueError("on_short='mark': expected a trace to mark rows in, found none")
         prompt = self._prompt_list(prompt_token_ids)
         p = len(prompt)
         sp = dict(sampling_params or {})
@@ -640,8 +699,8 @@ class EngineClient:
         try:
             content, url, attempts = await self._post(body, self.urls_for(session_id))
             try:
-                parsed, token_start = await self._accept(
-                    content, url, spec, return_routes, trace, ids, p, prompt_start
+                parsed, token_start, missing, fallback = await self._accept(
+                    content, url, spec, return_routes, trace, ids, p, prompt_start, on_short
                 )
             except R3ArrowError as exc:
                 if not isinstance(exc, EngineHTTPError):
@@ -670,4 +729,6 @@ class EngineClient:
             base_url=url,
             attempts=attempts,
             stop_reason=parsed.stop_reason,
+            missing_rows=missing,
+            fallback=fallback,
         )

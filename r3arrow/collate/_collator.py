@@ -24,7 +24,14 @@ import torch
 
 from r3arrow._checks import check_int, check_positive_int
 from r3arrow._routes import validate_layers
-from r3arrow._schema import ROUTE_LAYERS_KEY, list_lengths, trajectory_id_at
+from r3arrow._schema import (
+    MISSING_KEY,
+    ROUTE_LAYERS_KEY,
+    ROUTES_MISSING,
+    list_lengths,
+    missing_routes,
+    trajectory_id_at,
+)
 from r3arrow._typing import ArrowArray
 from r3arrow._validated import is_validated
 from r3arrow.collate._layout import _Layout, _layout, alignment_multiple
@@ -213,6 +220,25 @@ class _Tokens(NamedTuple):
 _TOKEN_DTYPES = (np.int64, np.int64, np.int64, np.float32, np.float32, np.bool_)
 
 
+def _route_counts(
+    pad: np.ndarray, fallback: np.ndarray | None, n_layers: int, par: Parallelism
+) -> tuple[int, int]:
+    """(fallback token routes, token routes) of this rank's routers: marked and all
+    non-padding tokens of their slice (``s * b + b_idx`` order, SP: this TP rank's share),
+    times ``n_layers``."""
+    if n_layers == 0:
+        return 0, 0
+    positions = pad.shape[1]
+    lo, hi = 0, positions
+    if par.sequence_parallel:
+        share = positions // par.tp_size
+        lo, hi = par.tp_rank * share, (par.tp_rank + 1) * share
+    # [C, P] positions lo..hi: the same tokens as the flat slice, counted in any order
+    tokens = int(pad[:, lo:hi].size - np.count_nonzero(pad[:, lo:hi]))
+    marked = 0 if fallback is None else int(np.count_nonzero(fallback[:, lo:hi]))
+    return marked * n_layers, tokens * n_layers
+
+
 def _flat_list(arr: ArrowArray) -> tuple[np.ndarray, np.ndarray]:
     """(values, offsets from 0) of a list array, zero-copy where Arrow allows it."""
     if isinstance(arr, pa.ChunkedArray):
@@ -268,9 +294,14 @@ class MegatronCollator:
     ``non_blocking``), are widened there and every tensor is returned there; None writes
     int32 on the host. ``spec=None``: R3 off (``docs/design.md`` §5, *R3 off*; ``layers``
     must be None). A DP padding table collates to a microbatch with ``is_padding`` set.
+    ``column``: the routes-typed column the replay targets come from (default
+    ``"routes"``, the engine's; ``"train_routes"``: R2, the routes a trainer forward
+    recorded, ``docs/train-routes.md``); only ``"routes"`` carries ``routes_missing``
+    marks (`Microbatch.fallback_mask`, ``docs/fallback.md``).
 
     Raises `TypeError`/`ValueError` for argument misuse (``spec`` not a `RouteSpec` or
-    None, layers not distinct ints or given with R3 off) and `RouteShapeError` for layers
+    None, layers not distinct ints or given with R3 off, ``column`` not a str or not
+    ``"routes"`` with R3 off) and `RouteShapeError` for layers
     that are not router layers of ``spec``. For a Megatron rank: ``collator_for``.
     """
 
@@ -288,7 +319,16 @@ class MegatronCollator:
         reuse_buffers: bool = True,
         num_threads: int | None = None,
         device: torch.device | str | None = None,
+        column: str = "routes",
     ) -> None:
+        if not isinstance(column, str):
+            raise TypeError(f"column: expected a str, found {type(column).__name__}")
+        if spec is None and column != "routes":
+            raise ValueError(
+                f"column: expected 'routes' with R3 off (spec=None: no replay targets), found "
+                f"{column!r}"
+            )
+        self.column = column
         if spec is not None and not isinstance(spec, RouteSpec):
             raise TypeError(
                 f"spec: expected a RouteSpec (or None for R3 off), found {type(spec).__name__}"
@@ -333,10 +373,17 @@ class MegatronCollator:
         Raises `TypeError` unless ``table`` is a ``pa.Table``/``pa.RecordBatch``; `SchemaError`
         for a table off the rollout schema or another spec (or without routes while the
         collator has a spec), an empty table, or a row whose lengths disagree (``row`` set);
-        the rollout checks' errors when ``validate`` is on (R3 off: lengths only).
+        the rollout checks' errors when ``validate`` is on (R3 off: lengths only); with
+        ``column`` other than ``"routes"``, `SchemaError` naming it when the table lacks it
+        or it is not of the table's routes type. Route rows marked in ``routes_missing``
+        keep their placeholders in `Microbatch.layer_major`; `Microbatch.fallback_mask`
+        says which tokens they are (bad marks raise as `r3arrow.table.validate_rollouts`).
         """
+        if self.column != "routes" and isinstance(table, pa.Table | pa.RecordBatch):
+            table = self._use_column(table)
         batches, spec, layer_index = self._check_table(table)
         padding = is_padding_table(table)
+        marked = spec is not None and ROUTES_MISSING in table.schema.names
 
         def lengths(name: str) -> np.ndarray:
             return np.concatenate([list_lengths(b.column(name)) for b in batches])
@@ -375,9 +422,21 @@ class MegatronCollator:
         ]
         if cp:
             parts.append(((lay.positions,), np.int64))
+        if marked:
+            parts.append(((lay.columns, lay.positions), np.bool_))
         lm, *arrays = _carve(parts, self._pool)
         out = _Tokens(*arrays[:6])
         tok_index = arrays[6] if cp else None
+        fallback = arrays[-1] if marked else None
+        marks = None
+        if fallback is not None:
+            fallback.fill(False)
+            if not padding:  # a padding table has no route rows: nothing is marked
+                marks = []
+                for b in batches:
+                    got = missing_routes(b)
+                    assert got is not None  # the column is there
+                    marks.append(got)
         if self.device is not None and spec is not None:
             compact = np.dtype(spec.dtype)
             if self._pinned is not None:
@@ -389,9 +448,14 @@ class MegatronCollator:
         if self._arange.shape[0] < need:
             self._arange = np.arange(max(need, 2 * self._arange.shape[0]), dtype=np.int64)
         experts = spec.num_experts if spec is not None else None
-        self._write(batches, layer_index, experts, lay, plen, n, cap, lm, out, tok_index)
+        self._write(
+            batches, layer_index, experts, lay, plen, n, cap, lm, out, tok_index, marks, fallback
+        )
         if padding:  # no real token in a padding microbatch
             self._blank(out)
+        fallback_routes, token_routes = _route_counts(
+            out.padding_mask, fallback, len(self.layers), par
+        )
 
         def t32(a: np.ndarray | None) -> torch.Tensor | None:
             return None if a is None else torch.from_numpy(a.astype(np.int32))
@@ -411,6 +475,9 @@ class MegatronCollator:
             token_index=None if tok_index is None else torch.from_numpy(tok_index),
             **dataclasses.asdict(par),
             layer_major=replay,
+            fallback_mask=None if fallback is None else torch.from_numpy(fallback),
+            fallback_routes=fallback_routes,
+            token_routes=token_routes,
             is_padding=padding,
             validated_version=(
                 int(replay._version) if replay is not None and self.validate else None
@@ -446,6 +513,31 @@ class MegatronCollator:
     @property
     def pooled_bytes(self) -> int:
         return 0 if self._pool is None else self._pool.nbytes
+
+    def _use_column(self, table: pa.Table | pa.RecordBatch) -> pa.Table | pa.RecordBatch:
+        """``table`` with routes column `column` as its ``routes`` (zero-copy), the engine's
+        ``routes`` and its ``routes_missing`` marks dropped: a recorded column holds a
+        route for every captured token."""
+        name, names = self.column, table.schema.names
+        if name not in names:
+            raise SchemaError(
+                f"expected the routes column {name!r} (MegatronCollator(column={name!r})), found "
+                f"columns {names}"
+            )
+        typ = table.schema.field(name).type
+        want = table.schema.field("routes").type if "routes" in names else None
+        if want is None:
+            want = route_spec(table).routes_type
+        if typ != want:
+            raise SchemaError(
+                f"column {name!r}: expected a routes column of the table's routes type "
+                f"{want}, found {typ}"
+            )
+        keep = [c for c in names if c not in ("routes", ROUTES_MISSING)]
+        meta = {k: v for k, v in (table.schema.metadata or {}).items() if k != MISSING_KEY}
+        cols: Any = [table.column(c) for c in keep]
+        out_names = ["routes" if c == name else c for c in keep]
+        return type(table).from_arrays(cols, names=out_names, metadata=meta)
 
     def _check_table(
         self, table: pa.Table | pa.RecordBatch
@@ -553,9 +645,12 @@ class MegatronCollator:
         lm: np.ndarray,
         out: _Tokens,
         tok_index: np.ndarray | None,
+        marks: list[np.ndarray] | None,
+        fallback: np.ndarray | None,
     ) -> None:
         """One pass over the segments (≤ 2 per trajectory): slices, no per-token work; then
-        the fused pass over the routes."""
+        the fused pass over the routes. ``marks``: each batch's flat ``routes_missing``,
+        copied into ``fallback`` (``[C, P]``) where the route rows land."""
         ar = self._arange
         ids, pos, labels, loss, lab_mask, pad = out
         r3 = self.spec is not None and lm.shape[0] > 0
@@ -576,10 +671,14 @@ class MegatronCollator:
         pos_row = np.empty((lay.positions, lay.columns), dtype=np.int64) if r3 else None
         workers = self.num_threads if lm.size * 4 >= _PARALLEL_BYTES else 1
         pieces: list[tuple[_RouteSource, _Span]] = []
-        for batch, segs in zip(batches, seg_rows, strict=True):
+        for bi, (batch, segs) in enumerate(zip(batches, seg_rows, strict=True)):
             prompt, p_off = _flat_list(batch.column("prompt_ids"))
             resp, r_off = _flat_list(batch.column("response_ids"))
             mask, _ = _flat_list(batch.column("loss_mask"))
+            if marks is not None:  # the batch's marks and their row offsets
+                b_marks = marks[bi]
+                m_off = np.zeros(batch.num_rows + 1, dtype=np.int64)
+                np.cumsum(cap[row0 : row0 + batch.num_rows], out=m_off[1:])
             if r3:
                 routes, rt_off = flat_routes(batch)
                 src = _RouteSource(routes, rt_off, row0, batch)
@@ -613,6 +712,9 @@ class MegatronCollator:
                 pos[row, at : at + length] = ar[a : a + length]
                 pad[row, at : at + nr] = False
                 pad[row, at + nr : at + length] = True
+                if marks is not None and fallback is not None and nr:
+                    m0 = int(m_off[i]) + a
+                    fallback[row, at : at + nr] = b_marks[m0 : m0 + nr]
                 if pos_row is not None:
                     np.add(ar[a : a + nr], int(rt_off[i]), out=pos_row[at : at + nr, row])
                     pos_row[at + nr : at + length, row] = -1

@@ -41,7 +41,8 @@ def collate_directory(
     range instead, so it reads only its row groups (not the plan of ``split_microbatches``).
 
     Raises ``TypeError``/``ValueError`` at call time for argument misuse (a collator
-    without a spec, sizes not positive ints, ``dp_rank`` outside ``[0, dp_size)``, neither
+    without a spec or of a ``column`` other than ``"routes"``: the reader reads the
+    rollout columns only, sizes not positive ints, ``dp_rank`` outside ``[0, dp_size)``, neither
     ``max_tokens`` nor ``num_microbatches``), `SchemaError` (``path`` set) for missing,
     foreign or corrupt files or mixed specs, and while iterating the readers' and the
     collator's errors.
@@ -52,6 +53,12 @@ def collate_directory(
         raise ValueError(
             "collator: expected one with a spec (a rollout directory with routes), found "
             "spec=None (R3 off)"
+        )
+    if collator.column != "routes":
+        raise ValueError(
+            f"collator: expected one of column 'routes' (collate_directory reads the rollout "
+            f"columns only), found column={collator.column!r}; read the step with "
+            f"read_rollouts and collate its microbatches (collator.split) instead"
         )
     dp = check_positive_int(dp_size, "dp_size")
     rank = check_int(dp_rank, "dp_rank", minimum=0, maximum=dp - 1)

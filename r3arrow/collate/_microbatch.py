@@ -26,6 +26,8 @@ class Microbatch:
     whole packed row before context-parallel slicing (Megatron's ``PackedSeqParams``).
     R3 off: ``spec``, ``routes`` and ``layer_major`` are None, ``layers`` is empty and
     ``captured`` equals ``seq_lens``; `replay_tensor`/`replay_targets` raise `ReplayError`.
+    Route-local fallback (``docs/fallback.md``): `fallback_mask`, `fallback_routes` and
+    `token_routes`.
     A stage of dense layers only: ``layers`` is empty, `replay_targets` is ``[]`` and the
     masks are those of the stages with routers.
     """
@@ -55,6 +57,18 @@ class Microbatch:
     #: int32 ``[L_local, P, C, K]`` (C = b unpacked, 1 packed); flattened over (P, C) it is
     #: Megatron's token order. None with R3 off.
     layer_major: torch.Tensor | None
+    #: bool ``[b, S]`` (packed ``[1, T]``), like `padding_mask`: True where the rollout
+    #: delivered no route (``routes_missing``; `layer_major` holds a placeholder there) and
+    #: ``install_replay(..., missing="native")`` lets the router choose; False at padding.
+    #: None when the table has no ``routes_missing`` column (``docs/fallback.md``).
+    fallback_mask: torch.Tensor | None = None
+    #: Fallback token routes of this rank's routers: marked non-padding router tokens
+    #: (after CP and SP slicing) times ``len(layers)``; 0 without marks.
+    fallback_routes: int = 0
+    #: Token routes of this rank's routers: non-padding router tokens times ``len(layers)``
+    #: (the denominator of the fallback fraction, ``sum(fallback_routes) /
+    #: sum(token_routes)`` over a schedule's microbatches).
+    token_routes: int = 0
     #: A DP padding microbatch (`r3arrow.microbatch.padding_table`): all padding, loss mask 0.
     is_padding: bool = False
     #: `layer_major`'s torch version counter when the collator's fused pass checked its ids
@@ -154,6 +168,7 @@ class Microbatch:
             f"layers={list(self.layers) if self.r3 else 'r3 off'}, "
             f"router_tokens={self.num_router_tokens}, "
             f"{'padding, ' if self.is_padding else ''}"
+            f"{f'fallback_routes={self.fallback_routes}, ' if self.fallback_routes else ''}"
             f"tp={self.tp_rank}/{self.tp_size}{' sp' if self.sequence_parallel else ''}, "
             f"cp={self.cp_rank}/{self.cp_size})"
         )

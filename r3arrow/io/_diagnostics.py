@@ -8,7 +8,10 @@ look there (Arrow skips ``_`` names too). `read_diagnostics` reads them all back
 the seal, the schema, the counts' invariants and that a file's step and source match its
 path; a violation is a `SchemaError` whose ``path`` names the file. A log-prob mismatch
 (an `r3arrow.stats.logprob_mismatch` dict, ``docs/mismatch.md``) is stored the same way,
-one row (`MISMATCH_SCHEMA`, tag ``mismatch.v1``), read back with ``kind="mismatch"``.
+one row (`MISMATCH_SCHEMA`, tag ``mismatch.v1``), read back with ``kind="mismatch"``, and
+so is a route fallback (an `r3arrow.stats.RouteFallback`, ``docs/fallback.md``: one row,
+`FALLBACK_SCHEMA`, tag ``fallback.v1``, its ``fraction`` beside the exact counts), read
+back with ``kind="fallback"``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3arrow._checks import check_int, check_regular
-from r3arrow._schema import MISMATCH_FLOATS
+from r3arrow._schema import MISMATCH_FLOATS, TRAIN_VS_ROLLOUT
 from r3arrow._typing import PathLike
 from r3arrow.errors import SchemaError
 from r3arrow.io._layout import atomic_path, check_step, dir_step
@@ -54,8 +57,6 @@ DIAGNOSTICS_SCHEMA = pa.schema(
     ]
 )
 
-#: Default ``source`` of a mismatch: the trainer's log-probs against the engine's.
-TRAIN_VS_ROLLOUT = "train_vs_rollout"
 MISMATCH_VERSION = b"mismatch.v1"
 #: One row per step and source: tokens and the mismatch metrics (NaN when tokens is 0).
 MISMATCH_SCHEMA = pa.schema(
@@ -63,6 +64,26 @@ MISMATCH_SCHEMA = pa.schema(
     + [pa.field(name, pa.float64(), nullable=False) for name in MISMATCH_FLOATS]
     + [pa.field("source", pa.string(), nullable=False)]
 )
+
+#: Default ``source`` of a route fallback: the rollout routes the engine did not deliver.
+ROLLOUT_ROUTES = "rollout_routes"
+FALLBACK_VERSION = b"fallback.v1"
+#: One row per step and source: the counts of `r3arrow.stats.RouteFallback` and its fraction.
+FALLBACK_SCHEMA = pa.schema(
+    [
+        pa.field(name, typ, nullable=False)
+        for name, typ in (
+            ("step", pa.int64()),
+            ("trajectories", pa.int64()),
+            ("fallback_trajectories", pa.int64()),
+            ("route_rows", pa.int64()),
+            ("missing_rows", pa.int64()),
+            ("fraction", pa.float64()),
+            ("source", pa.string()),
+        )
+    ]
+)
+_FALLBACK_COUNTS = ("trajectories", "fallback_trajectories", "route_rows", "missing_rows")
 
 _SOURCE = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
 _INT32_MAX, _INT64_MAX = 2**31 - 1, 2**63 - 1
@@ -151,6 +172,59 @@ def _mismatch_table(step: int, mismatch: Mapping[Any, Any], source: str) -> pa.T
     return pa.Table.from_pydict(columns, schema=MISMATCH_SCHEMA.with_metadata(meta))
 
 
+def _fallback_table(step: int, fallback: Any, source: str) -> pa.Table:
+    """The one row of a (duck-typed) `RouteFallback`; ``ValueError`` for counts off its
+    invariants (``fallback_trajectories <= trajectories``, ``missing_rows <= route_rows``)."""
+    counts = {
+        name: check_int(getattr(fallback, name), f"fallback.{name}", minimum=0, maximum=_INT64_MAX)
+        for name in _FALLBACK_COUNTS
+    }
+    columns: dict[str, Any] = {"step": [step], **{k: [v] for k, v in counts.items()}}
+    columns["fraction"] = [_fraction(counts)]
+    columns["source"] = [source]
+    table = pa.Table.from_pydict(
+        columns, schema=FALLBACK_SCHEMA.with_metadata(sealed({DIAGNOSTICS_KEY: FALLBACK_VERSION}))
+    )
+    try:
+        _check_fallback(table)
+    except SchemaError as exc:
+        raise ValueError(f"fallback: {exc.message}") from None
+    return table
+
+
+def _fraction(counts: Mapping[str, int]) -> float:
+    """``missing_rows / route_rows`` (0.0 without route rows), as `RouteFallback.fraction`."""
+    rows = counts["route_rows"]
+    return counts["missing_rows"] / rows if rows else 0.0
+
+
+def _check_fallback(table: pa.Table) -> None:
+    """A fallback row's invariants; `SchemaError` without a path."""
+    if table.num_rows != 1:
+        raise SchemaError(f"expected one fallback row, found {table.num_rows}")
+    counts = {c: cast(int, table.column(c)[0].as_py()) for c in _FALLBACK_COUNTS}
+    if min(counts.values()) < 0:
+        raise SchemaError(f"expected counts >= 0, found {counts}")
+    for part, whole in (("fallback_trajectories", "trajectories"), ("missing_rows", "route_rows")):
+        if counts[part] > counts[whole]:
+            raise SchemaError(
+                f"column {part!r}: expected at most {whole}={counts[whole]}, found {counts[part]}"
+            )
+    if counts["fallback_trajectories"] > counts["missing_rows"] or (
+        counts["missing_rows"] and not counts["fallback_trajectories"]
+    ):
+        raise SchemaError(
+            "column 'fallback_trajectories': expected one per trajectory with a missing row "
+            f"(at least 1 and at most missing_rows when rows are missing), found {counts}"
+        )
+    found = table.column("fraction")[0].as_py()
+    if found != _fraction(counts):
+        raise SchemaError(
+            f"column 'fraction': expected missing_rows / route_rows = {_fraction(counts)!r}, "
+            f"found {found!r}"
+        )
+
+
 def _check_counts(table: pa.Table) -> None:
     """The counts' invariants (``docs/diagnostics.md``), in exact (Python) integers;
     `SchemaError` without a path."""
@@ -192,9 +266,10 @@ def _check_counts(table: pa.Table) -> None:
 def write_diagnostics(
     root: PathLike, step: int, agreement: Any, *, source: str | None = None
 ) -> Path:
-    """Write ``agreement`` (a `r3arrow.stats.RouteAgreement`, or a log-prob mismatch dict of
-    `r3arrow.stats.logprob_mismatch`) of step ``step``, replacing that step and source
-    (default ``native_vs_replay``, for a mismatch ``train_vs_rollout``); return the path.
+    """Write ``agreement`` (a `r3arrow.stats.RouteAgreement`, a log-prob mismatch dict of
+    `r3arrow.stats.logprob_mismatch` or a `r3arrow.stats.RouteFallback`) of step ``step``,
+    replacing that step and source (default ``native_vs_replay``, for a mismatch
+    ``train_vs_rollout``, for a fallback ``rollout_routes``); return the path.
     ``TypeError`` / ``ValueError`` for bad arguments, `SchemaError` for counts off the
     invariants, before touching the disk.
     """
@@ -202,6 +277,9 @@ def write_diagnostics(
     if isinstance(agreement, Mapping):
         source = _check_source(TRAIN_VS_ROLLOUT if source is None else source)
         table = _mismatch_table(step, agreement, source)
+    elif hasattr(agreement, "missing_rows"):
+        source = _check_source(ROLLOUT_ROUTES if source is None else source)
+        table = _fallback_table(step, agreement, source)
     else:
         source = _check_source(NATIVE_VS_REPLAY if source is None else source)
         table = _agreement_table(step, agreement, source)
@@ -214,15 +292,22 @@ def write_diagnostics(
     return paths[-1]
 
 
+_KINDS = {
+    "agreement": (DIAGNOSTICS_VERSION, DIAGNOSTICS_SCHEMA),
+    "mismatch": (MISMATCH_VERSION, MISMATCH_SCHEMA),
+    "fallback": (FALLBACK_VERSION, FALLBACK_SCHEMA),
+}
+
+
 def _read_file(path: Path, step: int, version: bytes = DIAGNOSTICS_VERSION) -> pa.Table | None:
-    """The file's rows, or None for a file of the other kind (agreement / mismatch)."""
-    schema = DIAGNOSTICS_SCHEMA if version == DIAGNOSTICS_VERSION else MISMATCH_SCHEMA
+    """The file's rows, or None for a file of another kind (agreement / mismatch / fallback)."""
+    schema = next(sch for v, sch in _KINDS.values() if v == version)
     with reading(path, "diagnostics"):
         check_regular(path)
         with pq.ParquetFile(path, page_checksum_verification=True) as pf:
             meta = {bytes(k): bytes(v) for k, v in (pf.schema_arrow.metadata or {}).items()}
             tag = meta.get(DIAGNOSTICS_KEY)
-            if tag in (DIAGNOSTICS_VERSION, MISMATCH_VERSION) and tag != version:
+            if tag in [v for v, _ in _KINDS.values()] and tag != version:
                 return None
             if tag != version:
                 found = meta.get(DIAGNOSTICS_KEY, b"no such key").decode(errors="replace")
@@ -245,6 +330,8 @@ def _read_file(path: Path, step: int, version: bytes = DIAGNOSTICS_VERSION) -> p
             raise SchemaError(f"expected the diagnostics schema {schema}, found {table.schema}")
         if schema is DIAGNOSTICS_SCHEMA:
             _check_counts(table)
+        elif schema is FALLBACK_SCHEMA:
+            _check_fallback(table)
         elif table.num_rows != 1:
             raise SchemaError(f"expected one mismatch row, found {table.num_rows}")
         for name, want, why in (
@@ -293,20 +380,19 @@ def read_diagnostics(
     root: PathLike,
     *,
     source: str | None = None,
-    kind: Literal["agreement", "mismatch"] = "agreement",
+    kind: Literal["agreement", "mismatch", "fallback"] = "agreement",
 ) -> pa.Table:
     """Every diagnostics row of ``kind`` under ``root`` by step, source, layer: route
-    agreement (`DIAGNOSTICS_SCHEMA`) or log-prob mismatch (`MISMATCH_SCHEMA`, one row per
-    step and source); ``source``: that one only. ``FileNotFoundError`` without ``root``,
-    `SchemaError` (``path`` set) for a bad file, ``ValueError`` for another ``kind``.
+    agreement (`DIAGNOSTICS_SCHEMA`), log-prob mismatch (`MISMATCH_SCHEMA`) or route
+    fallback (`FALLBACK_SCHEMA`; both one row per step and source); ``source``: that one
+    only. ``FileNotFoundError`` without ``root``, `SchemaError` (``path`` set) for a bad
+    file, ``ValueError`` for another ``kind``.
     """
-    if kind not in ("agreement", "mismatch"):
-        raise ValueError(f"kind: expected 'agreement' or 'mismatch', found {kind!r}")
-    version, schema = (
-        (DIAGNOSTICS_VERSION, DIAGNOSTICS_SCHEMA)
-        if kind == "agreement"
-        else (MISMATCH_VERSION, MISMATCH_SCHEMA)
-    )
+    if kind not in _KINDS:
+        raise ValueError(
+            f"kind: expected 'agreement', 'mismatch' or 'fallback', found {kind!r:.40}"
+        )
+    version, schema = _KINDS[kind]
     wanted = None if source is None else _check_source(source)
     read = [
         _read_file(f, step, version)

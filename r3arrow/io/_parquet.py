@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from r3arrow._checks import check_int
+from r3arrow._schema import ROUTES_MISSING
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated
 from r3arrow.errors import R3ArrowError, SchemaError
@@ -206,7 +207,9 @@ def _check_columns(
     columns: Sequence[str] | None, files: Sequence[tuple[Path, list[str]]]
 ) -> list[str] | None:
     """``columns`` (``None``: all) once each is ``step`` or a column of every one of ``files``
-    (path, column names): ``TypeError`` for a str or a non-str name, ``ValueError`` for none
+    (path, column names), ``routes_missing`` added after ``routes`` where a file has it (a
+    projection never drops the marks that say which route rows are placeholders,
+    ``docs/fallback.md``): ``TypeError`` for a str or a non-str name, ``ValueError`` for none
     or a name no file has (naming those they have), `SchemaError` for one some files lack."""
     if columns is None:
         return None
@@ -226,7 +229,11 @@ def _check_columns(
                     f"{path}: expected columns {missing}, found columns {names}", path=path
                 )
             raise ValueError(f"columns: expected names of the columns {names}, found {missing}")
-    return list(columns)
+    out = list(columns)
+    marked = any(ROUTES_MISSING in names for _, names in files)
+    if marked and "routes" in out and ROUTES_MISSING not in out:
+        out.insert(out.index("routes") + 1, ROUTES_MISSING)
+    return out
 
 
 def _check_layers(layers: Sequence[int] | None, path: Path, schema: pa.Schema) -> None:

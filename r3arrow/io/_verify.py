@@ -18,7 +18,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from r3arrow._schema import ROLLOUT_COLUMNS, SCHEMA_VERSION, VERSION_KEY, list_lengths
+from r3arrow._schema import (
+    ROLLOUT_COLUMNS,
+    SCHEMA_VERSION,
+    VERSION_KEY,
+    list_lengths,
+    missing_routes,
+)
 from r3arrow._validated import mark_validated
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.ids import check_routes
@@ -288,6 +294,8 @@ def check_table(table: pa.Table, spec: RouteSpec | None, *, projected: bool = Fa
         validate_rollouts(table)
     else:
         _check_lengths(table)
+        if "routes" in names:  # the marks of the rows read (a projection reads them with routes)
+            missing_routes(table)
     if spec is not None:
         _check_ids(table, spec, skip=("routes",) if whole else ())
     return mark_validated(_not_null_core(table))

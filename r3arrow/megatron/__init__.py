@@ -2,7 +2,8 @@
 
 `replay_schedule` scopes one pipeline schedule (its `ReplayProbe` measures agreement,
 ``docs/replay-probe.md``); `install_replay` checks every target before the given model's
-routers see it; `replay_backward` switches to recompute replay; `record_schedule` and its
+routers see it (``missing="native"``: the routers choose the tokens whose route is missing,
+``docs/fallback.md``); `replay_backward` switches to recompute replay; `record_schedule` and its
 `RouteRecorder` collect the routers' own top-k (``docs/train-routes.md``); `model_inputs`
 gives ``GPTModel.forward`` its keyword arguments; `apply_shims`/`remove_shims` patch the
 padding bugs of the installed release; `router_layers` and `collator_for` fit a pipeline
@@ -20,6 +21,7 @@ with require(extra="megatron", feature="r3arrow.megatron"):
 from r3arrow._public import set_homes
 from r3arrow.megatron._probe import ReplayProbe
 from r3arrow.megatron._schedule import (
+    MissingPolicy,
     MtpPolicy,
     RouteRecorder,
     install_replay,
@@ -31,6 +33,7 @@ from r3arrow.megatron._shim import apply_shims, remove_shims
 from r3arrow.megatron._stages import collator_for, model_inputs, router_layers
 
 __all__ = [
+    "MissingPolicy",
     "MtpPolicy",
     "ReplayProbe",
     "RouteRecorder",

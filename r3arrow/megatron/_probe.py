@@ -1,8 +1,10 @@
-"""Agreement during replay: the routers' own top-k vs the replayed targets, no second pass.
+"""Agreement during replay: the routers' own top-k vs the replayed targets, no second pass;
+and route-local fallback: the router's own top-k for the tokens whose route is missing.
 
 Contract, hook points (``RouterReplay.get_replay_topk`` and ``TopKRouter.routing``, patched
-on the classes only while a probing schedule is open) and the three exact paths (numba on
-the CPU, torch on the CPU, the full top-k elsewhere): ``docs/replay-probe.md``.
+on the classes only while a probing schedule, or one with fallback targets, is open) and the
+three exact paths (numba on the CPU, torch on the CPU, the full top-k elsewhere):
+``docs/replay-probe.md``; fallback: ``docs/fallback.md``, "Replay".
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ _lock = threading.Lock()
 _originals: dict[str, Any] = {}
 _users = 0
 _local = threading.local()  # .probe: the open ReplayProbe; .frame: (instance, router, mask)
+# id(target tensor) -> (the target, bool [tokens] fallback rows): process-wide, since the
+# REPLAY_BACKWARD recompute may run on autograd's device thread; a target's identity says
+# which microbatch's rows it carries, forward or recompute, in any order.
+_fallbacks: dict[int, _Fallback] = {}
 
 
 @dataclasses.dataclass
@@ -95,8 +101,10 @@ class ReplayProbe:
         topk: int,
         groups: tuple[int | None, int | None],
         default_compute_topk: Any,
+        fallback: torch.Tensor | None = None,
     ) -> None:
-        """Record one replayed call: ``scores`` ``[T, E]``, ``replayed`` (probs, ids ``[T, K]``)."""
+        """Record one replayed call: ``scores`` ``[T, E]``, ``replayed`` (probs, ids ``[T, K]``);
+        ``fallback`` rows (routed natively) are left out like padding."""
         frame = getattr(_local, "frame", None)
         if frame is None or frame[0] is not inst:  # not called from this router's routing()
             frame = (inst, None, None)
@@ -129,6 +137,9 @@ class ReplayProbe:
                 )
                 return
             pad = pad.reshape(-1).to(device=scores.device, dtype=torch.bool)
+        if fallback is not None:
+            fb = fallback.to(device=scores.device)
+            pad = fb if pad is None else pad | fb
         acc.rows.append(_overlap_row(scores, replayed, topk, groups, default_compute_topk, pad))
 
     def _finish(self, ok: bool) -> None:
@@ -310,12 +321,20 @@ def _get_replay_topk(
     group_topk: int | None = None,
     default_compute_topk: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``RouterReplay.get_replay_topk``, observed by the thread's probe on ``REPLAY_FORWARD``."""
+    """``RouterReplay.get_replay_topk``, with the router's own top-k on the fallback rows of
+    the target it replays, observed by the thread's probe on ``REPLAY_FORWARD``."""
     probe: ReplayProbe | None = getattr(_local, "probe", None)
     action = getattr(self, "router_replay_action", None)
+    value = getattr(action, "value", None)
+    entry = _fallback_of(self, value) if _fallbacks else None
     out = _originals["get_replay_topk"](
         self, scores, topk, num_groups, group_topk, default_compute_topk
     )
+    fallback = None
+    if entry is not None:
+        groups = (num_groups, group_topk)
+        out = _with_native(scores, out, entry, value, topk, groups, default_compute_topk)
+        fallback = entry.rows
     if (
         probe is not None
         and default_compute_topk is not None
@@ -324,10 +343,97 @@ def _get_replay_topk(
         try:
             with torch.no_grad():
                 groups = (num_groups, group_topk)
-                probe._observe(self, scores, out, topk, groups, default_compute_topk)
+                probe._observe(self, scores, out, topk, groups, default_compute_topk, fallback)
         except Exception as exc:  # a failed measurement must not fail the replayed forward
             probe._fail(f"observing a replayed router call raised {type(exc).__name__}: {exc}")
     return out  # type: ignore[no-any-return]
+
+
+class _Fallback:
+    """A fallback target: the target tensor, its bool ``[tokens]`` fallback rows, and the ids
+    its last forward routed (target rows replayed, fallback rows native; None before it)."""
+
+    __slots__ = ("chosen", "rows", "target")
+
+    def __init__(self, target: torch.Tensor, rows: torch.Tensor) -> None:
+        self.target, self.rows = target, rows
+        self.chosen: torch.Tensor | None = None
+
+
+def _fallback_of(inst: Any, action: str | None) -> _Fallback | None:
+    """The `_Fallback` of the target ``inst`` replays now (forward: the one installed last;
+    recompute: the head of its FIFO, which the original pops), None if it has none."""
+    if action == "replay_forward":
+        target = getattr(inst, "target_topk_idx", None)
+    elif action == "replay_backward":
+        queue = getattr(inst, "replay_backward_list", None)
+        target = queue[0] if queue else None
+    else:
+        return None
+    entry = _fallbacks.get(id(target)) if target is not None else None
+    return entry if entry is not None and entry.target is target else None
+
+
+def _with_native(
+    scores: torch.Tensor,
+    replayed: tuple[torch.Tensor, torch.Tensor],
+    entry: _Fallback,
+    action: str | None,
+    topk: int,
+    groups: tuple[int | None, int | None],
+    default_compute_topk: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, ids) of a replayed call with the fallback rows' ids replaced by megatron-core's
+    own top-k of the same ``scores`` (``default_compute_topk``: group-limited routing and the
+    expert bias as the release applies them; over every row, as the router would route
+    them without replay); probs gathered as replay does. The forward's ids are kept, and a
+    ``REPLAY_BACKWARD`` recompute of the target replays them (as NeMo-RL does), so it
+    routes as the forward did even if its scores differ in the last bit."""
+    ids = replayed[1]
+    if action == "replay_backward" and entry.chosen is not None:
+        chosen = entry.chosen.to(device=scores.device)
+        _fallbacks.pop(id(entry.target), None)  # popped from the FIFO: its one recompute
+        return scores.gather(1, chosen), chosen
+    if default_compute_topk is None:
+        raise ReplayError(
+            "fallback routing: expected megatron-core's top-k function (default_compute_topk) "
+            "in RouterReplay.get_replay_topk, found None; the installed release does not pass "
+            "it, so missing routes cannot fall back to the router"
+        )
+    rows = entry.rows.to(device=scores.device)
+    if int(rows.numel()) != int(ids.shape[0]):
+        raise ReplayError(
+            f"fallback routing: expected {int(ids.shape[0])} fallback rows (the router's "
+            f"tokens), found {int(rows.numel())}"
+        )
+    with torch.no_grad():
+        native = default_compute_topk(scores, topk, num_groups=groups[0], group_topk=groups[1])
+    merged = torch.where(rows.reshape(-1, 1), native[1].to(ids.dtype), ids)
+    if action == "replay_forward":
+        entry.chosen = merged.detach()
+    return scores.gather(1, merged), merged
+
+
+def add_fallback(targets: list[torch.Tensor], rows: torch.Tensor) -> None:
+    """Route the bool ``[tokens]`` ``rows`` of each of ``targets`` natively while registered."""
+    with _lock:
+        for t in targets:
+            _fallbacks[id(t)] = _Fallback(t, rows)
+
+
+def open_fallback() -> None:
+    """Patch the classes for a schedule that will register fallback targets."""
+    _patch(1)
+
+
+def close_fallback(targets: list[torch.Tensor]) -> None:
+    """Drop ``targets``' fallback rows; restore the classes after the last user."""
+    try:
+        with _lock:
+            for t in targets:
+                _fallbacks.pop(id(t), None)
+    finally:
+        _patch(-1)
 
 
 def _routing(self: Any, logits: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -19,7 +19,14 @@ from r3arrow._checks import check_choice, check_int, check_nonnegative_int
 from r3arrow.collate import Microbatch
 from r3arrow.errors import ReplayDuplicateError, ReplayError, ReplayRangeError
 from r3arrow.ids import check_routes
-from r3arrow.megatron._probe import ReplayProbe, close_probe, open_probe
+from r3arrow.megatron._probe import (
+    ReplayProbe,
+    add_fallback,
+    close_fallback,
+    close_probe,
+    open_fallback,
+    open_probe,
+)
 from r3arrow.megatron._routers import (
     _check_spec_fits,
     _global_layer,
@@ -37,15 +44,17 @@ _local = threading.local()  # .schedule: this thread's open _Schedule, if any
 
 
 class _Schedule:
-    """An open schedule: its name, the action it sets, and the instances it took (by id:
-    instance and the action it gave it, None for the native ones)."""
+    """An open schedule: its name, the action it sets, the instances it took (by id:
+    instance and the action it gave it, None for the native ones) and the targets it
+    registered fallback rows for (None: none yet, the classes unpatched)."""
 
-    __slots__ = ("action", "name", "probe", "taken")
+    __slots__ = ("action", "fallback", "name", "probe", "taken")
 
     def __init__(self, name: str, action: Any) -> None:
         self.name, self.action = name, action
         self.probe: ReplayProbe | None = None
         self.taken: dict[int, tuple[Any, Any]] = {}
+        self.fallback: list[torch.Tensor] | None = None
 
     def take(self, instances: Iterable[Any], action: Any) -> None:
         """Give ``instances`` ``action`` (None: native), clearing each on its first take."""
@@ -74,11 +83,17 @@ def _open(name: str, action: Any) -> _Schedule:
 
 
 def _close(schedule: _Schedule) -> None:
-    """End ``schedule``: every instance it took is cleared (indices, FIFO, action)."""
+    """End ``schedule``: every instance it took is cleared (indices, FIFO, action), its
+    fallback rows dropped."""
     _local.schedule = None
-    for inst, _ in schedule.taken.values():
-        inst.clear_indices()
-        inst.clear_router_replay_action()
+    try:
+        for inst, _ in schedule.taken.values():
+            inst.clear_indices()
+            inst.clear_router_replay_action()
+    finally:
+        if schedule.fallback is not None:
+            targets, schedule.fallback = schedule.fallback, None
+            close_fallback(targets)
 
 
 def _replaying(caller: str) -> _Schedule:
@@ -251,6 +266,9 @@ def _check_target_ids(arr: torch.Tensor, num_experts: int | None, layer_ids: Seq
     )
 
 
+MissingPolicy = Literal["error", "native"]
+"""What `install_replay` does with tokens whose route is missing (``missing=``)."""
+
 MtpPolicy = Literal["exclude", "replay", "error"]
 """What `install_replay` does with multi-token-prediction routers (``mtp=``)."""
 _MTP_OPTIONS = (
@@ -268,6 +286,7 @@ def install_replay(
     layers: Sequence[int] | None = None,
     check: bool = True,
     mtp: MtpPolicy = "exclude",
+    missing: MissingPolicy = "error",
 ) -> list[torch.Tensor]:
     """Validate replay targets, then queue them on the routers of the open `replay_schedule`
     with its action; return them in layer order.
@@ -288,12 +307,22 @@ def install_replay(
     ``layer_number - 1``; ``"error"`` refuses them. Without ``routers`` a count mismatch
     raises `ReplayError` naming MTP.
 
+    Tokens whose rollout route is missing (`Microbatch.fallback_mask`, ``docs/fallback.md``):
+    ``missing="error"`` (default) refuses a microbatch with any on this rank's routers
+    (`ReplayError`: how many, which sequences); ``"native"`` lets each installed router
+    choose exactly those tokens itself, by megatron-core's own top-k of its scores (forward
+    and ``REPLAY_BACKWARD`` recompute alike), while every other token replays its target.
+    A microbatch without marks takes the same path under both. The fraction that fell back:
+    ``sum(mb.fallback_routes) / sum(mb.token_routes)`` over the schedule's microbatches.
+
     Raises `TypeError`/`ValueError` for argument misuse (raw targets without
-    ``num_tokens``, ``layers`` not one per target, an unknown ``mtp``) and `ReplayError`
-    (`ReplayRangeError`, `ReplayDuplicateError` for ids) before anything reaches Megatron,
-    and outside a `replay_schedule` with an action.
+    ``num_tokens``, ``layers`` not one per target, an unknown ``mtp`` or ``missing``) and
+    `ReplayError` (`ReplayRangeError`, `ReplayDuplicateError` for ids; missing routes under
+    ``missing="error"``) before anything reaches Megatron, and outside a `replay_schedule`
+    with an action.
     """
     mtp = check_choice(mtp, "mtp", get_args(MtpPolicy))  # type: ignore[assignment]
+    missing = check_choice(missing, "missing", get_args(MissingPolicy))  # type: ignore[assignment]
     if isinstance(mb, Microbatch) and (mb.spec is None or not mb.r3):
         raise ReplayError(
             "install_replay: expected a microbatch with routes, found one collated with R3 "
@@ -302,6 +331,10 @@ def install_replay(
         )
     schedule = _replaying("install_replay")
     micro = mb if isinstance(mb, Microbatch) else None
+    fallback = micro is not None and micro.fallback_routes > 0
+    if fallback and missing == "error":
+        assert micro is not None
+        raise ReplayError(_missing_message(micro))
     if isinstance(mb, Microbatch):
         assert mb.spec is not None  # checked above
         spec: RouteSpec | None = mb.spec
@@ -362,19 +395,60 @@ def install_replay(
             _check_target_ids(t.unsqueeze(0), experts, [name])
     schedule.take(native, None)
     schedule.take(receivers, schedule.action)
+    if fallback and targets:
+        assert micro is not None
+        if schedule.fallback is None:
+            open_fallback()
+            schedule.fallback = []
+        schedule.fallback.extend(targets)
+        add_fallback(targets, _router_rows(micro, micro.fallback_mask))
     for inst, t in zip(receivers, targets, strict=True):
         inst.set_target_indices(t)
     if schedule.probe is not None:
         # the padding for routers handed no mask (raw targets: none): the routers' token
         # order (flat ``s * b + b_idx``), this TP rank's slice under sequence parallelism
-        pad = None
-        if micro is not None:
-            pad = micro.padding_mask.transpose(0, 1).reshape(-1)
-            if micro.sequence_parallel:
-                n = micro.num_router_tokens
-                pad = pad[micro.tp_rank * n : (micro.tp_rank + 1) * n]
+        pad = None if micro is None else _router_rows(micro, micro.padding_mask)
         schedule.probe._padding.update(dict.fromkeys(map(id, receivers), pad))
     return targets
+
+
+def _router_rows(micro: Microbatch, mask: torch.Tensor | None) -> torch.Tensor:
+    """A ``[b, S]`` mask of ``micro`` in the routers' token order (flat ``s * b + b_idx``),
+    this TP rank's slice under sequence parallelism."""
+    assert mask is not None
+    rows = mask.transpose(0, 1).reshape(-1)
+    if micro.sequence_parallel:
+        n = micro.num_router_tokens
+        rows = rows[micro.tp_rank * n : (micro.tp_rank + 1) * n]
+    return rows
+
+
+def _missing_message(micro: Microbatch) -> str:
+    """The ``missing="error"`` refusal: how many tokens, which sequences of the microbatch."""
+    assert micro.fallback_mask is not None
+    tokens = micro.fallback_routes // max(1, len(micro.layers))
+    rows = _router_rows(micro, micro.fallback_mask)
+    flat = torch.nonzero(rows.cpu()).reshape(-1)
+    if micro.sequence_parallel:
+        flat = flat + micro.tp_rank * micro.num_router_tokens
+    columns = int(micro.fallback_mask.shape[0])
+    pos, col = flat // columns, flat % columns  # [P, C] flat order
+    if micro.packed:
+        assert micro.cu_seqlens_padded is not None
+        index = micro.token_index
+        full = pos if index is None else index.cpu().to(torch.int64)[pos]
+        bounds = micro.cu_seqlens_padded.cpu().to(torch.int64)[1:]
+        seqs = torch.searchsorted(bounds, full, right=True)
+    else:
+        seqs = col
+    which = sorted(set(seqs.tolist()))
+    shown = ", ".join(map(str, which[:8])) + (", ..." if len(which) > 8 else "")
+    return (
+        f"install_replay: expected a route for every token (missing='error'), found {tokens} "
+        f"tokens whose rollout route is missing (routes_missing marks) on this rank's "
+        f"routers, in sequences [{shown}] of the microbatch (rows of its table); pass "
+        f"missing='native' to let the routers choose exactly those tokens (docs/fallback.md)"
+    )
 
 
 def _mtp_numbers(routers: list[Any]) -> list[int]:

@@ -7,8 +7,9 @@ step root is streamed under ``max_memory`` (default 1 GiB), and an `Executor` (e
 `r3arrow.ray.RayExecutor`) sums the same partials on its workers, so every path gives
 identical integers (``docs/scale.md``). ``tokens`` (`TokenSubset`: ``"all"``,
 ``"prompt"``, ``"response"``, ``"loss"``) selects route rows (``docs/design.md``, "Ragged
-routes and the terminal gap"). The summaries (`load_summary`, `load_drift`, ...) are
-Polars expressions over a ``DataFrame`` or a ``LazyFrame``.
+routes and the terminal gap"); rows marked in ``routes_missing`` are never counted as
+routes, and `route_fallback` counts them (``docs/fallback.md``). The summaries
+(`load_summary`, `load_drift`, ...) are Polars expressions over a ``DataFrame`` or a ``LazyFrame``.
 
 Argument misuse raises ``ValueError`` / ``TypeError``; bad data raises `SchemaError`,
 `ExpertRangeError`, `DuplicateExpertError` or `RouteShapeError` (``row``, ``token``,
@@ -34,6 +35,7 @@ from r3arrow.stats._api import (
     route_agreement_by_step,
 )
 from r3arrow.stats._counts import ExpertCounts, count_routes
+from r3arrow.stats._fallback import RouteFallback, route_fallback
 from r3arrow.stats._interop import routes_torch, to_polars
 from r3arrow.stats._metrics import r3_metrics
 from r3arrow.stats._mismatch import logprob_mismatch
@@ -51,6 +53,7 @@ __all__ = [
     "Executor",
     "ExpertCounts",
     "RouteAgreement",
+    "RouteFallback",
     "TokenSubset",
     "agreement_over_steps",
     "compare_routes",
@@ -67,6 +70,7 @@ __all__ = [
     "r3_metrics",
     "route_agreement",
     "route_agreement_by_step",
+    "route_fallback",
     "routes_torch",
     "to_polars",
     "token_selection",

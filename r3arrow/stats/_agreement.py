@@ -38,10 +38,12 @@ from r3arrow.stats._kernels import (
 class RouteAgreement:
     """Exact agreement counts of two route sets for the same tokens (order within top-k ignored).
 
-        ``identical[i]``: tokens whose top-k *set* on layer ``layers[i]`` is the same in both;
-        ``overlap[i]``: sum over tokens of ``|A ∩ B|`` on that layer; ``all_identical``: tokens
-        identical on every router layer. Adds (``a + b``, exact: `SchemaError` past int64);
-    fractions are NaN when ``tokens == 0``.
+    ``identical[i]``: tokens whose top-k *set* on layer ``layers[i]`` is the same in both;
+    ``overlap[i]``: sum over tokens of ``|A ∩ B|`` on that layer; ``all_identical``: tokens
+    identical on every router layer; ``missing``: selected route rows left out because
+    their rollout route never arrived (``routes_missing``, ``docs/fallback.md``), not in
+    ``tokens``. Adds (``a + b``, exact: `SchemaError` past int64); fractions are NaN when
+    ``tokens == 0``.
     """
 
     layers: tuple[int, ...]
@@ -50,6 +52,7 @@ class RouteAgreement:
     identical: np.ndarray
     overlap: np.ndarray
     all_identical: int
+    missing: int = 0
 
     def __post_init__(self) -> None:
         for name in ("identical", "overlap"):
@@ -64,8 +67,8 @@ class RouteAgreement:
         if not isinstance(other, RouteAgreement):
             return NotImplemented
         return (
-            (self.layers, self.topk, self.tokens, self.all_identical)
-            == (other.layers, other.topk, other.tokens, other.all_identical)
+            (self.layers, self.topk, self.tokens, self.all_identical, self.missing)
+            == (other.layers, other.topk, other.tokens, other.all_identical, other.missing)
             and np.array_equal(self.identical, other.identical)
             and np.array_equal(self.overlap, other.overlap)
         )
@@ -89,6 +92,7 @@ class RouteAgreement:
             add("identical"),
             add("overlap"),
             int(add("all_identical")),
+            int(add("missing")),
         )
 
     @classmethod
@@ -148,7 +152,8 @@ class RouteAgreement:
     def to_vector(self) -> np.ndarray:
         """Flat int64 encoding (inverse: `from_vector`)."""
         head = np.array(
-            [len(self.layers), self.topk, self.tokens, self.all_identical], dtype=np.int64
+            [len(self.layers), self.topk, self.tokens, self.all_identical, self.missing],
+            dtype=np.int64,
         )
         return np.concatenate(
             [head, np.asarray(self.layers, np.int64), self.identical, self.overlap]
@@ -158,15 +163,16 @@ class RouteAgreement:
     def from_vector(cls, vec: Any) -> RouteAgreement:
         v = np.asarray(vec, dtype=np.int64)
         n = int(v[0])
-        if v.size != 4 + 3 * n:
-            raise SchemaError(f"RouteAgreement vector: expected {4 + 3 * n} values, found {v.size}")
+        if v.size != 5 + 3 * n:
+            raise SchemaError(f"RouteAgreement vector: expected {5 + 3 * n} values, found {v.size}")
         return cls(
-            tuple(int(x) for x in v[4 : 4 + n]),
+            tuple(int(x) for x in v[5 : 5 + n]),
             int(v[1]),
             int(v[2]),
-            v[4 + n : 4 + 2 * n].copy(),
-            v[4 + 2 * n :].copy(),
+            v[5 + n : 5 + 2 * n].copy(),
+            v[5 + 2 * n :].copy(),
             int(v[3]),
+            int(v[4]),
         )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from r3arrow.stats._agreement import RouteAgreement
 from r3arrow.stats._mismatch import MISMATCH_KEYS
 
-#: Reserved: fraction of token routes the trainer's router computed itself (fallback).
+#: Fraction of token routes the trainer's router computed itself (``docs/fallback.md``).
 FALLBACK_KEY = "r3/fallback_token_route_fraction"
 
 
@@ -42,9 +42,11 @@ def r3_metrics(
     ``r3/routing/layer/{L}/disagreement`` (1 − identical fraction of global layer L);
     ``mismatch`` (a `logprob_mismatch` dict) gives ``r3/mismatch/{key}`` for each of its
     keys; ``route_bytes_per_token`` gives ``r3/route_bytes_per_token``.
-    ``r3/fallback_token_route_fraction`` is always present: ``fallback_token_route_fraction``,
-    0.0 when None (no fallback exists yet, so no route fell back). Undefined values (no
-    tokens) are left out, never NaN. ``TypeError`` / ``ValueError`` for bad inputs.
+    ``r3/fallback_token_route_fraction`` is always present: ``fallback_token_route_fraction``
+    (`RouteFallback.fraction` of the step's rollouts, or the ``fraction`` of its stored
+    ``read_diagnostics(kind="fallback")`` row; ``docs/fallback.md``), 0.0 when None (no route
+    fell back). Undefined values (no tokens) are left out, never NaN. ``TypeError`` /
+    ``ValueError`` for bad inputs.
     """
     out: dict[str, float] = {}
     if agreement is not None:

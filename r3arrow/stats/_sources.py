@@ -42,6 +42,7 @@ from r3arrow.io import (
 from r3arrow.spec import RouteSpec
 from r3arrow.stats._agreement import RouteAgreement, compare_routes
 from r3arrow.stats._counts import ExpertCounts, count_routes
+from r3arrow.stats._fallback import delivered
 from r3arrow.stats._kernels import cpus
 from r3arrow.stats._selection import (
     check_column,
@@ -240,11 +241,15 @@ def _global(part: Part, batch: TableLike, spec: RouteSpec) -> Part:
 
 
 def batch_counts(batch: TableLike, tokens: str = "all", column: str = "routes") -> ExpertCounts:
-    """`ExpertCounts` (global layer ids) of routes column ``column`` of one table or batch."""
+    """`ExpertCounts` (global layer ids) of routes column ``column`` of one table or batch;
+    ``routes`` rows marked missing (placeholders, ``docs/fallback.md``) are not counted."""
     batch = use_column(batch, column)
+    select = token_selection(batch, tokens)
+    if column == "routes":  # the trainer's routes of another column are real on every row
+        select, _ = delivered(batch, select)
     spec = route_spec(batch)
     rows, _ = flat_routes(batch)
-    return _global(count_routes(rows, spec, select=token_selection(batch, tokens)), batch, spec)
+    return _global(count_routes(rows, spec, select=select), batch, spec)
 
 
 def aligned_rows(batch: TableLike, col: ArrowArray, spec: RouteSpec, other: str) -> np.ndarray:
@@ -262,14 +267,16 @@ def aligned_rows(batch: TableLike, col: ArrowArray, spec: RouteSpec, other: str)
 
 
 def batch_agreement(batch: TableLike, other: str, tokens: str = "all") -> RouteAgreement:
-    """`RouteAgreement` (global layer ids) of ``routes`` vs the routes column ``other``."""
+    """`RouteAgreement` (global layer ids) of ``routes`` vs the routes column ``other``; rows
+    whose ``routes`` are missing are left out and counted (``missing``)."""
     spec = route_spec(batch)
     rows_a, _ = flat_routes(batch)
     if other not in batch.schema.names:
         raise SchemaError(f"expected a second routes column {other!r}, found {batch.schema.names}")
     rows_b = aligned_rows(batch, batch.column(other), spec, other)
-    local = compare_routes(rows_a, rows_b, spec, select=token_selection(batch, tokens))
-    return _global(local, batch, spec)
+    select, missing = delivered(batch, token_selection(batch, tokens))
+    local = compare_routes(rows_a, rows_b, spec, select=select)
+    return _global(dataclasses.replace(local, missing=missing), batch, spec)
 
 
 def batch_parts(
@@ -500,7 +507,13 @@ def agreement_parts(
         rows_b = aligned_rows(ta, b.column("routes"), sa, "routes of b")
     else:
         rows_b = as_route_rows(b, sa, what="routes b")
-    yield None, compare_routes(rows_a, rows_b, sa, select=token_selection(ta, tokens))
+    select, missing = delivered(ta, token_selection(ta, tokens))
+    if is_table(b):  # rows b did not deliver either
+        every = np.ones(rows_b.shape[0], dtype=bool)
+        select, gone = delivered(b, every if select is None else select)
+        missing += gone
+    agreement = compare_routes(rows_a, rows_b, sa, select=select)
+    yield None, dataclasses.replace(agreement, missing=missing)
 
 
 def _array_agreement(a: Any, b: Any, spec: RouteSpec | None, tokens: Any) -> RouteAgreement:

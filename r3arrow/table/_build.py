@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from r3arrow._routes import chunk, chunked, chunked_routes
-from r3arrow._schema import rollout_schema
+from r3arrow._schema import MISSING_KEY, ROUTES_MISSING, rollout_schema
 from r3arrow._validated import checked_for, mark_validated
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.spec import RouteSpec, routes_to_numpy
@@ -181,14 +181,19 @@ def rollout_table(
     reward: Sequence[float] | np.ndarray | pa.Array[Any] | pa.ChunkedArray[Any],
     routes: Any = None,
     spec: RouteSpec | None = None,
+    routes_missing: Any = None,
     **extra: Any,
 ) -> pa.Table:
     """Build and validate a rollout table (schema rollout.v1, spec in the metadata), marked
     validated. Token ids and ``loss_mask`` (Arrow, numpy or Python lists) hold integers or
     integral floats that fit int32 / uint8 (masks: 0 or 1, bools allowed), never converted
     lossily. ``routes``: per-trajectory arrays (Arrow or numpy ``[rows, L, K]``) or a
-    ``large_list`` column of ``spec``; neither for R3 off. Extra keyword columns follow.
-    ``TypeError`` for one of ``routes`` / ``spec`` alone or a bad ``spec``; `SchemaError`,
+    ``large_list`` column of ``spec``; neither for R3 off. ``routes_missing`` (with
+    ``routes``; None: no column): one 0/1 list per trajectory, one mark per route row (1: a
+    placeholder for a route that never arrived, ``docs/fallback.md``), stored as
+    ``large_list<uint8>`` after ``routes`` with the `MISSING_KEY` metadata. Extra keyword
+    columns follow. ``TypeError`` for one of ``routes`` / ``spec`` alone, ``routes_missing``
+    without them or a bad ``spec``; `SchemaError`,
     `RouteShapeError`, `ExpertRangeError`, `DuplicateExpertError`, `TerminalGapError` for bad
     data (``row``, ``trajectory_id`` set).
     """
@@ -200,6 +205,10 @@ def rollout_table(
         )
     if spec is not None and not isinstance(spec, RouteSpec):
         raise TypeError(f"rollout_table: expected spec to be a RouteSpec, found {type(spec)}")
+    if routes_missing is not None and spec is None:
+        raise TypeError(
+            "rollout_table: expected routes_missing= with routes= and spec=, found it without"
+        )
     rows = len(trajectory_id)
     tids = _column(trajectory_id, pa.large_string(), "trajectory_id", rows)
     cols: dict[str, pa.Array[Any] | pa.ChunkedArray[Any]] = {
@@ -217,13 +226,19 @@ def rollout_table(
         build = _from_column if is_col else _from_sequence
         cols["routes"], spec, owing = build(routes, spec, ids)
     extra_fields = []
+    if routes_missing is not None:
+        marks = _large_list(routes_missing, pa.uint8(), ROUTES_MISSING, tids, mask=True)
+        cols[ROUTES_MISSING] = marks
+        extra_fields.append(pa.field(ROUTES_MISSING, marks.type))
     for name, values in extra.items():
-        if name in cols or name == "routes":
+        if name in cols or name in ("routes", ROUTES_MISSING):
             raise SchemaError(f"extra column {name!r} collides with a core column")
         arr = _column(values, None, name, rows)
         cols[name] = arr
         extra_fields.append(pa.field(name, arr.type))
     schema = rollout_schema(spec, extra_fields)
+    if routes_missing is not None:
+        schema = schema.with_metadata({**(schema.metadata or {}), MISSING_KEY: b"1"})
     table = pa.Table.from_arrays(list(cols.values()), schema=schema)
     if spec is None:
         validate_table(table, ids="distinct")

@@ -3,8 +3,11 @@
 In this order, so the first message names the real problem (``docs/design.md``, "The
 Arrow data model", "Ragged routes and the terminal gap", "Expert ids"): columns and types
 of rollout.v1 (a ``routes`` column iff the spec is in the metadata); no nulls at any level
-(located only on failure); ``len(loss_mask) == len(response_ids)``, mask values 0 or 1 and
-routes ``<=`` tokens; the expert-id rules per chunk; the terminal gap. Errors set ``row`` and
+(located only on failure); ``len(loss_mask) ==
+len(response_ids)``, mask values 0 or 1 and routes ``<=`` tokens; the expert-id rules per
+chunk; the terminal gap; the ``routes_missing``
+marks (``docs/fallback.md``: 0/1, one per route row, no nulls, only beside ``routes``, and
+present wherever `MISSING_KEY` is). Errors set ``row`` and
 ``trajectory_id`` when a trajectory is at fault, ``token`` / ``layer`` where they apply.
 """
 
@@ -19,8 +22,11 @@ import pyarrow.compute as pc
 
 from r3arrow._coverage import first_terminal_gap_rows, terminal_gap_error
 from r3arrow._schema import (
+    MISSING_KEY,
+    ROUTES_MISSING,
     has_routes,
     list_lengths,
+    missing_routes,
     rollout_schema,
     route_spec,
     trajectory_id_at,
@@ -146,6 +152,27 @@ def raise_at_first(
         raise error(message(i), row=i, trajectory_id=trajectory_id_at(table, i))
 
 
+def check_missing(table: TableLike) -> None:
+    """The ``routes_missing`` rules (`r3arrow._schema.missing_routes`, and no null mark);
+    nothing to check on a table with neither the column nor `MISSING_KEY`."""
+    names = table.schema.names
+    if ROUTES_MISSING not in names and MISSING_KEY not in (table.schema.metadata or {}):
+        return
+    typ = table.schema.field(ROUTES_MISSING).type if ROUTES_MISSING in names else None
+    if typ is not None and (pa.types.is_large_list(typ) or pa.types.is_list(typ)):
+        base = 0
+        for ch in _chunks(table.column(ROUTES_MISSING)):
+            if ch.null_count:
+                _null_error(table, ROUTES_MISSING, "rows", ch.null_count, base + _first_null(ch))
+            if (values := pc.list_flatten(ch)).null_count:
+                row, pos = _row_of(ch, _first_null(values))
+                _null_error(
+                    table, ROUTES_MISSING, "marks", values.null_count, base + row, token=pos
+                )
+            base += len(ch)
+    missing_routes(table)
+
+
 @overload
 def validate_rollouts(table: TableLike, *, require_routes: Literal[True]) -> RouteSpec: ...
 @overload
@@ -207,6 +234,7 @@ def validate_table(
             trajectory_id=trajectory_id_at(table, row),
         )
     if spec is None:
+        check_missing(table)  # marks without routes: refused
         return None  # R3 off: nothing is replayed, so no route rule applies
     cap = list_lengths(table.column("routes"))
     raise_at_first(
@@ -223,6 +251,7 @@ def validate_table(
             flat = routes_to_numpy(pc.list_flatten(ch), spec)
             check_chunk_ids(table, flat, ch, spec, base, ids)
             base += len(ch)
+    check_missing(table)
     # The terminal gap: a loss-active response token t needs route row t - 1.
     if mask.size and (gap := first_terminal_gap_rows(mask, mlen, plen, cap)) is not None:
         row, token = gap
