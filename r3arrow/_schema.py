@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import numpy as np
 import orjson
@@ -33,6 +33,11 @@ ROUTE_LAYERS_KEY = b"r3arrow.route_layers"
 #: log-prob of each response token, ``list<float32>`` one per response token.
 ROLLOUT_LOGPROBS = "rollout_logprobs"
 TRAIN_LOGPROBS = "train_logprobs"
+#: Optional extra columns (``docs/versions.md``), both ``int64 >= 0`` without nulls: the policy
+#: (weight) version that generated a row and the row's attempt (0 for a first try). With
+#: ``attempt`` a row's key is (``trajectory_id``, ``attempt``), unique in a table and in a step.
+POLICY_VERSION: Final = "policy_version"
+ATTEMPT: Final = "attempt"
 #: The float metrics of a log-prob mismatch, in order (`r3arrow.stats.logprob_mismatch`'s keys
 #: after ``tokens``; the columns of a stored mismatch row; ``docs/mismatch.md``).
 MISMATCH_FLOATS = (

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from r3arrow._checks import check_positive_int
-from r3arrow._schema import ROLLOUT_LOGPROBS, list_lengths
+from r3arrow._checks import check_int, check_positive_int
+from r3arrow._schema import ATTEMPT, POLICY_VERSION, ROLLOUT_LOGPROBS, list_lengths
 from r3arrow.capture import OnShort, TurnStore
 from r3arrow.client import EngineClient, GenerateOutput
 from r3arrow.errors import RouteShapeError, SchemaError
@@ -259,12 +259,24 @@ def _rollout_logprobs(trajectories: Sequence[Trajectory]) -> dict[str, pa.Array[
     return {ROLLOUT_LOGPROBS: arr}
 
 
-def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> pa.Table:
+def trajectories_table(
+    trajectories: Sequence[Trajectory],
+    store: TurnStore,
+    *,
+    policy_version: int | None = None,
+    attempt: int = 0,
+) -> pa.Table:
     """The rollout table of ``trajectories`` in order, routes from ``store``, plus ``num_turns``,
     ``stop`` and, when every engine turn returned log-probs (``sampling_params`` asking for
     them), ``rollout_logprobs`` (``docs/mismatch.md``); `RouteShapeError` (``trajectory_id``,
-    ``row``) where the store disagrees.
+    ``row``) where the store disagrees. ``attempt`` (int64 column, on every row: 0 for first
+    tries; a framework's retry of these trajectories passes the next) and ``policy_version``
+    (int64 column when given: the weight version that generated them) are stamped as given
+    (``docs/versions.md``); ``TypeError`` / ``ValueError`` for one that is not an int ``>= 0``.
     """
+    stamps = {ATTEMPT: check_int(attempt, "attempt", minimum=0)}
+    if policy_version is not None:
+        stamps[POLICY_VERSION] = check_int(policy_version, "policy_version", minimum=0)
     ids = [t.trajectory_id for t in trajectories]
     routes = store.routes_chunked(ids)
     lens = list_lengths(routes)
@@ -290,6 +302,7 @@ def trajectories_table(trajectories: Sequence[Trajectory], store: TurnStore) -> 
         spec=store.spec,
         num_turns=pa.array([t.num_turns for t in trajectories], type=pa.int32()),
         stop=pa.array([t.stop for t in trajectories], type=pa.large_string()),
+        **{k: pa.array(np.full(len(ids), v, np.int64)) for k, v in stamps.items()},
         **_rollout_logprobs(trajectories),
     )
 
@@ -310,6 +323,8 @@ async def run_rollouts(
     progress: bool = False,
     id_prefix: str = "",
     on_short: OnShort = "error",
+    policy_version: int | None = None,
+    attempt: int = 0,
 ) -> pa.Table:
     """Run ``group_size`` trajectories per prompt concurrently; return their rollout table.
 
@@ -318,8 +333,14 @@ async def run_rollouts(
     max_turns``. ``spec`` defaults to the client's (with ``store``: must be the store's, else
     `RouteShapeError`). The first failure is raised after the others are cancelled.
     ``on_short``: as `run_trajectory`; marked rows come back in a ``routes_missing`` column.
+    ``policy_version`` / ``attempt``: stamped on every row as `trajectories_table` does
+    (``docs/versions.md``); this loop does not retry, so a framework that reruns the batch
+    passes the next ``attempt`` (both checked before any request).
     """
     check_positive_int(group_size, "group_size")
+    check_int(attempt, "attempt", minimum=0)
+    if policy_version is not None:
+        check_int(policy_version, "policy_version", minimum=0)
     if store is not None and spec is not None and not spec.same_shape(store.spec):
         raise RouteShapeError(f"spec: expected the store's {store.spec} (or None), found {spec}")
     if store is None:
@@ -368,7 +389,7 @@ async def run_rollouts(
     finally:
         if bar is not None:
             bar.close()
-    return trajectories_table(trajectories, store)
+    return trajectories_table(trajectories, store, policy_version=policy_version, attempt=attempt)
 
 
 __all__ = [

@@ -123,6 +123,11 @@ def _part_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("part-*.parquet"))
 
 
+def step_parts(root: PathLike, step: int) -> list[Path]:
+    """The part files already in ``root/step=N``, in part order (none where it does not exist)."""
+    return _part_files(step_dir(root, step))
+
+
 def check_steps(steps: Sequence[int] | None) -> list[int] | None:
     """``steps`` as a list of ints (``None`` passes): `check_step` of each."""
     if steps is None:

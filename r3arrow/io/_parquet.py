@@ -10,10 +10,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from r3arrow._checks import check_int
-from r3arrow._schema import ROUTES_MISSING
+from r3arrow._checks import check_int, check_regular
+from r3arrow._schema import ATTEMPT, ROUTES_MISSING
 from r3arrow._typing import PathLike
 from r3arrow._validated import is_validated
+from r3arrow._versions import check_new_keys
 from r3arrow.errors import R3ArrowError, SchemaError
 from r3arrow.io._groups import stored_layer_groups
 from r3arrow.io._ipc import is_ipc, read_ipc_file
@@ -24,6 +25,7 @@ from r3arrow.io._layout import (
     check_steps,
     rollout_paths,
     step_dir,
+    step_parts,
 )
 from r3arrow.io._project import local_layers, project_layers, projected_spec
 from r3arrow.io._storage import restore, to_storage
@@ -56,6 +58,28 @@ from r3arrow.table import route_layers
 Source = PathLike | Sequence["RolloutFile"]
 
 
+def _check_attempts(table: pa.Table, root: PathLike, step: int) -> None:
+    """A keyed new part (an ``attempt`` column) of ``root/step=N``: its keys are new to the
+    step's parts (`r3arrow._versions.check_new_keys`; ``docs/versions.md``)."""
+    if ATTEMPT not in table.schema.names:
+        return
+    parts: list[tuple[Path, pa.Table | None]] = []
+    for f in step_parts(root, step):
+        check_regular(f)  # a FIFO would block the read
+        try:
+            names = pq.read_schema(f).names
+            keys = None
+            if ATTEMPT in names:
+                keys = pq.read_table(f, columns=["trajectory_id", ATTEMPT])
+        except (OSError, pa.ArrowException) as exc:
+            raise SchemaError(
+                f"{f}: expected a readable rollout part to check attempts against, found {exc}",
+                path=f,
+            ) from exc
+        parts.append((f, keys))
+    check_new_keys(table, parts)
+
+
 def write_rollouts(
     table: pa.Table,
     path: PathLike,
@@ -76,7 +100,12 @@ def write_rollouts(
     of about ``row_group_bytes`` unless ``row_group_rows`` (``docs/storage.md``). Raises, before
     touching the disk, ``TypeError`` / ``ValueError`` for bad arguments (``step`` an int in
     ``[0, 2**63)``), `SchemaError` for a column named ``__r3arrow*`` or, with ``step``,
-    ``step`` (the readers add the partition's), and the validation errors.
+    ``step`` (the readers add the partition's), and the validation errors. A part never
+    replaces another; with ``step``, a table with an ``attempt`` column whose (``trajectory_id``,
+    ``attempt``) keys an earlier part of that step holds, or a step whose parts lack the
+    column, raises `SchemaError` (``path``: that part; ``row``, ``trajectory_id``) before
+    anything is written (``docs/versions.md``; writers of one step's keys are serialised by
+    the caller: the check and the new part are not one atomic step).
     """
     if portable and layer_group is not None:
         raise ValueError("layer_group: expected None with portable=True (nested lists)")
@@ -88,6 +117,8 @@ def write_rollouts(
     if not is_validated(table):
         check_storage(table)
         check_table(table, table_spec(table))
+    if step is not None:
+        _check_attempts(table, path, step)
     storage = to_storage(table, portable=portable, layer_group=layer_group)
     bounds = (
         [(0, table.num_rows)] if row_group_rows is not None else row_group_bounds(table, target)

@@ -8,12 +8,13 @@ combine on its own workers; the integers are identical (``docs/scale.md``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, overload, runtime_checkable
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from r3arrow._schema import POLICY_VERSION
 from r3arrow.errors import SchemaError
 from r3arrow.spec import RouteSpec
 from r3arrow.stats._agreement import RouteAgreement
@@ -22,6 +23,7 @@ from r3arrow.stats._selection import TokenSubset, check_column, check_layers, ch
 from r3arrow.stats._sources import (
     _NO_STEPS,
     BlockPartials,
+    Group,
     Kind,
     agreement_parts,
     check_budget,
@@ -124,8 +126,28 @@ def _mapped(
     return {step: decode(kind, parts[step]) for step in sorted(cast(list[int], list(parts)))}
 
 
+def _check_by(by_step: object, by_version: object) -> Group | None:
+    """The grouping of ``by_step`` / ``by_version`` (None: the total); ``TypeError`` for a
+    non-bool, ``ValueError`` for both."""
+    for name, flag in (("by_step", by_step), ("by_version", by_version)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, found {type(flag).__name__}")
+    if by_step and by_version:
+        raise ValueError("by_step, by_version: expected one grouping, found both True")
+    return "step" if by_step else POLICY_VERSION if by_version else None
+
+
+def _local_only(by: Group | None, executor: object) -> None:
+    """``ValueError`` for a version grouping with an executor (whose map groups by step)."""
+    if by == POLICY_VERSION and executor is not None:
+        raise ValueError(
+            "by_version: groups local sources (executor=None), found an executor; an "
+            "executor's partials are per step"
+        )
+
+
 def _counts(
-    by_step: bool,
+    by: Group | None,
     source: Any,
     tokens: Any,
     steps: Sequence[int] | None,
@@ -136,15 +158,18 @@ def _counts(
     column: object,
     layers: Sequence[int] | None,
 ) -> Any:
-    """`expert_counts`, or with ``by_step`` `expert_counts_by_step`: one code path."""
+    """`expert_counts`, or per step (`expert_counts_by_step`) or policy version: one path."""
+    _local_only(by, executor)
     if ex := _check_executor(executor, spec, max_memory, validate, layers):
-        return _mapped(ex, source, "counts", tokens, None, spec, steps, by_step, column)
-    parts = count_parts(source, tokens, steps, max_memory, validate, column, layers)
-    return sum_by_step(parts) if by_step else sum_parts(parts, source, None, ExpertCounts.empty)
+        return _mapped(ex, source, "counts", tokens, None, spec, steps, by == "step", column)
+    parts = count_parts(source, tokens, steps, max_memory, validate, column, layers, by or "step")
+    if by is None:
+        return sum_parts(parts, source, None, ExpertCounts.empty)
+    return sum_by_step(parts)
 
 
 def _agreement(
-    by_step: bool,
+    by: Group | None,
     a: Any,
     b: Any,
     local_spec: RouteSpec | None,
@@ -160,16 +185,21 @@ def _agreement(
 
     ``spec``: an executor's dataset spec; ``local_spec``: the spec of local numpy inputs.
     """
+    _local_only(by, executor)
     if ex := _check_executor(executor, spec, max_memory, validate, layers):
         if not isinstance(b, str):
             raise TypeError(
                 f"route_agreement with an executor: expected b to name a routes column, "
                 f"found {type(b).__name__}"
             )
-        return _mapped(ex, a, "agreement", tokens, b, spec, steps, by_step, "routes")
+        return _mapped(ex, a, "agreement", tokens, b, spec, steps, by == "step", "routes")
     wanted = check_layers(layers)
-    parts = agreement_parts(a, b, local_spec, tokens, steps, max_memory, validate, wanted)
-    return sum_by_step(parts) if by_step else sum_parts(parts, a, local_spec, RouteAgreement.empty)
+    parts = agreement_parts(
+        a, b, local_spec, tokens, steps, max_memory, validate, wanted, by or "step"
+    )
+    if by is None:
+        return sum_parts(parts, a, local_spec, RouteAgreement.empty)
+    return sum_by_step(parts)
 
 
 def expert_counts(
@@ -205,7 +235,7 @@ def expert_counts(
     missing columns, steps or files.
     """
     total = _counts(
-        False, source, tokens, steps, executor, spec, max_memory, validate, column, layers
+        None, source, tokens, steps, executor, spec, max_memory, validate, column, layers
     )
     return cast(ExpertCounts, total)
 
@@ -226,7 +256,9 @@ def expert_counts_by_step(
 
     Arguments as `expert_counts`. Raises `SchemaError` if the source has no steps.
     """
-    per = _counts(True, source, tokens, steps, executor, spec, max_memory, validate, column, layers)
+    per = _counts(
+        "step", source, tokens, steps, executor, spec, max_memory, validate, column, layers
+    )
     return cast(dict[int, ExpertCounts], per)
 
 
@@ -236,6 +268,7 @@ def expert_load(
     tokens: TokenSubset = "all",
     steps: Sequence[int] | None = None,
     by_step: bool = False,
+    by_version: bool = False,
     executor: Executor | None = None,
     spec: RouteSpec | None = None,
     max_memory: int | None = None,
@@ -248,16 +281,23 @@ def expert_load(
     ``layer`` (Int32, global id; dense layers absent), ``expert`` (Int32), ``tokens``
     (Int64; zero-count experts included, so each layer has ``num_experts`` rows summing to
     ``topk × tokens``), sorted by (layer, expert); with ``by_step``, a leading ``step``
-    (Int64) column. Other arguments as `expert_counts`.
+    (Int64) column; with ``by_version`` (``executor=None`` only, else ``ValueError``; not
+    with ``by_step``), a leading ``policy_version`` (Int64) column, versions ascending
+    (`SchemaError` for a source without the column; ``docs/versions.md``). Other arguments
+    as `expert_counts`.
     """
-    counts = _counts(
-        by_step, source, tokens, steps, executor, spec, max_memory, validate, column, layers
-    )
-    if not by_step:
+    by = _check_by(by_step, by_version)
+    args = (tokens, steps, executor, spec, max_memory, validate, column, layers)
+    counts = _counts(by, source, *args)
+    if by is None:
         return cast(ExpertCounts, counts).to_polars()
-    return stack_steps({s: c.to_polars() for s, c in counts.items()})
+    if by == POLICY_VERSION and not counts:
+        raise SchemaError("by version: expected at least one row, found none")
+    stacked = stack_steps({s: c.to_polars() for s, c in counts.items()})
+    return stacked if by == "step" else stacked.rename({"step": POLICY_VERSION})
 
 
+@overload
 def route_agreement(
     a: Any,
     b: Any,
@@ -265,11 +305,39 @@ def route_agreement(
     *,
     tokens: TokenSubset | np.ndarray = "all",
     steps: Sequence[int] | None = None,
+    by_version: Literal[False] = False,
     executor: Executor | None = None,
     max_memory: int | None = None,
     validate: bool = False,
     layers: Sequence[int] | None = None,
-) -> RouteAgreement:
+) -> RouteAgreement: ...
+@overload
+def route_agreement(
+    a: Any,
+    b: Any,
+    spec: RouteSpec | None = None,
+    *,
+    tokens: TokenSubset | np.ndarray = "all",
+    steps: Sequence[int] | None = None,
+    by_version: Literal[True],
+    executor: Executor | None = None,
+    max_memory: int | None = None,
+    validate: bool = False,
+    layers: Sequence[int] | None = None,
+) -> dict[int, RouteAgreement]: ...
+def route_agreement(
+    a: Any,
+    b: Any,
+    spec: RouteSpec | None = None,
+    *,
+    tokens: TokenSubset | np.ndarray = "all",
+    steps: Sequence[int] | None = None,
+    by_version: bool = False,
+    executor: Executor | None = None,
+    max_memory: int | None = None,
+    validate: bool = False,
+    layers: Sequence[int] | None = None,
+) -> RouteAgreement | dict[int, RouteAgreement]:
     """Agreement between two route sets for the same tokens, order within top-k ignored.
 
     ``a`` / ``b``: two numpy ``[T, L, K]`` arrays (``spec`` optional, ``tokens`` an
@@ -280,13 +348,15 @@ def route_agreement(
     ``validate``: as `expert_counts` (repeated ids within a top-k set always raise);
     ``layers``: the global layer ids compared (a table or path ``a`` and a column name
     ``b``), ``all_identical`` then over those. Returns exact counts (`RouteAgreement`;
-    `RouteAgreement.summary` gives the R3 paper's quantities).
+    `RouteAgreement.summary` gives the R3 paper's quantities). ``by_version=True``:
+    ``{policy_version: RouteAgreement}`` ascending, for a table or path ``a`` with a
+    ``policy_version`` column (else `SchemaError`) and a column name ``b`` (else
+    ``TypeError``), ``executor=None`` only (else ``ValueError``; ``docs/versions.md``).
     """
+    by = _check_by(False, by_version)
     local, mapped = (spec, None) if executor is None else (None, spec)
-    per = _agreement(
-        False, a, b, local, tokens, steps, executor, mapped, max_memory, validate, layers
-    )
-    return cast(RouteAgreement, per)
+    per = _agreement(by, a, b, local, tokens, steps, executor, mapped, max_memory, validate, layers)
+    return cast("RouteAgreement | dict[int, RouteAgreement]", per)
 
 
 def route_agreement_by_step(
@@ -307,7 +377,7 @@ def route_agreement_by_step(
     if the source has no steps.
     """
     per = _agreement(
-        True, source, other, None, tokens, steps, executor, spec, max_memory, validate, layers
+        "step", source, other, None, tokens, steps, executor, spec, max_memory, validate, layers
     )
     return cast(dict[int, RouteAgreement], per)
 

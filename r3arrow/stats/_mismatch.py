@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from r3arrow._schema import (
     MISMATCH_FLOATS,
+    POLICY_VERSION,
     ROLLOUT_LOGPROBS,
     TRAIN_LOGPROBS,
     list_lengths,
@@ -25,7 +26,7 @@ from r3arrow._schema import (
 )
 from r3arrow._typing import TableLike
 from r3arrow.errors import SchemaError
-from r3arrow.stats._sources import check_budget, iter_source
+from r3arrow.stats._sources import Group, check_budget, iter_groups
 
 _COLUMNS = ["response_ids", "loss_mask", ROLLOUT_LOGPROBS, TRAIN_LOGPROBS]
 _LN2 = math.log(2.0)
@@ -148,6 +149,7 @@ def logprob_mismatch(
     source: Any,
     *,
     by_step: Literal[False] = False,
+    by_version: Literal[False] = False,
     steps: Sequence[int] | None = None,
     max_memory: int | None = None,
 ) -> dict[str, float]: ...
@@ -158,6 +160,18 @@ def logprob_mismatch(
     source: Any,
     *,
     by_step: Literal[True],
+    by_version: Literal[False] = False,
+    steps: Sequence[int] | None = None,
+    max_memory: int | None = None,
+) -> dict[int, dict[str, float]]: ...
+
+
+@overload
+def logprob_mismatch(
+    source: Any,
+    *,
+    by_step: Literal[False] = False,
+    by_version: Literal[True],
     steps: Sequence[int] | None = None,
     max_memory: int | None = None,
 ) -> dict[int, dict[str, float]]: ...
@@ -167,6 +181,7 @@ def logprob_mismatch(
     source: Any,
     *,
     by_step: bool = False,
+    by_version: bool = False,
     steps: Sequence[int] | None = None,
     max_memory: int | None = None,
 ) -> dict[str, float] | dict[int, dict[str, float]]:
@@ -190,19 +205,26 @@ def logprob_mismatch(
 
     N = 0 gives ``tokens`` 0.0 and NaN elsewhere. ``by_step=True``: ``{step: dict}``
     ascending (a root, or a table with a ``step`` column; else `SchemaError`).
+    ``by_version=True`` (not with ``by_step``: ``ValueError``): ``{policy_version: dict}``
+    ascending (a source with a ``policy_version`` column, else `SchemaError`;
+    ``docs/versions.md``).
     ``steps``: the steps kept; ``max_memory``: a streamed path's budget in bytes (default
     1 GiB). Raises ``TypeError`` / ``ValueError`` for bad arguments, `SchemaError` for
     missing columns, a row whose log-probs are not one per response token, or a
     non-finite log-prob on a loss-masked token (``row``, ``token``, ``trajectory_id``).
     """
-    if not isinstance(by_step, bool):
-        raise TypeError(f"by_step: expected a bool, found {type(by_step).__name__}")
+    for name, flag in (("by_step", by_step), ("by_version", by_version)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, found {type(flag).__name__}")
+    if by_step and by_version:
+        raise ValueError("by_step, by_version: expected one grouping, found both True")
     budget = check_budget(max_memory)
     per: dict[int | None, _Partial] = {}
-    for step, batch in iter_source(source, list(_COLUMNS), steps, budget):
+    by: Group = POLICY_VERSION if by_version else "step"
+    for step, batch in iter_groups(source, list(_COLUMNS), steps, budget, by=by):
         part = per.setdefault(step, _Partial())
         part.add(_partial(batch))
-    if not by_step:
+    if not (by_step or by_version):
         total = _Partial()
         for part in per.values():
             total.add(part)

@@ -10,7 +10,8 @@ at most two are resident whatever the step size. Expert counts of layer-group fi
 a pass per stored group (`layered_counts`: whole groups restore without the interleave
 copy), ``PASS_THREADS`` passes at once, each with a share of the budget (``docs/scale.md``).
 An executor runs the same `BlockPartials` on every block and sums the encoded vectors
-with `combine_vectors`: every path gives identical integers.
+with `combine_vectors`: every path gives identical integers. Grouped by ``policy_version``
+(`iter_groups`), each batch is split by its version column instead (``docs/versions.md``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Literal, TypeAlias, TypeVar, cast
 
 import numpy as np
@@ -28,8 +30,9 @@ import pyarrow.compute as pc
 
 from r3arrow._checks import check_int
 from r3arrow._routes import as_route_rows
-from r3arrow._schema import list_lengths
+from r3arrow._schema import POLICY_VERSION, list_lengths
 from r3arrow._typing import ArrowArray, PathLike, TableLike
+from r3arrow._versions import check_version_column
 from r3arrow.errors import RouteShapeError, SchemaError
 from r3arrow.io import (
     DEFAULT_MAX_MEMORY,
@@ -231,6 +234,62 @@ def iter_source(
     yield from _table_steps(table, steps)
 
 
+#: What a statistic's partials are keyed by: the ``step`` (None outside a root or a table
+#: without one) or the ``policy_version`` of the rows (``docs/versions.md``).
+Group = Literal["step", "policy_version"]
+
+
+def _version_rows(batch: TableLike) -> Iterator[tuple[int, TableLike]]:
+    """(version, rows) of one batch, versions ascending, rows in order (one version: the
+    batch itself); `SchemaError` for a bad ``policy_version`` column."""
+    check_version_column(batch, POLICY_VERSION)
+    values = np.asarray(batch.column(POLICY_VERSION).to_numpy(zero_copy_only=False), np.int64)
+    table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+    for v in np.unique(values):
+        rows = np.flatnonzero(values == v)
+        if rows.size == values.size:
+            yield int(v), batch
+            continue
+        yield int(v), table.take(rows).replace_schema_metadata(table.schema.metadata)
+
+
+def iter_groups(
+    source: Source,
+    columns: list[str],
+    steps: Sequence[int] | None,
+    max_memory: int | None = None,
+    validate: bool = False,
+    layers: Sequence[int] | None = None,
+    *,
+    by: Group = "step",
+) -> Iterator[tuple[int | None, TableLike]]:
+    """The (step, batch) pairs of `iter_source`, or with ``by="policy_version"`` (version,
+    rows) pairs: each batch split by its ``policy_version`` column, also read from a path.
+    Raises as `iter_source`, and `SchemaError` (``path`` set for a file) for a source
+    without a ``policy_version`` column or one that breaks its rules."""
+    if by == "step":
+        yield from iter_source(source, columns, steps, max_memory, validate, layers)
+        return
+    if is_path(source):
+        source, steps = Files(rollout_files(cast(PathLike, source), steps=steps)), None
+    names: list[tuple[Path | None, list[str]]]
+    if isinstance(source, Files):
+        names = [(f.path, f.schema.names) for f in source.files]
+    else:
+        names = [(None, cast(TableLike, source).schema.names)] if is_table(source) else []
+    for path, have in names:
+        if POLICY_VERSION not in have:
+            where = f"{path}: " if path is not None else ""
+            raise SchemaError(
+                f"{where}by version: expected a {POLICY_VERSION!r} column (docs/versions.md), "
+                f"found columns {have}",
+                path=path,
+            )
+    wanted = [*columns, POLICY_VERSION]
+    for _, batch in iter_source(source, wanted, steps, max_memory, validate, layers):
+        yield from _version_rows(batch)
+
+
 # ============================================================ batch partials
 def _global(part: Part, batch: TableLike, spec: RouteSpec) -> Part:
     """``part`` with global layer ids (a layer-projected batch: `r3arrow.table.route_layers`)."""
@@ -290,12 +349,14 @@ def batch_parts(
     *,
     column: str = "routes",
     layers: Sequence[int] | None = None,
+    by: Group = "step",
 ) -> Iterator[tuple[int | None, Part]]:
-    """(step, ``part_of(batch)``) per batch of ``source`` (`iter_source`), reading only
-    ``column``, ``extra`` and the columns of subset ``tokens``."""
+    """(step or version, ``part_of(batch)``) per batch of ``source`` (`iter_groups` by
+    ``by``), reading only ``column``, ``extra`` and the columns of subset ``tokens``."""
     check_subset(tokens)
     columns = columns_for(tokens, extra, column=column)
-    for step, batch in iter_source(source, columns, steps, max_memory, validate, layers):
+    groups = iter_groups(source, columns, steps, max_memory, validate, layers, by=by)
+    for step, batch in groups:
         part = part_of(batch)
         del batch  # not resident while the next step is read
         yield step, part
@@ -421,17 +482,20 @@ def count_parts(
     validate: bool,
     column: Any,
     layers: Any,
+    by: Group = "step",
 ) -> Iterator[tuple[int | None, ExpertCounts]]:
-    """(step, `ExpertCounts`) partials of a local ``expert_counts`` source (see there): a pass
-    per stored layer group of a path in layer-group storage, else batch by batch."""
+    """(step or version, `ExpertCounts`) partials of a local ``expert_counts`` source (see
+    there): by step a pass per stored layer group of a path in layer-group storage, else
+    batch by batch."""
     column = check_column(column)
     wanted = check_layers(layers)
     if is_path(source):
         check_subset(tokens)
         source, steps = Files(rollout_files(source, steps=steps, require_routes=True)), None
-        per = layered_counts(source, tokens, max_memory, validate, column=column, layers=wanted)
-        if per is not None:
-            return iter(per.items())
+        if by == "step":
+            per = layered_counts(source, tokens, max_memory, validate, column=column, layers=wanted)
+            if per is not None:
+                return iter(per.items())
     if wanted is not None and is_table(source):
         source, wanted = projected(source, wanted), None
     return batch_parts(
@@ -444,6 +508,7 @@ def count_parts(
         validate,
         column=column,
         layers=wanted,
+        by=by,
     )
 
 
@@ -456,13 +521,21 @@ def agreement_parts(
     max_memory: int | None = None,
     validate: bool = False,
     layers: list[int] | None = None,
+    by: Group = "step",
 ) -> Iterator[tuple[int | None, RouteAgreement]]:
-    """(step, `RouteAgreement`) partials of the local ``route_agreement`` inputs (see there).
+    """(step or version, `RouteAgreement`) partials of the local ``route_agreement`` inputs
+    (see there).
 
     ``layers`` (checked global ids; ``b`` a column name only): a path reads only those
-    layers, a table is projected in memory.
+    layers, a table is projected in memory. ``by="policy_version"``: ``a`` a table or path
+    and ``b`` a column name (else ``TypeError``).
     """
     tabular = is_table(a) or is_path(a)
+    if by != "step" and not (isinstance(b, str) and tabular):
+        raise TypeError(
+            "by_version: expected a rollout table or path a and the name of a routes column b, "
+            f"found {type(a).__name__} and {type(b).__name__}"
+        )
     if layers is not None and not (isinstance(b, str) and tabular):
         raise TypeError("layers: applies to a table or path and the name of a routes column b")
     if layers is not None and is_table(a):
@@ -485,6 +558,7 @@ def agreement_parts(
             max_memory,
             validate,
             layers=layers,
+            by=by,
         )
         return
     check_subset(tokens)
@@ -595,6 +669,7 @@ __all__ = [
     "PASS_THREADS",
     "BlockPartials",
     "Files",
+    "Group",
     "Kind",
     "Source",
     "agreement_parts",
@@ -609,6 +684,7 @@ __all__ = [
     "decode",
     "is_path",
     "is_table",
+    "iter_groups",
     "iter_source",
     "layered_counts",
     "prefetch",

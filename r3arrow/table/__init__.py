@@ -1,9 +1,10 @@
 """The rollout table: one row per trajectory, routes ragged beside every other column.
 
 ``docs/design.md``, "The Arrow data model" (R3 off included) and "Dynamic sampling":
-building, validation, derived columns, row selection that keeps every column attached and
-dynamic sampling, all vectorised. `rollout_table` and selections of a validated table mark
-their result validated; errors carry ``row`` and ``trajectory_id``.
+building, validation, derived columns, row selection that keeps every column attached,
+dynamic sampling and dropping stale policy versions (``docs/versions.md``), all vectorised.
+`rollout_table` and selections of a validated table mark their result validated; errors
+carry ``row`` and ``trajectory_id``.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ from r3arrow.table._sampling import (
     replace_groups,
 )
 from r3arrow.table._validate import validate_rollouts
+from r3arrow.table._versions import drop_stale
 
 __all__ = [
     "ReplaceResult",
     "captured_lengths",
+    "drop_stale",
     "filter_groups",
     "filter_rows",
     "flat_routes",

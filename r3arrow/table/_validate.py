@@ -3,7 +3,8 @@
 In this order, so the first message names the real problem (``docs/design.md``, "The
 Arrow data model", "Ragged routes and the terminal gap", "Expert ids"): columns and types
 of rollout.v1 (a ``routes`` column iff the spec is in the metadata); no nulls at any level
-(located only on failure); ``len(loss_mask) ==
+(located only on failure); ``policy_version`` / ``attempt`` and the (``trajectory_id``,
+``attempt``) key where present (``docs/versions.md``); ``len(loss_mask) ==
 len(response_ids)``, mask values 0 or 1 and routes ``<=`` tokens; the expert-id rules per
 chunk; the terminal gap; the ``routes_missing``
 marks (``docs/fallback.md``: 0/1, one per route row, no nulls, only beside ``routes``, and
@@ -32,6 +33,7 @@ from r3arrow._schema import (
     trajectory_id_at,
 )
 from r3arrow._typing import TableLike
+from r3arrow._versions import check_versions
 from r3arrow.errors import R3ArrowError, RouteShapeError, SchemaError
 from r3arrow.ids import check_routes
 from r3arrow.spec import SPEC_METADATA_KEY, RouteSpec, routes_to_numpy
@@ -214,6 +216,7 @@ def validate_table(
         if found != f.type:
             raise SchemaError(f"column {f.name!r}: expected {f.type}, found {found}")
     _check_nulls(table, spec, routes=ids != "none")
+    check_versions(table)  # policy_version / attempt where present (docs/versions.md)
     plen = list_lengths(table.column("prompt_ids"))
     rlen = list_lengths(table.column("response_ids"))
     mlen = list_lengths(table.column("loss_mask"))
