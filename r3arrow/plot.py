@@ -345,12 +345,9 @@ def plot_disagreement(
     path: PathLike,
     *,
     title: str | None = None,
-    mismatch: Mapping[int, Mapping[str, float]] | None = None,
 ) -> Path:
-    """Disagreement per router layer (the R3 paper's quantities), ``r3arrow diagnose``'s PNG.
-
-    ``mismatch``: step -> `r3arrow.stats.logprob_mismatch` dict, drawn beside it: the
-    fraction of loss tokens with |Δ| > ln 2 as a line over steps (one step: in the title).
+    """Disagreement per router layer (the R3 paper's quantities), ``r3arrow diagnose``'s PNG
+    without log-prob mismatch diagnostics (with them: `plot_mismatch`).
 
     ``agreement``: step -> `RouteAgreement`. One step: bars per layer of the router
     decisions that differ (``1 - overlap / (tokens * K)``) and the tokens whose top-k set
@@ -374,11 +371,6 @@ def plot_disagreement(
                 "router decisions that differ (worst layer)": np.nanmax(decisions, axis=0),
                 "tokens differing on ≥ 1 layer": anywhere,
             }
-            if mismatch:
-                lines["log-prob |Δ| > ln 2 (fraction of loss tokens)"] = np.array(
-                    [mismatch.get(s, {}).get("frac_abs_gt_ln2", np.nan) for s in steps], float
-                )
-                anywhere = np.concatenate([anywhere, np.nan_to_num(lines[next(reversed(lines))])])
         top = np.nanmax(np.concatenate([decisions.ravel(), anywhere, [0.01]]))
         return _lines_and_heatmap(
             out,
@@ -409,11 +401,114 @@ def plot_disagreement(
     ax.legend(fontsize=8, loc="best")
     head = title or f"Routing disagreement (step {steps[0]}, {first.tokens} tokens)"
     sub = f"tokens differing on ≥ 1 layer: {anywhere[0]:.1%}"
-    lp = (mismatch or {}).get(steps[0])
-    if lp is not None and lp["frac_abs_gt_ln2"] == lp["frac_abs_gt_ln2"]:
-        sub += f"; log-prob |Δ| > ln 2: {lp['frac_abs_gt_ln2']:.1%}, k3 {lp['k3']:.3g}"
     ax.set_title(f"{head}\n{sub}", fontsize=10)
     return _save(fig, out)
 
 
-__all__ = ["plot_agreement", "plot_disagreement", "plot_expert_load", "plot_imbalance"]
+_ROUTING_LABEL = "routing differs (tokens, ≥ 1 layer)"
+
+
+def plot_mismatch(
+    mismatch: Mapping[str, Mapping[int, Mapping[str, float]]],
+    agreement: Mapping[str, Mapping[int, RouteAgreement]],
+    path: PathLike,
+    *,
+    metric: str = "k3",
+    title: str | None = None,
+) -> Path:
+    """Log-prob mismatch beside routing disagreement, per source (``docs/mismatch.md``).
+
+    ``mismatch``: source -> step -> `r3arrow.stats.logprob_mismatch` dict; ``agreement``:
+    source -> step -> the `RouteAgreement` of that source's routing (a source or step
+    without one draws no disagreement). Left axis: the fraction of tokens whose top-k set
+    differs on at least one layer (`RouteAgreement.differing_fraction`); right axis:
+    ``metric``, a key of the mismatch dicts other than ``tokens``. One step in all: two
+    bars per source, labelled with their values; several: per source, the disagreement as
+    a solid line and ``metric`` as a dashed one over steps, one colour per source. Raises
+    ``ValueError`` for no sources, an unknown ``metric`` or a non-``.png`` path.
+    """
+    from matplotlib.ticker import PercentFormatter
+
+    from r3arrow._schema import MISMATCH_FLOATS
+
+    out = _png(path)
+    if not mismatch:
+        raise ValueError("mismatch: expected at least one source, found none")
+    if metric not in MISMATCH_FLOATS:
+        raise ValueError(f"metric: expected one of {list(MISMATCH_FLOATS)}, found {metric!r}")
+    sources = list(mismatch)
+    steps = sorted({s for per in mismatch.values() for s in per})
+
+    def routing(source: str, step: int) -> float:
+        a = agreement.get(source, {}).get(step)
+        return np.nan if a is None else float(a.differing_fraction)
+
+    def value(source: str, step: int) -> float:
+        row = mismatch[source].get(step)
+        return np.nan if row is None else float(row[metric])
+
+    fig = _figure(_clamp(4.5 + 1.2 * len(sources) + 0.12 * len(steps), 7.0, 16), 4.6)
+    ax = fig.subplots()
+    right = ax.twinx()
+    ax.set_ylabel(f"{_ROUTING_LABEL}")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    right.set_ylabel(f"log-prob {metric} (loss tokens)")
+    ax.grid(True, axis="y", alpha=0.3)
+    if len(steps) == 1:
+        (step,) = steps
+        x = np.arange(len(sources))
+        width = 0.38
+        shares = np.array([routing(s, step) for s in sources], float)
+        values = np.array([value(s, step) for s in sources], float)
+        left = ax.bar(x - width / 2, shares, width, color="C0", label=_ROUTING_LABEL)
+        bars = right.bar(x + width / 2, values, width, color="C1", label=f"log-prob {metric}")
+        ax.bar_label(left, labels=[f"{v:.2%}" for v in shares], fontsize=8)
+        right.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8)
+        ax.set_xticks(x, sources)
+        ax.set_xlabel(f"source (step {step})")
+        # room above the bars for their labels; an all-zero (or all-NaN) side keeps a scale
+        for axis, drawn in ((ax, shares), (right, values)):
+            high = float(np.nanmax(drawn)) if np.isfinite(drawn).any() else 0.0
+            axis.set_ylim(0.0, high * 1.15 if high > 0 else 0.01)
+    else:
+        x = np.arange(len(steps))
+        marker = "o" if len(steps) <= 40 else None
+        for i, source in enumerate(sources):
+            colour = f"C{i % 10}"
+            ax.plot(
+                x,
+                [routing(source, s) for s in steps],
+                color=colour,
+                marker=marker,
+                markersize=3.5,
+                label=f"{source}: {_ROUTING_LABEL}",
+            )
+            right.plot(
+                x,
+                [value(source, s) for s in steps],
+                color=colour,
+                linestyle="--",
+                marker=marker,
+                markersize=3.5,
+                label=f"{source}: log-prob {metric}",
+            )
+        ax.set_xlim(-0.5, len(steps) - 0.5)
+        _ticks(ax, steps, "x", 16)
+        ax.set_xlabel("training step")
+    handles, labels = ax.get_legend_handles_labels()
+    more, more_labels = right.get_legend_handles_labels()
+    # below the axes: inside, the twin axis would draw over it and it would hide data
+    fig.legend(
+        handles + more, labels + more_labels, loc="outside lower center", ncols=2, fontsize=8
+    )
+    ax.set_title(title or f"Log-prob {metric} beside routing disagreement", fontsize=10)
+    return _save(fig, out)
+
+
+__all__ = [
+    "plot_agreement",
+    "plot_disagreement",
+    "plot_expert_load",
+    "plot_imbalance",
+    "plot_mismatch",
+]

@@ -121,14 +121,11 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     path = Path(args.path)
     check_input(path)
     source, per_step = diag.load_agreements(path, args.source)
-    mismatch = diag.load_mismatch(path)
-    info = diag.report(source, per_step, mismatch or None)
+    mismatch = diag.load_mismatch(path, source, per_step)
+    info = diag.report(source, per_step, mismatch)
     png = None
     if args.png:
-        from r3arrow.plot import plot_disagreement
-
-        title = f"Routing disagreement: {path.name}"
-        png = plot_disagreement(per_step, args.png, title=title, mismatch=mismatch or None)
+        png = diag.plot(Path(args.png), path.name, per_step, mismatch)
     if args.json:
         out = {**info, "png": str(png) if png is not None else None}
         return _print_json(out)
@@ -322,7 +319,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "with incremental route capture, then dynamic sampling, Parquet round trip, routing "
         "stats and heatmap, Megatron collation and (with megatron-core) replay into real routers, "
         "then replay diagnostics (bfloat16 routers with the engine's weights vs the replayed "
-        "routes; r3arrow diagnose DIR reads them). Writes rollouts.parquet, expert_load.png "
+        "routes, and the log-prob mismatch of a bfloat16 trainer-side forward with native vs "
+        "replayed routing; r3arrow diagnose DIR reads them). Writes rollouts.parquet, "
+        "expert_load.png "
         "and _diagnostics/ to --out. --num-layers, --topk, "
         "--num-experts and --moe-layers set the embedded engine's shape; with --engine-url they "
         "describe the server's routes (probed from it when omitted).",
@@ -411,7 +410,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--png",
         metavar="OUT",
         type=_png_path,
-        help="write per-layer disagreement (and over steps when there are several)",
+        help="write the routing disagreement beside the log-prob mismatch (with mismatch "
+        "diagnostics), else per layer and over steps",
     )
     dg.add_argument(
         "--source",

@@ -7,6 +7,7 @@ or else from a ``train_routes`` column (`r3arrow.stats.route_agreement_by_step`)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Mapping
@@ -104,40 +105,108 @@ def _quantities(a: RouteAgreement) -> dict[str, float]:
     }
 
 
-#: The log-prob mismatch metrics printed beside each step's disagreement.
-MISMATCH_SHOWN = ("k3", "frac_abs_gt_ln2", "token_mult_prob_error")
+#: The log-prob mismatch metrics printed beside the routing disagreement: (key, header).
+MISMATCH_SHOWN = (
+    ("k3", "k3"),
+    ("frac_abs_gt_ln2", "|Δ|>ln2"),
+    ("token_mult_prob_error", "mult_err"),
+    ("js_divergence", "js_div"),
+    ("abs_max", "|Δ| max"),
+)
 
 
-def load_mismatch(path: Path) -> dict[int, dict[str, float]]:
-    """``step -> mismatch row`` of the ``train_vs_rollout`` (or only) mismatch diagnostics
-    under ``path`` (`r3arrow.io.read_diagnostics` with ``kind="mismatch"``); {} for none."""
+@dataclasses.dataclass(frozen=True)
+class MismatchRow:
+    """One stored log-prob mismatch (``step``, ``source``, ``metrics``: the
+    `r3arrow.stats.logprob_mismatch` dict) beside its routing disagreement: ``routing``,
+    the agreement of source ``routing_source`` at that step, or None."""
+
+    step: int
+    source: str
+    metrics: dict[str, float]
+    routing_source: str | None
+    routing: RouteAgreement | None
+
+
+def load_mismatch(
+    path: Path, source: str, per_step: Mapping[int, RouteAgreement]
+) -> list[MismatchRow]:
+    """Every log-prob mismatch stored under ``path`` (`r3arrow.io.read_diagnostics` with
+    ``kind="mismatch"``), by step then source, each beside its routing disagreement: for
+    mismatch source ``S``, the agreement stored as ``S + ROUTING_SUFFIX`` at that step (the
+    demo's ``trainer_native_routing`` beside ``trainer_native``), else ``per_step``'s (the
+    report's ``source``, e.g. a trainer's ``native_vs_replay`` beside its
+    ``train_vs_rollout``), else none. [] for a file or a directory without mismatch
+    diagnostics.
+    """
     from r3arrow.io import read_diagnostics
+    from r3arrow._schema import ROUTING_SUFFIX
 
     if not path.is_dir():
-        return {}
-    table = read_diagnostics(path, kind="mismatch")
-    rows: list[dict[str, Any]] = table.to_pylist()
-    sources = sorted({r["source"] for r in rows})
-    pick = "train_vs_rollout" if "train_vs_rollout" in sources else (sources or [None])[0]
-    return {
-        int(r["step"]): {k: v for k, v in r.items() if k not in ("step", "source")}
-        for r in rows
-        if r["source"] == pick
-    }
+        return []
+    stored = read_diagnostics(path, kind="mismatch").to_pylist()
+    if not stored:
+        return []
+    same = agreements_from_table(read_diagnostics(path))
+    out: list[MismatchRow] = []
+    for row in stored:
+        step, name = int(row["step"]), str(row["source"])
+        paired = name + ROUTING_SUFFIX
+        own = same.get(paired, {}).get(step)
+        label, agreement = (paired, own) if own is not None else (source, per_step.get(step))
+        metrics = {
+            k: int(v) if k == "tokens" else float(v)
+            for k, v in row.items()
+            if k not in ("step", "source")
+        }
+        out.append(
+            MismatchRow(step, name, metrics, label if agreement is not None else None, agreement)
+        )
+    return out
+
+
+def _step_pick(source: str, rows: list[MismatchRow]) -> str | None:
+    """The mismatch source shown under each step of ``source``'s report: the same name, else
+    ``train_vs_rollout``, else the only one; None when several fit none of these."""
+    from r3arrow._schema import TRAIN_VS_ROLLOUT
+
+    names = {r.source for r in rows}
+    for name in (source, TRAIN_VS_ROLLOUT):
+        if name in names:
+            return name
+    return next(iter(names)) if len(names) == 1 else None
+
+
+def _json_row(row: MismatchRow) -> dict[str, Any]:
+    routing = None
+    if row.routing is not None:
+        routing = {
+            "source": row.routing_source,
+            "tokens": int(row.routing.tokens),
+            "tokens_differ_any_layer": float(row.routing.differing_fraction),
+        }
+    return {"step": row.step, "source": row.source, "routing": routing, **_finite(row.metrics)}
 
 
 def report(
     source: str,
     per_step: Mapping[int, RouteAgreement],
-    mismatch: Mapping[int, Mapping[str, float]] | None = None,
+    mismatch: list[MismatchRow] | None = None,
 ) -> dict[str, Any]:
-    """JSON-ready report: totals, per step (with ``mismatch``: each step's log-prob mismatch
-    row under ``"mismatch"``, None for a step without one), per layer (fractions as floats)."""
+    """JSON-ready report: totals, per step, per layer (fractions as floats). With
+    ``mismatch`` (`load_mismatch`'s rows, non-empty): ``"logprob_mismatch"`` lists them
+    (``step``, ``source``, ``routing``: ``{source, tokens, tokens_differ_any_layer}`` or
+    None, then the metrics, NaN as None), and each step has under ``"mismatch"`` the
+    metrics of one source (`_step_pick`: the name of ``source``, else
+    ``train_vs_rollout``, else the only one), None for a step without it."""
     total = functools.reduce(operator.add, (per_step[s] for s in sorted(per_step)))
     with np.errstate(all="ignore"):
         decisions = 1.0 - total.mean_overlap
         sets = 1.0 - total.identical_fraction
-    return {
+    rows = mismatch or []
+    pick = _step_pick(source, rows) if rows else None
+    by_step = {r.step: _finite(r.metrics) for r in rows if r.source == pick}
+    out = {
         "source": source,
         "topk": total.topk,
         "total": _quantities(total),
@@ -145,7 +214,7 @@ def report(
             {
                 "step": s,
                 **_quantities(per_step[s]),
-                **({} if mismatch is None else {"mismatch": _finite(mismatch.get(s))}),
+                **({"mismatch": by_step.get(s)} if rows else {}),
             }
             for s in sorted(per_step)
         ],
@@ -158,24 +227,23 @@ def report(
             for i, layer in enumerate(total.layers)
         ],
     }
+    if rows:
+        out["logprob_mismatch"] = [_json_row(r) for r in rows]
+    return out
 
 
-def _finite(row: Mapping[str, float] | None) -> dict[str, float | None] | None:
+def _finite(row: Mapping[str, Any]) -> dict[str, Any]:
     """A mismatch row with NaN as None (JSON has no NaN)."""
-    if row is None:
-        return None
-    return {k: (None if v != v else float(v)) for k, v in row.items()}
+    return {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
 
 
-def _mismatch_cells(row: Mapping[str, Any] | None) -> str:
-    if row is None:
-        return "   " + "-".rjust(12) * len(MISMATCH_SHOWN)
-    cells = ("n/a" if row[k] is None else f"{row[k]:.4g}" for k in MISMATCH_SHOWN)
-    return "   " + "".join(c.rjust(12) for c in cells)
+def _cell(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
 
 
 def print_report(path: Path, info: Mapping[str, Any]) -> None:
-    """The human-readable form of `report`."""
+    """The human-readable form of `report`: the disagreement, then (with mismatch
+    diagnostics) one line per step and mismatch source beside its routing disagreement."""
     t = info["total"]
     steps = info["steps"]
     where = f"{len(steps)} step{'s' if len(steps) != 1 else ''}"
@@ -183,17 +251,12 @@ def print_report(path: Path, info: Mapping[str, Any]) -> None:
     print(f"  tokens compared:                         {t['tokens']}")
     print(f"  router decisions that differ:            {t['decisions_differ']:.2%}")
     print(f"  tokens differing on at least one layer:  {t['tokens_differ_any_layer']:.2%}")
-    with_lp = any("mismatch" in s for s in steps)
-    if len(steps) > 1 or with_lp:
-        head = "  step   tokens   decisions differ   tokens differ (any layer)"
-        if with_lp:
-            head += "   " + "".join(k.rjust(12) for k in ("lp k3", "|Δ|>ln2", "mult_err"))
-        print(head)
+    if len(steps) > 1:
+        print("  step   tokens   decisions differ   tokens differ (any layer)")
         for s in steps:
             print(
                 f"  {s['step']:>4} {s['tokens']:>8}   {s['decisions_differ']:>16.2%}"
                 f"   {s['tokens_differ_any_layer']:>25.2%}"
-                + (_mismatch_cells(s.get("mismatch")) if with_lp else "")
             )
     print("  layer   decisions differ   top-k set differs")
     for row in info["layers"]:
@@ -201,14 +264,59 @@ def print_report(path: Path, info: Mapping[str, Any]) -> None:
             f"  {row['layer']:>5}   {row['decisions_differ']:>16.2%}"
             f"   {row['top_k_set_differs']:>17.2%}"
         )
+    rows = info.get("logprob_mismatch")
+    if not rows:
+        return
+    width = max(len("source"), *(len(r["source"]) for r in rows))
+    routed = max(len("routing of"), *(len(r["routing"]["source"]) for r in rows if r["routing"]))
+    print(
+        "log-prob mismatch beside routing disagreement (routing: tokens whose top-k set "
+        "differs on >= 1 layer; log-probs: loss tokens)"
+    )
+    print(
+        f"  step  {'source':<{width}}  {'routing of':<{routed}}  {'differs':>8}"
+        f"  {'loss tokens':>11}" + "".join(h.rjust(11) for _, h in MISMATCH_SHOWN)
+    )
+    for r in rows:
+        routing = r["routing"]
+        of, differ = "-", None
+        if routing is not None:
+            of, differ = routing["source"], routing["tokens_differ_any_layer"]
+        cells = "".join(_cell(r[k], ".4g").rjust(11) for k, _ in MISMATCH_SHOWN)
+        print(
+            f"  {r['step']:>4}  {r['source']:<{width}}  {of:<{routed}}  "
+            f"{_cell(differ, '.2%'):>8}  {int(r['tokens']):>11}{cells}"
+        )
+
+
+def plot(
+    out: Path, name: str, per_step: Mapping[int, RouteAgreement], mismatch: list[MismatchRow]
+) -> Path:
+    """``--png``: with mismatch diagnostics `r3arrow.plot.plot_mismatch` (every mismatch
+    source beside its routing disagreement, as `load_mismatch` pairs them), else
+    `r3arrow.plot.plot_disagreement` of ``per_step`` (per layer, over steps)."""
+    from r3arrow import plot as plots
+
+    if not mismatch:
+        return plots.plot_disagreement(per_step, out, title=f"Routing disagreement: {name}")
+    lp: dict[str, dict[int, dict[str, float]]] = {}
+    routing: dict[str, dict[int, RouteAgreement]] = {}
+    for r in mismatch:
+        lp.setdefault(r.source, {})[r.step] = r.metrics
+        if r.routing is not None:
+            routing.setdefault(r.source, {})[r.step] = r.routing
+    title = f"Log-prob k3 beside routing disagreement: {name}"
+    return plots.plot_mismatch(lp, routing, out, title=title)
 
 
 __all__ = [
     "MISMATCH_SHOWN",
     "TRAIN_ROUTES",
+    "MismatchRow",
     "agreements_from_table",
     "load_agreements",
     "load_mismatch",
+    "plot",
     "print_report",
     "report",
 ]

@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 import orjson
+import pyarrow.compute as pc
 import pytest
 
 import r3arrow
@@ -87,6 +88,54 @@ def _check_diagnostics(
     assert main(["diagnose", str(out_dir), "--png", str(png)]) == EXIT_OK
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "tokens differing on at least one layer" in capsys.readouterr().out
+    _check_mismatch(result, out_dir, out, capsys)
+
+
+def _check_mismatch(
+    result: DemoResult, out_dir: Path, out: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stage 7, R3 on the log-probs: the bfloat16 trainer-side forward of the whole model,
+    native routing vs the rollout's routes replayed, against the engine's log-probs."""
+    captured = int(r3arrow.table.captured_lengths(result.kept).sum())
+    loss_tokens = pc.sum(pc.list_flatten(result.kept.column("loss_mask"))).as_py()
+    native, replay = result.trainer_agreement["native"], result.trainer_agreement["replay"]
+    assert native.tokens == replay.tokens == captured
+    assert replay.all_identical == replay.tokens  # replayed: routing disagreement 0
+    assert 0 < native.differing_fraction < 0.2  # bfloat16 flips near-tied top-k boundaries
+    lp_n, lp_r = result.mismatch["native"], result.mismatch["replay"]
+    assert lp_n["tokens"] == lp_r["tokens"] == loss_tokens > 0
+    # on the demo's seed, replay's mismatch is strictly smaller than native's (what is left
+    # is bfloat16 rounding), on every per-token measure
+    for key in ("k3", "k2", "abs_mean", "abs_max", "js_divergence"):
+        assert 0 < lp_r[key] < lp_n[key], key
+    assert 1 < lp_r["token_mult_prob_error"] < lp_n["token_mult_prob_error"]
+    # the printed table: rows native / replay, routing disagreement beside the mismatch
+    assert "mode     routing differs loss tokens         k3    |Δ|>ln2   mult_err" in out
+    for mode, agreement, lp in (("native", native, lp_n), ("replay", replay, lp_r)):
+        cells = "".join(
+            f"{lp[k]:>11.4g}"
+            for k in ("k3", "frac_abs_gt_ln2", "token_mult_prob_error", "js_divergence", "abs_max")
+        )
+        row = f"    {mode:<8}{agreement.differing_fraction:>16.2%}{loss_tokens:>12}{cells}"
+        assert row in out.splitlines()
+    # r3arrow diagnose pairs each mismatch with its own routing, and shows both
+    assert main(["diagnose", str(out_dir), "--json"]) == EXIT_OK
+    rows = orjson.loads(capsys.readouterr().out)["logprob_mismatch"]
+    assert [(r["step"], r["source"], r["routing"]["source"]) for r in rows] == [
+        (0, "trainer_native", "trainer_native_routing"),
+        (0, "trainer_replay", "trainer_replay_routing"),
+    ]
+    for r, agreement, lp in ((rows[0], native, lp_n), (rows[1], replay, lp_r)):
+        assert r["routing"]["tokens"] == captured
+        assert r["routing"]["tokens_differ_any_layer"] == pytest.approx(
+            agreement.differing_fraction
+        )
+        assert r["k3"] == pytest.approx(lp["k3"]) and r["tokens"] == loss_tokens
+    assert main(["diagnose", str(out_dir)]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "log-prob mismatch beside routing disagreement" in text
+    assert f"trainer_native  trainer_native_routing  {native.differing_fraction:>8.2%}" in text
+    assert f"trainer_replay  trainer_replay_routing  {0:>8.2%}" in text
 
 
 def test_demo_without_megatron_skips_the_megatron_stages(

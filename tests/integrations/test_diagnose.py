@@ -255,6 +255,65 @@ def test_diagnose_over_steps_writes_a_png(
     assert (tmp_path / "one.png").stat().st_size > 5_000
 
 
+def mismatch(k3: float, tokens: int = 5) -> dict[str, float]:
+    """A stored-mismatch dict with hand-picked values (only k3 varies)."""
+    return {
+        "tokens": float(tokens),
+        "k1": 0.01,
+        "k2": 0.02,
+        "k3": k3,
+        "abs_mean": 0.1,
+        "abs_max": 0.5,
+        "frac_abs_gt_ln2": 0.2,
+        "token_mult_prob_error": 1.25,
+        "js_divergence": 0.003,
+    }
+
+
+def test_diagnose_shows_each_mismatch_beside_its_routing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Mismatch source S sits beside the agreement stored as S + "_routing" (the demo's
+    layout), else beside the report's source at that step, else beside nothing."""
+    write_diagnostics(tmp_path, 0, agreement())  # native_vs_replay: 4 of 10 tokens differ
+    same = RouteAgreement((1, 2, 3), 2, 10, np.full(3, 10), np.full(3, 20), 10)
+    write_diagnostics(tmp_path, 0, same, source="a_routing")
+    write_diagnostics(tmp_path, 0, mismatch(0.004), source="a")
+    write_diagnostics(tmp_path, 0, mismatch(0.125), source="b")
+    write_diagnostics(tmp_path, 1, mismatch(0.5, tokens=7), source="b")
+    assert main(["diagnose", str(tmp_path), "--json"]) == EXIT_OK
+    info = orjson.loads(capsys.readouterr().out)
+    assert info["source"] == "native_vs_replay"
+    got = [
+        (r["step"], r["source"], r["routing"] and r["routing"]["source"], r["k3"])
+        for r in info["logprob_mismatch"]
+    ]
+    assert got == [
+        (0, "a", "a_routing", 0.004),
+        (0, "b", "native_vs_replay", 0.125),
+        (1, "b", None, 0.5),
+    ]
+    assert info["logprob_mismatch"][0]["routing"]["tokens_differ_any_layer"] == 0.0
+    assert info["logprob_mismatch"][1]["routing"]["tokens_differ_any_layer"] == pytest.approx(0.4)
+    # several mismatch sources, none named like the report's nor train_vs_rollout: no pick
+    assert [s["mismatch"] for s in info["steps"]] == [None]
+    assert main(["diagnose", str(tmp_path)]) == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    head = lines.index(
+        "log-prob mismatch beside routing disagreement (routing: tokens whose top-k set "
+        "differs on >= 1 layer; log-probs: loss tokens)"
+    )
+    cells = "      0.125        0.2       1.25      0.003        0.5"
+    assert lines[head + 1].split() == [
+        "step", "source", "routing", "of", "differs", "loss", "tokens",
+        "k3", "|Δ|>ln2", "mult_err", "js_div", "|Δ|", "max",
+    ]  # fmt: skip
+    assert lines[head + 3] == f"     0  b       native_vs_replay    40.00%            5{cells}"
+    assert lines[head + 2].startswith("     0  a       a_routing            0.00%            5")
+    assert lines[head + 4].startswith("     1  b       -                      n/a            7")
+    assert len(lines) == head + 5
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_diagnose_computes_from_train_routes_when_no_diagnostics(
     tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str], chunked: bool

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -167,3 +168,103 @@ def test_dead_experts_stand_apart_from_cold_ones() -> None:
     np.testing.assert_allclose(image.rgba[0, 1, :3], scale[0])  # 1/27: the clipped cold end
     np.testing.assert_allclose(image.rgba[0, 2, :3], scale[-1])  # 20x: the clipped hot end
     assert (image.rgba[1, :, :3] > 0.9).all()  # balanced: white
+
+
+def _mismatch(k3: float) -> dict[str, float]:
+    """A `logprob_mismatch`-shaped dict (only k3 matters to the figure)."""
+    return {
+        "tokens": 40.0,
+        "k1": 0.0,
+        "k2": 0.0,
+        "k3": k3,
+        "abs_mean": 0.0,
+        "abs_max": 0.0,
+        "frac_abs_gt_ln2": 0.0,
+        "token_mult_prob_error": 1.0,
+        "js_divergence": 0.0,
+    }
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every matplotlib Figure saved while the test runs (still written to its file)."""
+    from matplotlib.figure import Figure
+
+    saved: list[Any] = []
+    original = Figure.savefig
+
+    def record(self: Figure, *args: Any, **kwargs: Any) -> None:
+        saved.append(self)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return saved
+
+
+def test_mismatch_beside_disagreement_one_step_draws_both_bars_per_source(
+    tmp_path: Path, figures: list[Any]
+) -> None:
+    native = stats.RouteAgreement((1, 2), 2, 20, np.array([19, 18]), np.array([39, 38]), 17)
+    replay = stats.RouteAgreement((1, 2), 2, 20, np.array([20, 20]), np.array([40, 40]), 20)
+    out = plot.plot_mismatch(
+        {"native": {3: _mismatch(2e-4)}, "replay": {3: _mismatch(5e-5)}},
+        {"native": {3: native}, "replay": {3: replay}},
+        tmp_path / "m.png",
+    )
+    assert png_size(out)[0] >= 600
+    (fig,) = figures
+    ax, right = fig.axes  # the disagreement axis and its twin for the mismatch
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["native", "replay"]
+    assert [round(p.get_height(), 6) for p in ax.patches] == [0.15, 0.0]  # 3 of 20 tokens
+    assert [p.get_height() for p in right.patches] == [2e-4, 5e-5]
+    labels = [t.get_text() for t in [*ax.texts, *right.texts]]  # the bar labels
+    assert labels == ["15.00%", "0.00%", "0.0002", "5e-05"]
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "routing differs (tokens, ≥ 1 layer)",
+        "log-prob k3",
+    ]
+    assert right.get_ylabel() == "log-prob k3 (loss tokens)"
+
+
+def test_mismatch_beside_disagreement_over_steps_draws_a_line_pair_per_source(
+    tmp_path: Path,
+    by_step: tuple[pl.DataFrame, dict[int, stats.RouteAgreement]],
+    figures: list[Any],
+) -> None:
+    _, agreement = by_step
+    steps = sorted(agreement)
+    lp = {"r3": {s: _mismatch(0.01 * (i + 1)) for i, s in enumerate(steps)}}
+    lp["other"] = {steps[0]: _mismatch(0.5)}  # one step only, and no routing of its own
+    plot.plot_mismatch(lp, {"r3": agreement}, tmp_path / "m.png", metric="k3", title="t")
+    (fig,) = figures
+    ax, right = fig.axes
+    assert ax.get_title() == "t"
+    solid = {line.get_label(): line for line in ax.get_lines()}
+    dashed = {line.get_label(): line for line in right.get_lines()}
+    assert set(solid) == {"r3: routing differs (tokens, ≥ 1 layer)",
+                          "other: routing differs (tokens, ≥ 1 layer)"}  # fmt: skip
+    assert set(dashed) == {"r3: log-prob k3", "other: log-prob k3"}
+    r3_routing = solid["r3: routing differs (tokens, ≥ 1 layer)"].get_ydata()
+    want = [agreement[s].differing_fraction for s in steps]
+    np.testing.assert_allclose(np.asarray(r3_routing, float), want)
+    np.testing.assert_allclose(
+        np.asarray(dashed["r3: log-prob k3"].get_ydata(), float), [0.01, 0.02, 0.03, 0.04]
+    )
+    other = np.asarray(dashed["other: log-prob k3"].get_ydata(), float)
+    assert other[0] == 0.5 and np.isnan(other[1:]).all()
+    assert np.isnan(np.asarray(solid["other: routing differs (tokens, ≥ 1 layer)"].get_ydata(),
+                               float)).all()  # fmt: skip
+    assert all(line.get_linestyle() == "--" for line in dashed.values())
+    assert all(line.get_linestyle() == "-" for line in solid.values())
+    (legend,) = fig.legends
+    assert len(legend.get_texts()) == 4
+
+
+def test_mismatch_plot_misuse(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one source"):
+        plot.plot_mismatch({}, {}, tmp_path / "m.png")
+    with pytest.raises(ValueError, match="metric: expected one of"):
+        plot.plot_mismatch({"a": {0: _mismatch(0.1)}}, {}, tmp_path / "m.png", metric="tokens")
+    with pytest.raises(ValueError, match=r"\.png"):
+        plot.plot_mismatch({"a": {0: _mismatch(0.1)}}, {}, tmp_path / "m.svg")

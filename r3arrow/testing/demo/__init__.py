@@ -16,9 +16,14 @@ the engine's at a few tokens, as a trainer's does from an inference engine's. Th
 routes are replayed under ``replay_schedule(measure_agreement=True)``: the probe's
 `RouteAgreement` (native vs replayed) is printed as the R3 paper's table, the replayed
 routing is checked identical to the engine's, the probe is checked against an independent
-native pass, and a float32 control shows the disagreement comes from the precision. The
-agreements are persisted with `r3arrow.io.write_diagnostics` into the output directory, so
-``r3arrow diagnose OUT`` reads them.
+native pass, and a float32 control shows the disagreement comes from the precision. Then
+R3's effect on the log-probs (``docs/mismatch.md``, "The demo"): the whole model runs
+trainer-side in bfloat16 (`r3arrow.testing.engine.TinyMoE.trainer_logprobs`) over the kept
+trajectories twice, with its own routing and with the rollout's routes replayed, and the
+mismatch of each against the engine's log-probs (the rollouts ask for them:
+``rollout_logprobs``) is printed beside its routing disagreement, rows native / replay.
+Everything is persisted with `r3arrow.io.write_diagnostics` into the output directory, so
+``r3arrow diagnose OUT`` reads it.
 """
 
 from __future__ import annotations
@@ -88,6 +93,11 @@ class DemoResult:
     control_agreement: Any = None
     #: Stage 7: the diagnostics file written under ``out_dir``.
     diagnostics: Path | None = None
+    #: Stage 7: mode ("native", "replay") -> `RouteAgreement` of the bfloat16 trainer-side
+    #: forward's routing vs the rollout's.
+    trainer_agreement: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Stage 7: mode -> `r3arrow.stats.logprob_mismatch` of that forward vs the engine.
+    mismatch: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -187,6 +197,7 @@ async def _rollouts(cfg: DemoConfig, url: str, spec: RouteSpec | None) -> pa.Tab
                 "max_tokens": cfg.max_tokens,
                 "temperature": cfg.temperature,
                 "ignore_eos": True,
+                "logprobs": 0,  # the sampled token's log-prob: rollout_logprobs (stage 7)
             },
             seed=cfg.seed,
             progress=cfg.progress,
@@ -388,6 +399,7 @@ def _run(cfg: DemoConfig) -> DemoResult:
         timings["diagnostics"] = time.perf_counter() - t
         result.native_agreement, result.control_agreement = found.native, found.control
         result.diagnostics = found.path
+        result.trainer_agreement, result.mismatch = found.trainer_agreement, found.mismatch
         result.ok = result.ok and found.ok
     total = sum(timings.values())
     _say(f"done in {total:.1f} s: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))

@@ -16,7 +16,16 @@ tell apart. The rollout routes are replayed under
 
 Both agreements are persisted (`r3arrow.io.write_diagnostics`, step 0) in the demo's output
 directory: ``native_vs_replay`` (bfloat16) and ``native_fp32_vs_replay`` (the control).
-Needs megatron-core and torch; imported by `r3arrow.testing.demo` only when they are present.
+
+Then R3's effect on the log-probs (`trainer_mismatch`, ``docs/mismatch.md`` "The demo"): the
+whole model runs trainer-side in bfloat16 (`r3arrow.testing.engine.TinyMoE.trainer_logprobs`)
+over every kept trajectory twice, with its own routing (``trainer_native``) and with the
+rollout's captured routes replayed (``trainer_replay``). Each pass gives a ``train_logprobs``
+and a ``train_routes`` column beside the engine's ``rollout_logprobs`` and ``routes``, so
+`r3arrow.stats.logprob_mismatch` and `r3arrow.stats.route_agreement` measure it; both are
+persisted at step 0, the mismatch as source ``trainer_<mode>`` and the agreement as
+``trainer_<mode>_routing``, which is how ``r3arrow diagnose`` pairs them. Needs megatron-core
+and torch; imported by `r3arrow.testing.demo` only when they are present.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ from r3arrow.spec import RouteSpec
 
 #: Source label of the float32 control in the diagnostics files.
 CONTROL_SOURCE = "native_fp32_vs_replay"
+#: Mismatch sources of the trainer-side bfloat16 forward, by mode (its agreement: + "_routing").
+TRAINER_SOURCES = {"native": "trainer_native", "replay": "trainer_replay"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +56,10 @@ class Diagnosis:
     control: Any  # RouteAgreement, float32 routers
     replay_mismatches: int
     path: Path
+    #: mode ("native", "replay") -> `RouteAgreement`: the trainer forward's routes vs the rollout's
+    trainer_agreement: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: mode -> `r3arrow.stats.logprob_mismatch` of its train_logprobs vs rollout_logprobs
+    mismatch: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def _router_inputs(engine: Any, part: pa.Table) -> np.ndarray:
@@ -170,6 +185,102 @@ def print_table(agreement: Any, say: Callable[[str], None], indent: str = "    "
         say(f"{indent}{layer:>5}  {decisions[i]:>16.2%}  {sets[i]:>17.2%}")
 
 
+def _trainer_columns(
+    engine: Any, table: pa.Table, replay: bool
+) -> tuple[pa.Array[Any], pa.Array[Any]]:
+    """(``train_logprobs``, ``train_routes``) of one trainer-side bfloat16 pass over ``table``.
+
+    Trajectory i runs its captured positions ``0 .. c_i - 1`` (``c_i = captured``, at most
+    ``N_i - 1``): row t scores token ``t + 1``. Response token j (position ``P_i + j``) gets
+    row ``P_i + j - 1``'s log-prob; a token past the captured rows (the terminal gap, never
+    a loss token, ``docs/design.md`` §2) gets 0.0. ``train_routes`` holds the routing the
+    pass used, one row per captured row (the ``routes`` column's type).
+    """
+    from r3arrow._schema import list_lengths
+    from r3arrow.table import captured_lengths, flat_routes, input_ids, route_spec
+
+    spec = route_spec(table)
+    seqs = input_ids(table)
+    offsets = np.asarray(seqs.offsets, dtype=np.int64)
+    tokens = torch.from_numpy(seqs.values.to_numpy().astype(np.int64))
+    rows, route_offsets = flat_routes(table)
+    captured = captured_lengths(table)
+    prompt = list_lengths(table.column("prompt_ids"))
+    response = list_lengths(table.column("response_ids"))
+    lps = np.zeros(int(response.sum()), dtype=np.float32)
+    used = np.zeros_like(rows)
+    at = 0
+    for i, n in enumerate(captured.tolist()):  # one forward per sequence: the model's loop
+        if n:
+            seq = tokens[offsets[i] : offsets[i] + n + 1]
+            a, b = int(route_offsets[i]), int(route_offsets[i + 1])
+            forced = torch.from_numpy(rows[a:b].astype(np.int64)) if replay else None
+            lp, routes = engine.model.trainer_logprobs(seq[:-1], seq[1:], routes=forced)
+            used[a:b] = routes.numpy()
+            # rows P-1 .. n-1 score response tokens 0 .. n-P (no row scores token 0)
+            first = max(int(prompt[i]) - 1, 0)
+            skip = first - (int(prompt[i]) - 1)
+            scored = lp.numpy()[first:]
+            lps[at + skip : at + skip + scored.shape[0]] = scored
+        at += int(response[i])
+    resp_offsets = pa.array(np.r_[0, np.cumsum(response)], pa.int64())
+    train_lp = pa.LargeListArray.from_arrays(resp_offsets, pa.array(lps, pa.float32()))
+    inner = pa.FixedSizeListArray.from_arrays(
+        pa.FixedSizeListArray.from_arrays(pa.array(used.reshape(-1)), spec.topk),
+        spec.num_layers,
+    )
+    train_routes = pa.LargeListArray.from_arrays(pa.array(route_offsets, pa.int64()), inner)
+    return train_lp, train_routes.cast(spec.routes_type)
+
+
+def trainer_mismatch(
+    engine: Any, table: pa.Table, out_dir: Path
+) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """The trainer-side forward twice (module docstring): ``(mode -> RouteAgreement, mode ->
+    logprob_mismatch dict)`` for the modes ``native`` and ``replay``, persisted at step 0:
+    the mismatch as source ``TRAINER_SOURCES[mode]``, the agreement as that name plus
+    ``_routing`` (what ``r3arrow diagnose`` pairs). ``table``: rollouts of ``engine`` with
+    ``rollout_logprobs`` (`SchemaError` without them)."""
+    from r3arrow import stats
+    from r3arrow.io import write_diagnostics
+    from r3arrow._schema import ROUTING_SUFFIX
+    from r3arrow.table import with_columns
+
+    agreements: dict[str, Any] = {}
+    mismatches: dict[str, dict[str, float]] = {}
+    for mode, source in TRAINER_SOURCES.items():
+        train_lp, train_routes = _trainer_columns(engine, table, replay=mode == "replay")
+        scored = with_columns(table, {"train_logprobs": train_lp, "train_routes": train_routes})
+        agreements[mode] = stats.route_agreement(scored, "train_routes")
+        mismatches[mode] = stats.logprob_mismatch(scored)
+        write_diagnostics(out_dir, 0, agreements[mode], source=source + ROUTING_SUFFIX)
+        write_diagnostics(out_dir, 0, mismatches[mode], source=source)
+    return agreements, mismatches
+
+
+#: The mismatch table's metric columns: (key, header).
+MISMATCH_COLUMNS = (
+    ("k3", "k3"),
+    ("frac_abs_gt_ln2", "|Δ|>ln2"),
+    ("token_mult_prob_error", "mult_err"),
+    ("js_divergence", "js_div"),
+    ("abs_max", "|Δ| max"),
+)
+
+
+def print_mismatch(
+    agreements: Any, mismatches: Any, say: Callable[[str], None], indent: str = "    "
+) -> None:
+    """Rows ``native`` / ``replay``: routing disagreement (tokens whose top-k set differs from
+    the rollout's on >= 1 layer) beside the log-prob mismatch over the loss tokens."""
+    head = f"{indent}{'mode':<8}{'routing differs':>16}{'loss tokens':>12}"
+    say(head + "".join(h.rjust(11) for _, h in MISMATCH_COLUMNS))
+    for mode, lp in mismatches.items():
+        cells = "".join(f"{lp[k]:>11.4g}" for k, _ in MISMATCH_COLUMNS)
+        differ = agreements[mode].differing_fraction
+        say(f"{indent}{mode:<8}{differ:>16.2%}{int(lp['tokens']):>12}{cells}")
+
+
 def diagnose_replay(
     engine: Any,
     parts: Sequence[pa.Table],
@@ -217,8 +328,27 @@ def diagnose_replay(
         f"  replayed routing {verdict} to the engine's; probe "
         f"{'matches' if probe_ok else 'DIFFERS FROM'} an independent native pass"
     )
+    table = pa.concat_tables(parts)
+    agreements, lp = trainer_mismatch(engine, table, out_dir)
+    say(
+        "  R3 on the log-probs: the whole model trainer-side in bfloat16, native routing vs "
+        "the rollout's routes replayed, against the engine's log-probs:"
+    )
+    print_mismatch(agreements, lp, say)
+    replay_ok = agreements["replay"].all_identical == agreements["replay"].tokens
+    if not replay_ok:
+        say("  trainer-side replay DIFFERS FROM the rollout's routes")
     say(f"  diagnostics: {path} (r3arrow diagnose {out_dir})")
-    return Diagnosis(ok, probed, control_probe, mismatches, path)
+    return Diagnosis(ok and replay_ok, probed, control_probe, mismatches, path, agreements, lp)
 
 
-__all__ = ["CONTROL_SOURCE", "Diagnosis", "diagnose_replay", "print_table"]
+__all__ = [
+    "CONTROL_SOURCE",
+    "MISMATCH_COLUMNS",
+    "TRAINER_SOURCES",
+    "Diagnosis",
+    "diagnose_replay",
+    "print_mismatch",
+    "print_table",
+    "trainer_mismatch",
+]

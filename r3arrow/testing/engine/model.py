@@ -4,11 +4,14 @@
 dense MLP or softmax-top-k MoE per layer, LM head) with random weights drawn from
 a seed; nothing is downloaded. `ReferenceEngine` generates with it and returns
 routed experts with exactly vLLM's row semantics (see `ReferenceEngine.generate`).
+`TinyMoE.trainer_logprobs` is a trainer's forward of the same weights: bfloat16, with the
+routers' own top-k or with replayed routes (``docs/mismatch.md``, "The demo").
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
@@ -21,6 +24,7 @@ from torch.nn import functional as F
 
 from r3arrow._checks import check_positive_int
 from r3arrow.errors import EngineRequestError
+from r3arrow.ids import check_routes
 from r3arrow.spec import RouteSpec
 
 FinishReason = Literal["length", "stop"]
@@ -225,10 +229,16 @@ class TinyMoE(nn.Module):
     def _dense(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         return F.silu(x @ self.dense_up[slot]) @ self.dense_down[slot]
 
-    def _moe(self, x: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moe(
+        self, x: torch.Tensor, slot: int, forced: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         k, e = self.config.topk, self.config.num_experts
         probs = (x @ self.router[slot]).softmax(-1)
-        weights, ids = torch.topk(probs, k, dim=-1)
+        if forced is None:
+            weights, ids = torch.topk(probs, k, dim=-1)
+        else:  # replay, as megatron-core's RouterReplay: forced experts, this router's scores
+            ids = forced
+            weights = probs.gather(-1, ids)
         weights = weights / weights.sum(-1, keepdim=True)
         # Dispatch: group the (token, slot) pairs by expert, one matmul pair per expert.
         flat = ids.reshape(-1)
@@ -255,7 +265,7 @@ class TinyMoE(nn.Module):
             )
         shape = (c.num_layers, c.num_heads, capacity, c.hidden_size // c.num_heads)
         return _KVCache(
-            torch.empty(shape, dtype=c.torch_dtype), torch.empty(shape, dtype=c.torch_dtype)
+            torch.empty(shape, dtype=self.embed.dtype), torch.empty(shape, dtype=self.embed.dtype)
         )
 
     def extend(
@@ -265,6 +275,7 @@ class TinyMoE(nn.Module):
         *,
         logits_from: int | None = 0,
         router_inputs: torch.Tensor | None = None,
+        replay: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Run ``token_ids`` [t] after the ``cache.length`` tokens already in ``cache``.
 
@@ -272,7 +283,8 @@ class TinyMoE(nn.Module):
         ``[t, L, K]`` int64; the cache then holds the chunk too. A prefill is an extend of
         an empty cache; a decode step is an extend by one token. ``router_inputs``: a
         ``[t, n_moe, hidden]`` tensor filled with what each router layer's gate saw (see
-        `router_inputs`).
+        `router_inputs`). ``replay``: ``[t, L, K]`` int64 expert ids the router layers use
+        instead of their own top-k (checked by the caller, `trainer_logprobs`).
         """
         c = self.config
         if token_ids.ndim != 1 or token_ids.dtype != torch.int64:
@@ -298,7 +310,7 @@ class TinyMoE(nn.Module):
                     h = _rms_norm(x)
                     if router_inputs is not None:
                         router_inputs[:, slot] = h
-                    y, ids = self._moe(h, slot)
+                    y, ids = self._moe(h, slot, None if replay is None else replay[:, layer])
                     x = x + y
                     routes[:, layer] = ids
             logits = None if logits_from is None else _rms_norm(x[logits_from:]) @ self.lm_head
@@ -345,6 +357,72 @@ class TinyMoE(nn.Module):
         logits, routes = self.run(token_ids, logits_from=0)
         assert logits is not None
         return logits, routes
+
+    def trainer_logprobs(
+        self, token_ids: torch.Tensor, labels: torch.Tensor, *, routes: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A trainer's forward of this model: bfloat16, native or replayed routing.
+
+        ``token_ids`` and ``labels``: ``[T]`` int64 (``labels[t]``: the token scored at
+        position ``t``, usually ``token_ids[t + 1]``). The weights are this model's, cast to
+        bfloat16, and every op runs in bfloat16 except the final log-softmax (float32, as
+        trainers compute it); the engine computes in ``config.dtype``. ``routes=None``: the
+        routers choose their own top-k (in bfloat16, so near-tied scores can flip it);
+        ``routes`` ``[T, L, K]`` integer: router layers use those experts (R3 replay; the gate
+        weights are this router's scores at them, renormalised; dense layers ignore theirs).
+        Returns ``(logprobs [T] float32, routes [T, L, K] int64)``: ``log p(labels[t] |
+        token_ids[:t+1])`` and the routing used. ``ValueError`` for shapes, dtypes or ids
+        out of the vocab; `r3arrow.errors.ExpertRangeError` / `DuplicateExpertError`
+        (``token``, ``layer`` set) for replayed ids out of ``[0, num_experts)`` or repeated in
+        a row.
+        """
+        c = self.config
+        for name, ids in (("token_ids", token_ids), ("labels", labels)):
+            if ids.ndim != 1 or ids.dtype != torch.int64:
+                raise ValueError(
+                    f"{name}: expected a 1-D int64 tensor, found {ids.ndim}-D {ids.dtype}"
+                )
+            if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < c.vocab_size:
+                raise ValueError(
+                    f"{name}: expected ids in [0, {c.vocab_size}), found "
+                    f"[{int(ids.min())}, {int(ids.max())}]"
+                )
+        t = token_ids.shape[0]
+        if not 0 < t <= c.max_model_len or labels.shape[0] != t:
+            raise ValueError(
+                f"expected token_ids and labels of one length in [1, max_model_len="
+                f"{c.max_model_len}], found {t} and {labels.shape[0]}"
+            )
+        forced = None
+        if routes is not None:
+            want = (t, c.num_layers, c.topk)
+            integer = not (
+                routes.dtype.is_floating_point or routes.is_complex() or routes.dtype == torch.bool
+            )
+            if tuple(routes.shape) != want or not integer:
+                raise ValueError(
+                    f"routes: expected an integer tensor of shape {list(want)}, found "
+                    f"{routes.dtype} of shape {list(routes.shape)}"
+                )
+            moe = list(c.moe_layers)
+            check_routes(routes[:, moe], num_experts=c.num_experts, layer_ids=moe)
+            forced = routes.to(torch.int64)
+        twin = self._bfloat16()
+        logits, used = twin.extend(token_ids, twin.new_cache(t), logits_from=0, replay=forced)
+        assert logits is not None
+        with torch.inference_mode():
+            lp = logits.float().log_softmax(-1).gather(-1, labels[:, None])[:, 0]
+        return lp, used
+
+    def _bfloat16(self) -> TinyMoE:
+        """This model with every weight and buffer in bfloat16 (built once)."""
+        twin: TinyMoE | None = self.__dict__.get("_bf16_twin")
+        if twin is None:
+            twin = copy.deepcopy(self).to(torch.bfloat16)
+            # object.__setattr__: a plain attribute, not a submodule (no state_dict entry,
+            # no recursion into it from .to() or deepcopy)
+            object.__setattr__(self, "_bf16_twin", twin)
+        return twin
 
 
 @dataclasses.dataclass(frozen=True)
