@@ -13,13 +13,14 @@ installed into real megatron-core ``RouterReplay`` instances (CPU harness):
   ``[1, T, L_local, K]`` row, a per-layer int32 split and ``RouterReplay.set_replay_data``.
   Routes only (no model inputs) and no id checks (SkyRL installs what it got): both favour
   the baseline, whose padding rows (zeros) would fail the duplicate-expert rule anyway.
-* **skyrl** (SkyRL's real code, imported from the installed package: ``_skyrl_real.py``):
-  ``convert_prompts_responses_to_batch_tensors`` (the trainer's dense left-padded batch),
-  the worker's int32 widening and ``setup_per_microbatch_replay_forward`` (packed) into the
-  same real instances, the stage picked by SkyRL's ``patch_topk_router_layer_number``
-  numbers (13..24); its installed targets are checked equal to r3arrow's (and to the
-  rollout's ids) on every captured token before the timing. Without an importable skyrl the
-  side returns ``{"na": reason}``.
+* **skyrl** (SkyRL PR #1912's own functions, imported from a checkout of the PR head:
+  ``_skyrl_real.py``): the trainer's ``convert_prompts_responses_to_batch_tensors`` (the dense
+  left-padded batch) and ``make_router_padding_mask``, then the worker's
+  ``build_token_metadata_layout`` and ``setup_per_microbatch_replay_forward`` (packed) into the
+  same real instances, the stage picked by SkyRL's ``patch_topk_router_layer_number`` numbers
+  (13..24); its installed targets are checked equal to r3arrow's (and to the rollout's ids)
+  on every captured token before the timing. Without a checkout (``--skyrl-checkout DIR``, or
+  the mirror to extract one from) the side returns ``{"na": reason}``.
 
 `run_chain` returns a JSON-able dict of timings; ``bench_collate.py`` runs each side in its
 own process (peak memory above the input is the side's own) and prints the table.
@@ -102,7 +103,11 @@ def run_chain(args: Any, side: str) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # megatron-core's import-time notices
-    sk, note = _skyrl_real.load() if side == "skyrl" else (None, "")
+    sk, note = None, ""
+    if side == "skyrl":
+        sk, note = _skyrl_real.load(
+            *_skyrl_real.checkout_dir(args.skyrl_checkout), _skyrl_real.CHAIN
+        )
     if side == "skyrl" and sk is None:
         return {"side": side, "na": note}
     import r3arrow
@@ -140,7 +145,7 @@ def run_chain(args: Any, side: str) -> dict[str, Any]:
         skyrl_chain = None
         if sk is not None:
             _skyrl_real.check_layer_numbers(rr, layers)
-            inputs = _skyrl_real.prepare(data)
+            inputs = _skyrl_real.prepare(sk, data)
             skyrl_chain = _skyrl_real.SkyrlChain(sk, inputs, routers[0].config, args.align)
 
         def r3arrow_chain() -> list[Any]:
@@ -196,13 +201,11 @@ def run_chain(args: Any, side: str) -> dict[str, Any]:
 
             times["install_s"] = best_of(install, args.repeat)
         if skyrl_chain is not None:
-            dense, mask = skyrl_chain.convert()
+            routes, attention, padding = skyrl_chain.convert()
             times["convert_s"] = best_of(skyrl_chain.convert, args.repeat)
-            times["widen_s"] = best_of(lambda: dense.to(torch.int32), args.repeat)
-            wide = dense.to(torch.int32)
 
             def setup() -> None:
-                skyrl_chain.setup(wide, mask)
+                skyrl_chain.setup(routes, attention, padding)
                 skyrl_chain.sk.replay_utils.clear_router_replay()
 
             times["setup_s"] = best_of(setup, args.repeat)

@@ -1,50 +1,63 @@
-"""SkyRL's own collation chain, run from the installed ``skyrl`` package (nothing copied).
+"""SkyRL PR #1912's own functions, imported from a checkout of the PR head (nothing copied).
 
-The third side of issue 13's chain (``_chain.run_chain(args, "skyrl")``): from the same
-per-trajectory routes to per-layer int32 targets in real megatron-core ``RouterReplay``
-instances, through SkyRL's functions, called as its trainer and Megatron worker call them:
+Two benchmarks put r3arrow beside SkyRL's code at ``refs/pull/1912/head`` (commit
+`SKYRL_COMMIT`), never the ``skyrl`` 0.3.0 package of the virtual environment:
 
-1. ``skyrl.train.dataset.preprocess.convert_prompts_responses_to_batch_tensors``: the
-   trainer's batch build (``RayPPOTrainer.convert_to_training_input``): left-padded
-   sequences, attention mask, response-aligned masks and rewards, and the dense left-padded
-   ``[B, S_max, L, K]`` routes tensor (built int32, scanned for its max, downcast to uint8);
-2. the int32 widening SkyRL's Megatron worker applies to each micro-batch before the forward
-   (``megatron_worker.py``: ``rollout_expert_indices.to(torch.int32)``; one line inline in a
-   method, so the one line is here);
-3. ``skyrl.backends.skyrl_train.utils.replay_utils.setup_per_microbatch_replay_forward``
-   with ``remove_microbatch_padding=True`` (packed): ``_pack_replay_indices`` (left padding
-   removed, per-sequence alignment, all ``L`` layers), ``_split_replay_indices`` (``[L, T, K]``
-   contiguous, one ``[T, K]`` view per layer) and ``set_target_indices`` on each of the stage's
-   instances, then ``REPLAY_FORWARD``; SkyRL's ``clear_router_replay`` after reading the
-   targets back (r3arrow's ``replay_schedule`` clears too).
+* the collation chain (``_chain.run_chain(args, "skyrl")``, `SkyrlChain`): from the same
+  per-trajectory routes to per-layer int32 targets in real megatron-core ``RouterReplay``
+  instances, called as the PR head's trainer (``skyrl/train/trainer.py``,
+  ``convert_to_training_input``) and Megatron model wrapper
+  (``skyrl/backends/skyrl_train/workers/megatron/megatron_model_wrapper.py``, the forward of a
+  micro-batch) call them:
 
-How the run is set up, the only departures from a SkyRL training run:
+  1. trainer: ``skyrl.train.dataset.preprocess.convert_prompts_responses_to_batch_tensors``
+     (left-padded sequences, attention mask, response-aligned masks and rewards, and the
+     left-padded ``[B, S_max, L, K]`` routes in the rows' own dtype, uint8 here, padded with
+     ``arange(K)`` rows), then ``make_router_padding_mask(attention_mask, [len(r) ...])``;
+  2. worker: ``skyrl...megatron.token_metadata.build_token_metadata_layout(attention_mask,
+     device, packed=True, fp8_enabled=False)``, then ``skyrl...utils.replay_utils.
+     setup_per_microbatch_replay_forward(routes, router_padding_mask, attention_mask, model=,
+     model_config=, metadata_layout=, remove_microbatch_padding=True)``: the stage's layers
+     selected, the packed ``[1, T, L_local, K]`` layout, the per-layer int32 split and
+     ``set_replay_data`` into the instances, then ``REPLAY_FORWARD``; SkyRL's
+     ``clear_router_replay`` after the targets are read back (r3arrow's ``replay_schedule``
+     clears too).
+
+  Each trajectory's routes are what the PR head's generator hands the trainer: SkyRL's own
+  ``RoutedExpertTrace`` (``record_generation`` of the captured ``n - 1`` rows, then
+  ``finalize(token_count=n)``, which appends the one ``arange(K)`` row of the last token),
+  built outside the timing, as are the prompt, response, reward and loss-mask lists.
+
+* the wire capture (``bench_capture.py``, ``wire_skyrl``): the PR head's client-side decode
+  of its packed payload (``skyrl...inference_servers.generate_wire.decode_packed_routed_experts``;
+  the payloads made by its ``pack_routed_experts``) and its accumulation
+  (``skyrl...utils.routed_experts.RoutedExpertTrace``).
+
+How the chain run departs from a SkyRL training run:
 
 * **PP stage.** The harness is a gloo world of one with model parallel 1 x 1, so SkyRL's
   ``_get_current_pp_stage_layer_range`` returns all ``L`` layers for PP rank 0, not the 12
   instances of the stage: SkyRL takes its dense-mismatch path, which maps each instance
   through its ``layer_number``. ``patch_topk_router_layer_number`` (SkyRL's patch, applied
   before the routers are built, as its worker does) gives the stage's instances the global
-  1-based numbers ``13..24`` from ``TopKRouter.set_layer_number``; `check_layer_numbers`
-  asserts it. On a real PP=4 rank 1, SkyRL would take ``per_layer_data[12:24]`` instead: the
-  same targets, after the same all-layer pack and split, so the same cost.
-* **Alignment.** SkyRL aligns packed sequences to ``get_packed_seq_align_size(tp, cp, fp8)``
-  (``tp`` here, 1). For the chain's ``align`` (8), ``replay_utils``' name is wrapped for the
-  call to return ``lcm(SkyRL's own value, align)``; no sequence split (TP stays 1).
-* **Routes as numpy rows.** SkyRL's generator hands over nested Python lists; its converter
-  tests each trajectory's truth (``if x``), reads ``len(x[0])``, ``len(x[0][0])`` and calls
-  ``torch.tensor(x[:n], dtype=torch.int32)``. Each trajectory's uint8 ``[n - 1, L, K]`` array
-  goes in through `Rows`, a three-method sequence view (truth = non-empty, as a list's;
-  indexing = the array's), so that call converts the array: much faster than nested lists
-  (favours SkyRL). Prompts, responses, loss masks and per-token rewards are Python lists,
-  built outside the timing, as SkyRL's generator output holds them.
-* **Import.** On Python 3.11 with ``skyrl`` installed without its dependencies, two parent
-  packages' ``__init__`` fail (``skyrl.backends`` imports the Tinker backend, whose pydantic
-  models need ``typing_extensions.TypedDict`` on Python < 3.12; ``skyrl.train.dataset``
-  imports ``loguru``/``datasets``), though the modules used import only torch, megatron-core,
-  jaxtyping and transformers. `load` imports every package normally and, where a parent's
-  ``__init__`` raises, registers that package bare (its real directory, its ``__init__`` not
-  run) so the installed module files below it import unchanged; the note says which.
+  1-based numbers ``13..24``; `check_layer_numbers` asserts it. On a real PP=4 rank 1 SkyRL
+  takes the same 12 layers by offset: the same ``index_select``, so the same cost.
+* **Alignment.** ``build_token_metadata_layout`` aligns packed sequences to
+  ``get_packed_seq_align_size(tp, cp, fp8)`` (``tp`` here, 1). For the chain's ``align`` (8),
+  ``token_metadata``'s name is wrapped for the call to return ``lcm(SkyRL's own value,
+  align)``; no sequence split (TP stays 1).
+* **Model.** ``model=None``: the PR head reads ``model`` only to scatter the padding mask for
+  sequence parallelism, which TP = 1 does not use.
+
+**Where the code comes from** (`checkout_dir`): ``--skyrl-checkout DIR`` (a directory holding
+the ``skyrl`` package of the PR head), else the tree of `SKYRL_COMMIT` extracted once from the
+bare mirror at ``$SKYRL_MIRROR`` (default `DEFAULT_MIRROR`) into a cache directory under the
+system temp dir, else the SkyRL side is skipped with the reason. `load` puts the checkout
+first on ``sys.path``, drops any ``skyrl`` module already imported from elsewhere, imports
+every package normally and, where a parent package's ``__init__`` needs more than the leaf
+modules do (``skyrl.backends`` imports its Tinker backend, which needs ``cloudpathlib``;
+``skyrl.train.dataset`` needs ``datasets``), registers that package bare (its directory in the
+checkout, its ``__init__`` not run); it then asserts every module used lies in the checkout.
 """
 
 from __future__ import annotations
@@ -52,28 +65,74 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import types
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
+
+SKYRL_REF = "refs/pull/1912/head"
+SKYRL_COMMIT = "4bb8674956eb75fc53d8cd397ffdbe3980539012"
+DEFAULT_MIRROR = "/work/.mirror/NovaSky-AI+SkyRL/repo"
+_MARKER = ".r3arrow-skyrl-commit"
 
 PREPROCESS = "skyrl.train.dataset.preprocess"
+TOKEN_METADATA = "skyrl.backends.skyrl_train.distributed.megatron.token_metadata"
 REPLAY_UTILS = "skyrl.backends.skyrl_train.utils.replay_utils"
-_NEEDED = {
-    PREPROCESS: ("convert_prompts_responses_to_batch_tensors",),
+ROUTED_EXPERTS = "skyrl.backends.skyrl_train.utils.routed_experts"
+GENERATE_WIRE = "skyrl.backends.skyrl_train.inference_servers.generate_wire"
+#: What each benchmark calls, by module (`load`'s ``modules``).
+CHAIN: dict[str, tuple[str, ...]] = {
+    PREPROCESS: ("convert_prompts_responses_to_batch_tensors", "make_router_padding_mask"),
+    TOKEN_METADATA: ("build_token_metadata_layout", "get_packed_seq_align_size"),
     REPLAY_UTILS: (
         "setup_per_microbatch_replay_forward",
         "patch_topk_router_layer_number",
         "clear_router_replay",
-        "get_packed_seq_align_size",
-        "_pack_replay_indices",
-        "_split_replay_indices",
-        "_get_current_pp_stage_layer_range",
     ),
+    ROUTED_EXPERTS: ("RoutedExpertTrace",),
 }
+WIRE: dict[str, tuple[str, ...]] = {
+    GENERATE_WIRE: ("pack_routed_experts", "decode_packed_routed_experts"),
+    ROUTED_EXPERTS: ("RoutedExpertTrace",),
+}
+
+
+def checkout_dir(given: str | None) -> tuple[Path | None, str]:
+    """(directory holding the PR head's ``skyrl`` package, how it was found), or ``(None,
+    reason)``: ``given`` if set, else the mirror's `SKYRL_COMMIT` extracted (cached)."""
+    if given:
+        path = Path(given).resolve()
+        if not (path / "skyrl" / "__init__.py").is_file():
+            return None, f"--skyrl-checkout {given}: no skyrl/__init__.py there"
+        return path, f"SkyRL checkout {path}"
+    mirror = Path(os.environ.get("SKYRL_MIRROR", DEFAULT_MIRROR))
+    if not mirror.is_dir():
+        return None, f"no --skyrl-checkout and no SkyRL mirror at {mirror} (set SKYRL_MIRROR)"
+    cache = Path(tempfile.gettempdir()) / f"r3arrow-skyrl-{SKYRL_COMMIT[:12]}"
+    if (cache / _MARKER).is_file():
+        return cache, f"SkyRL {SKYRL_REF} ({SKYRL_COMMIT[:9]}) extracted from {mirror}"
+    work = Path(tempfile.mkdtemp(prefix="r3arrow-skyrl-", dir=tempfile.gettempdir()))
+    archive = subprocess.run(
+        ["git", f"--git-dir={mirror}", "archive", SKYRL_COMMIT, "skyrl"],
+        capture_output=True,
+        check=False,
+    )
+    if archive.returncode != 0:
+        err = archive.stderr.decode(errors="replace").strip().splitlines()[-1:]
+        return None, f"git archive {SKYRL_COMMIT[:9]} from {mirror} failed: {' '.join(err)}"
+    subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
+    (work / _MARKER).write_text(SKYRL_COMMIT + "\n")
+    try:
+        work.rename(cache)  # atomic: a concurrent extraction's rename wins, this copy stays
+    except OSError:
+        return work, f"SkyRL {SKYRL_REF} ({SKYRL_COMMIT[:9]}) extracted from {mirror}"
+    return cache, f"SkyRL {SKYRL_REF} ({SKYRL_COMMIT[:9]}) extracted from {mirror}"
 
 
 def _bare_package(name: str) -> None:
@@ -90,12 +149,25 @@ def _bare_package(name: str) -> None:
     setattr(sys.modules[parent], name.rpartition(".")[2], module)
 
 
-def load() -> tuple[types.SimpleNamespace | None, str]:
-    """SkyRL's two modules as ``(namespace(preprocess, replay_utils, version), note)``, or
-    ``(None, reason)`` when skyrl or a dependency of those modules is unavailable."""
+def load(
+    checkout: Path | None, note: str, modules: dict[str, tuple[str, ...]]
+) -> tuple[types.SimpleNamespace | None, str]:
+    """``modules`` (name -> attributes it must have) imported from ``checkout``, as a namespace
+    by leaf name (``ns.preprocess`` ...) and a note; ``(None, reason)`` when ``checkout`` is
+    None, a module does not import or lacks an attribute. ``note``: `checkout_dir`'s."""
+    if checkout is None:
+        return None, note
+    root = str(checkout)
+    for name in [m for m in sys.modules if m == "skyrl" or m.startswith("skyrl.")]:
+        file = getattr(sys.modules[name], "__file__", None) or ""
+        if not file.startswith(root + os.sep):
+            del sys.modules[name]  # 0.3.0 (or another tree) imported first: not this code
+    if sys.path[:1] != [root]:
+        sys.path.insert(0, root)
+    importlib.invalidate_caches()
     bypassed: list[str] = []
     try:
-        for leaf in _NEEDED:
+        for leaf in modules:
             parts = leaf.split(".")
             for i in range(1, len(parts)):
                 pkg = ".".join(parts[:i])
@@ -109,20 +181,19 @@ def load() -> tuple[types.SimpleNamespace | None, str]:
                     sys.modules.pop(pkg, None)
                     _bare_package(pkg)
                     bypassed.append(f"{pkg} ({type(exc).__name__})")
-        mods = {leaf: importlib.import_module(leaf) for leaf in _NEEDED}
+        mods = {leaf: importlib.import_module(leaf) for leaf in modules}
     except Exception as exc:
-        return None, f"skyrl not importable: {type(exc).__name__}: {str(exc).splitlines()[0]}"
-    for leaf, names in _NEEDED.items():
+        return None, f"SkyRL not importable: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    for leaf, names in modules.items():
+        where = str(getattr(mods[leaf], "__file__", ""))
+        if not where.startswith(root + os.sep):
+            return None, f"{leaf} imported from {where}, not from {root}"
         missing = [n for n in names if not hasattr(mods[leaf], n)]
         if missing:
-            return None, f"skyrl {leaf} lacks {', '.join(missing)}"
-    version = str(getattr(sys.modules["skyrl"], "__version__", "?"))
-    note = f"skyrl {version} from {sys.modules['skyrl'].__path__[0]}"
+            return None, f"SkyRL {leaf} at {root} lacks {', '.join(missing)}"
     if bypassed:
-        note += "; parent __init__ not run: " + ", ".join(bypassed)
-    ns = types.SimpleNamespace(
-        preprocess=mods[PREPROCESS], replay_utils=mods[REPLAY_UTILS], version=version
-    )
+        note += "; parent __init__ not run: " + ", ".join(sorted(set(bypassed)))
+    ns = types.SimpleNamespace(**{leaf.rpartition(".")[2]: m for leaf, m in mods.items()})
     return ns, note
 
 
@@ -138,44 +209,34 @@ def check_layer_numbers(rr: Any, layers: Sequence[int]) -> None:
     assert got == want, f"SkyRL layer_number patch: expected {want}, found {got}"
 
 
-class Rows:
-    """One trajectory's ``[n - 1, L, K]`` array as the list SkyRL's converter expects."""
-
-    def __init__(self, rows: np.ndarray) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return int(self.rows.shape[0])
-
-    def __bool__(self) -> bool:
-        return int(self.rows.shape[0]) > 0
-
-    def __getitem__(self, key: Any) -> Any:
-        return self.rows[key]
-
-
-def prepare(data: dict[str, Any]) -> dict[str, Any]:
-    """SkyRL generator-output-shaped inputs (see the module docstring), built untimed."""
+def prepare(sk: types.SimpleNamespace, data: dict[str, Any]) -> dict[str, Any]:
+    """The PR head's generator output for ``data`` (see the module docstring), built untimed."""
     responses = [r.tolist() for r in data["responses"]]
+    routes = []
+    for rows, p, n in zip(data["rows"], data["plen"].tolist(), data["n"].tolist(), strict=True):
+        trace = sk.routed_experts.RoutedExpertTrace()
+        trace.record_generation(
+            prompt_token_count=p, generated_token_count=n - p, routed_experts=rows.copy()
+        )
+        routes.append(trace.finalize(token_count=n, loss_mask=[0] * p + [1] * (n - p)))
     return {
         "prompts": [p.tolist() for p in data["prompts"]],
         "responses": responses,
         "rewards": [[0.0] * (len(r) - 1) + [1.0] for r in responses],
         "loss_masks": [[1] * len(r) for r in responses],
-        "routes": [Rows(r) for r in data["rows"]],
+        "routes": routes,
     }
 
 
 class SkyrlChain:
-    """SkyRL's steps 1-3 (module docstring) on ``inputs``; calling it runs all three and
-    returns the targets installed in ``rr``'s instances (then cleared, as SkyRL does)."""
+    """The PR head's trainer and worker steps (module docstring) on ``inputs``; calling it
+    runs both and returns the targets installed in the instances (then cleared, as SkyRL)."""
 
     def __init__(
         self, sk: types.SimpleNamespace, inputs: dict[str, Any], model_config: Any, align: int
     ) -> None:
         self.sk, self.inputs, self.model_config = sk, inputs, model_config
-        self.tokenizer = types.SimpleNamespace(pad_token_id=0)  # all the converter reads
-        real: Callable[..., int] = sk.replay_utils.get_packed_seq_align_size
+        real: Callable[..., int] = sk.token_metadata.get_packed_seq_align_size
 
         def align_size(tp_size: int, cp_size: int, fp8_enabled: bool = False) -> int:
             return math.lcm(int(real(tp_size, cp_size, fp8_enabled=fp8_enabled)), align)
@@ -185,40 +246,51 @@ class SkyrlChain:
 
         self.rr = RouterReplay
 
-    def convert(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 1: SkyRL's batch tensors; returns (dense routes uint8, attention mask)."""
-        i = self.inputs
-        out = self.sk.preprocess.convert_prompts_responses_to_batch_tensors(
-            self.tokenizer, i["prompts"], i["responses"], i["rewards"], i["loss_masks"],
-            None, i["routes"],
+    def convert(self) -> tuple[Any, Any, Any]:
+        """The trainer's step: (routes ``[B, S_max, L, K]``, attention mask, router padding
+        mask), as ``convert_to_training_input`` builds them."""
+        i, pre = self.inputs, self.sk.preprocess
+        out = pre.convert_prompts_responses_to_batch_tensors(
+            0, i["prompts"], i["responses"], i["rewards"], i["loss_masks"], None, i["routes"],
+            max_seq_len=None,
         )  # fmt: skip
-        return out[6], out[1]
+        mask = pre.make_router_padding_mask(out[1], [len(r) for r in i["routes"]])
+        return out[6], out[1], mask
 
-    def setup(self, dense_int32: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """Step 3: SkyRL's per-microbatch replay setup (packed), alignment as documented."""
-        ru = self.sk.replay_utils
-        ru.get_packed_seq_align_size = self.align_size
+    def setup(self, routes: Any, attention_mask: Any, router_padding_mask: Any) -> None:
+        """The worker's step (packed), alignment as the module docstring says."""
+        tm = self.sk.token_metadata
+        tm.get_packed_seq_align_size = self.align_size
         try:
-            ru.setup_per_microbatch_replay_forward(
-                dense_int32, attention_mask, self.model_config, remove_microbatch_padding=True
+            layout = tm.build_token_metadata_layout(
+                attention_mask, attention_mask.device, packed=True, fp8_enabled=False
             )
         finally:
-            ru.get_packed_seq_align_size = self.real_align
+            tm.get_packed_seq_align_size = self.real_align
+        self.sk.replay_utils.setup_per_microbatch_replay_forward(
+            routes,
+            router_padding_mask,
+            attention_mask,
+            model=None,
+            model_config=self.model_config,
+            metadata_layout=layout,
+            remove_microbatch_padding=True,
+        )
 
-    def installed(self) -> list[torch.Tensor]:
+    def installed(self) -> list[Any]:
         return [inst.target_topk_idx for inst in self.rr.global_router_replay_instances]
 
-    def __call__(self) -> list[torch.Tensor]:
-        dense, mask = self.convert()
-        self.setup(dense.to(torch.int32), mask)  # step 2: the worker's widening
+    def __call__(self) -> list[Any]:
+        routes, attention_mask, router_padding_mask = self.convert()
+        self.setup(routes, attention_mask, router_padding_mask)
         targets = self.installed()
         self.sk.replay_utils.clear_router_replay()
         return targets
 
 
-def held_bytes(targets: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``targets`` (SkyRL's are views of one
-    all-layer buffer)."""
+def held_bytes(targets: Sequence[Any]) -> int:
+    """Bytes of the distinct storages behind ``targets`` (SkyRL's are views of one buffer of
+    the stage's layers)."""
     seen: dict[int, int] = {}
     for t in targets:
         s = t.untyped_storage()
@@ -227,14 +299,16 @@ def held_bytes(targets: Sequence[torch.Tensor]) -> int:
 
 
 def verify(
-    got: Sequence[torch.Tensor],
-    r3arrow_targets: Sequence[torch.Tensor],
+    got: Sequence[Any],
+    r3arrow_targets: Sequence[Any],
     data: dict[str, Any],
     layers: Sequence[int],
     align: int,
 ) -> int:
     """SkyRL's installed targets equal r3arrow's, and the rollout's ids, on every captured
     token of every stage layer (same packed layout, int32); returns the tokens checked."""
+    import torch
+
     n = np.asarray(data["n"], dtype=np.int64)
     padded = (n + align - 1) // align * align
     starts = np.concatenate([[0], np.cumsum(padded)[:-1]])

@@ -24,16 +24,29 @@ Cases (each in its own subprocess, so peak memory is per case; ``--quick`` runs 
   table_copy     for reference: TurnStore.routes (one gather copy) + rollout_table
   recv_full      full-prefix capture (no prompt starts): every turn's whole prefix decoded into
                  a fresh array, the latest kept (route bytes moved: the O(N^2) path)
+  wire           capture over the wire, r3arrow: each turn's vLLM payload (base64 ``.npy``, the
+                 bytes inside the response body, as `lift_routes` hands them over) decoded by the
+                 client's `response_routes` / `decode_routes` (header, size, shape and dtype
+                 checks), then RouteTrace.record (range and duplicate-id checks) + finalize
+  wire_guarded   wire plus the client's default route-quality guard (`check_route_quality`),
+                 which SkyRL has no counterpart of (breakdown only)
+  wire_skyrl     capture over the wire, SkyRL PR #1912's own functions from a checkout of the
+                 PR head (``_skyrl_real.py``): each turn's packed payload (its
+                 ``pack_routed_experts`` of the same rows) through ``decode_packed_routed_experts``
+                 and ``RoutedExpertTrace.record_generation``, then ``finalize`` (no duplicate
+                 check, no range check against the expert count); ``n/a`` without a checkout
 
 Peak memory is what the case allocates (tracemalloc for numpy + the Arrow pool's peak), the
 caller's delivered arrays excluded (made before measuring); "x trace bytes" divides it by the
 final routes' bytes. Table cases time only the table build (their inputs are made before).
 
 Targets (issue 13): capture (trace_handover) <= 1.0x the baseline's time and <= 1.1x the
-trace's bytes at peak; table building (table_traces, table_store) <= 0.2x a memcpy.
+trace's bytes at peak; table building (table_traces, table_store) <= 0.2x a memcpy. Issue 21:
+the wire capture (wire) <= 1.0x SkyRL #1912's (wire_skyrl) on the same rows.
 
     .venv/bin/python benchmarks/bench_capture.py            # full size (~1 min)
     .venv/bin/python benchmarks/bench_capture.py --quick    # small sizes, in one process (seconds)
+    ... --skyrl-checkout DIR   # SkyRL's side from DIR (default: extracted from the mirror)
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import _skyrl_real
 import numpy as np
 import pyarrow as pa
 from _common import (
@@ -59,6 +73,9 @@ from _common import (
 )
 
 from r3arrow import RouteSpec, RouteTrace, TurnStore, rollout_table
+from r3arrow.capture import check_route_quality
+from r3arrow.client._protocol import LIFTED, decode_routes, response_routes
+from r3arrow.codec import encode_vllm
 from r3arrow.spec import routes_to_numpy
 from r3arrow.testing import random_routes
 
@@ -66,7 +83,8 @@ LAYERS, TOPK, EXPERTS = 48, 8, 128
 SPEC = RouteSpec(num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
 CAPTURE = ("baseline", "trace_handover", "trace_unchecked", "trace_copy", "store")
 TABLES = ("table_traces", "table_store", "table_copy")
-CASES = ("copy_warm", "copy_fresh", *CAPTURE, *TABLES, "recv_full")
+WIRE = ("wire", "wire_guarded", "wire_skyrl")
+CASES = ("copy_warm", "copy_fresh", *CAPTURE, *TABLES, "recv_full", *WIRE)
 
 
 # ---------------------------------------------------------------- workloads
@@ -191,10 +209,62 @@ def _table(columns: dict[str, Any], routes: Any) -> pa.Table:
     return rollout_table(**columns, routes=routes, spec=SPEC)
 
 
+def _wire_r3arrow(
+    convs: list[Conversation], parts: list[list[np.ndarray]], *, guard: bool
+) -> Callable[[], list[pa.Array[Any]]]:
+    """The client's handling of each turn's routes (module docstring, ``wire``)."""
+    bodies = [[memoryview(encode_vllm(c).encode()) for c in cs] for cs in parts]
+    masks = [np.zeros(c.num_tokens, dtype=np.uint8) for c in convs]
+
+    def decode(raw: object) -> tuple[np.ndarray, int]:
+        return decode_routes(raw, SPEC, check_ids=False)  # ids: in record, as the client
+
+    def run() -> list[pa.Array[Any]]:
+        out = []
+        for conv, payloads, mask in zip(convs, bodies, masks, strict=True):
+            trace = RouteTrace(SPEC)
+            for (p, g, _, _), payload in zip(conv.turns, payloads, strict=True):
+                routes, _ = response_routes(LIFTED, payload, "choices[0]", decode)
+                assert routes is not None
+                if guard:
+                    check_route_quality(routes, SPEC, what="routed_experts")
+                trace.record(routes, prompt_tokens=p, generated_tokens=g)
+            out.append(trace.finalize(num_tokens=conv.num_tokens, loss_mask=mask))
+        return out
+
+    return run
+
+
+def _wire_skyrl(
+    sk: Any, convs: list[Conversation], parts: list[list[np.ndarray]]
+) -> Callable[[], list[np.ndarray]]:
+    """SkyRL #1912's client-side decode and accumulation (module docstring, ``wire_skyrl``);
+    returns the captured rows of each trajectory (its final padding row dropped)."""
+    payloads = [[sk.generate_wire.pack_routed_experts(c) for c in cs] for cs in parts]
+    masks = [[0] * c.num_tokens for c in convs]
+    decode = sk.generate_wire.decode_packed_routed_experts
+    trace_type = sk.routed_experts.RoutedExpertTrace
+
+    def run() -> list[np.ndarray]:
+        out = []
+        for conv, packed, mask in zip(convs, payloads, masks, strict=True):
+            trace = trace_type()
+            for (p, g, _, _), payload in zip(conv.turns, packed, strict=True):
+                trace.record_generation(
+                    prompt_token_count=p, generated_token_count=g, routed_experts=decode(payload)
+                )
+            rows = trace.finalize(token_count=conv.num_tokens, loss_mask=mask)
+            out.append(rows[: conv.routes.shape[0]])
+        return out
+
+    return run
+
+
 def make_case(
-    name: str, convs: list[Conversation]
-) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]]:
-    """(fn to time, check of its result against the final routes, reset between runs)."""
+    name: str, convs: list[Conversation], skyrl_checkout: str | None = None
+) -> tuple[Callable[[], Any], Callable[[Any], None], Callable[[], None]] | str:
+    """(fn to time, check of its result against the final routes, reset between runs), or
+    the reason the case cannot run (``wire_skyrl`` without SkyRL)."""
     finals = [c.routes for c in convs]
     columns = _columns(convs)
 
@@ -277,13 +347,24 @@ def make_case(
             return out
 
         return run_recv_full, check_arrays, nothing
+    if name in ("wire", "wire_guarded"):
+        return _wire_r3arrow(convs, parts, guard=name == "wire_guarded"), check_arrays, nothing
+    if name == "wire_skyrl":
+        sk, note = _skyrl_real.load(*_skyrl_real.checkout_dir(skyrl_checkout), _skyrl_real.WIRE)
+        if sk is None:
+            return note
+        return _wire_skyrl(sk, convs, parts), check_arrays, nothing
     raise ValueError(f"unknown case {name!r}")
 
 
-def run_case(name: str, wl: str, quick: bool) -> dict[str, Any]:
-    """Run one case in this process: allocation peak of the first call, then best-of timing."""
+def run_case(name: str, wl: str, quick: bool, skyrl_checkout: str | None) -> dict[str, Any]:
+    """Run one case in this process: allocation peak of the first call, then best-of timing;
+    ``{"na": reason}`` for a case that cannot run here."""
     convs = workload(wl, quick)
-    fn, check, _ = make_case(name, convs)
+    case = make_case(name, convs, skyrl_checkout)
+    if isinstance(case, str):
+        return {"na": case}
+    fn, check, _ = case
     fn()  # warm: compiled kernels, first-call caches (not what capture allocates per trajectory)
     gc.collect()
     pool = pa.default_memory_pool()
@@ -310,14 +391,22 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--case", choices=CASES, help="run one case here and print its JSON (internal)")
     p.add_argument("--workload", choices=("conv", "batch"), default="conv")
+    p.add_argument(
+        "--skyrl-checkout",
+        default=None,
+        help="a directory holding SkyRL PR #1912's skyrl package (wire_skyrl; default: "
+        "extracted from the mirror, see _skyrl_real.py)",
+    )
     args = p.parse_args()
     if args.case:
-        print(json.dumps(run_case(args.case, args.workload, args.quick)))
+        print(json.dumps(run_case(args.case, args.workload, args.quick, args.skyrl_checkout)))
         return
 
     print(f"# bench_capture {'(quick)' if args.quick else ''}\n\n{machine_line()}")
     print(f"memcpy (warm, 64 MiB): {memcpy_gbps(64 << 20):.1f} GB/s\n")
     flags = ["--quick"] if args.quick else []
+    if args.skyrl_checkout:
+        flags += ["--skyrl-checkout", args.skyrl_checkout]
     targets = []
     for wl in ("conv", "batch"):
         convs = workload(wl, args.quick)
@@ -328,16 +417,19 @@ def main() -> None:
         ntraj = len(convs)
         del convs
         if args.quick:  # in-process: seconds, not one interpreter start per case
-            res = {c: run_case(c, wl, True) for c in CASES}
+            res = {c: run_case(c, wl, True, args.skyrl_checkout) for c in CASES}
         else:
             res = {
                 c: run_isolated(__file__, ["--case", c, "--workload", wl, *flags]) for c in CASES
             }
         warm = res["copy_warm"]["seconds"]
         base = res["baseline"]["seconds"]
-        rows = []
+        rows: list[list[Any]] = []
         for c in CASES:
             r = res[c]
+            if "na" in r:
+                rows.append([f"{c}: n/a ({r['na']})", *["n/a"] * 7])
+                continue
             rows.append(
                 [
                     c,
@@ -372,6 +464,7 @@ def main() -> None:
         )
         print()
         cap = res["trace_handover"]
+        sky = res["wire_skyrl"]
         targets.append(
             [
                 wl,
@@ -380,6 +473,7 @@ def main() -> None:
                 _verdict(cap["alloc_peak_bytes"] / final, 1.1),
                 _verdict(res["table_traces"]["seconds"] / warm, 0.2),
                 _verdict(res["table_store"]["seconds"] / warm, 0.2),
+                "n/a" if "na" in sky else _verdict(res["wire"]["seconds"] / sky["seconds"], 1.0),
             ]
         )
     print("## targets\n")
@@ -393,6 +487,7 @@ def main() -> None:
                 "capture peak / trace bytes (<=1.1)",
                 "table_traces / memcpy (<=0.2)",
                 "table_store / memcpy (<=0.2)",
+                "wire / wire_skyrl (<=1.0)",
             ],
         )
     )

@@ -244,7 +244,8 @@ def decode_routes(
             f"found {type(value).__name__}"
         )
     if spec is not None:
-        arr = as_route_rows(arr, spec, what="routed_experts")  # shape only; a view
+        if arr.dtype.kind not in "iu" or arr.ndim != 3 or arr.shape[1:] != spec.row_shape:
+            arr = as_route_rows(arr, spec, what="routed_experts")  # shape only; raises here
         if check_ids:
             check_routes(arr, spec, what="routed_experts")
     return arr, nbytes

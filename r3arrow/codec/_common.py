@@ -49,13 +49,18 @@ def payload_boundary(what: str) -> Iterator[None]:
         yield
     except R3ArrowError:
         raise
-    except MemoryError as exc:
-        raise PayloadTooLargeError(f"{what}: decoding ran out of memory: {exc}") from exc
     except Exception as exc:
-        raise PayloadError(
-            f"{what}: expected a well-formed payload, found one that fails to decode "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
+        raise _boundary_error(what, exc) from exc
+
+
+def _boundary_error(what: str, exc: Exception) -> PayloadError:
+    """What `payload_boundary` raises for ``exc``, an exception no check foresaw."""
+    if isinstance(exc, MemoryError):
+        return PayloadTooLargeError(f"{what}: decoding ran out of memory: {exc}")
+    return PayloadError(
+        f"{what}: expected a well-formed payload, found one that fails to decode "
+        f"({type(exc).__name__}: {exc})"
+    )
 
 
 def guarded_decode(
@@ -67,10 +72,16 @@ def guarded_decode(
 ) -> np.ndarray:
     """``decode(payload, spec, max_bytes, what)`` inside `payload_boundary`, after the
     argument checks (`check_max_bytes`, `check_spec_arg`), which raise builtins."""
-    max_bytes = check_max_bytes(max_bytes)
-    check_spec_arg(spec, what)
-    with payload_boundary(what):
+    if type(max_bytes) is not int or max_bytes < 0:  # the common case skips the call
+        max_bytes = check_max_bytes(max_bytes)
+    if spec is not None:
+        check_spec_arg(spec, what)
+    try:  # `payload_boundary`, inline: a context manager costs more than a small decode
         return decode(payload, spec, max_bytes, what)
+    except R3ArrowError:
+        raise
+    except Exception as exc:
+        raise _boundary_error(what, exc) from exc
 
 
 def check_max_bytes(max_bytes: Any) -> int:

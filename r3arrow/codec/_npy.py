@@ -19,10 +19,12 @@ from r3arrow.codec._base64 import (
     as_b64_input,
     b64_decoded_len,
     b64_prefix,
+    b64decode,
     b64encode,
 )
 from r3arrow.codec._common import (
     DEFAULT_MAX_BYTES,
+    MAX_ROW_IDS,
     WIRE_DTYPES,
     check_rows_for_encode,
     check_shape,
@@ -35,15 +37,63 @@ from r3arrow.errors import PayloadError, PayloadTooLargeError, RouteDTypeError
 from r3arrow.spec import RouteSpec
 
 _NPY_MAGIC: Final[bytes] = b"\x93NUMPY"
+_NPY_V1: Final[bytes] = _NPY_MAGIC + b"\x01\x00"
 _NPY_MAX_HEADER: Final[int] = 10_000  # numpy's own default bound (np.load max_header_size)
 # A plain dtype code only: numpy's parser of comma and sub-array forms raises SyntaxError.
 _PLAIN_DESCR: Final[re.Pattern[str]] = re.compile(r"[<>=|]?[A-Za-z][A-Za-z0-9]{0,15}")
+# The header ``np.save`` writes for a C-order 3-D array, byte for byte (keys sorted, one space
+# after each ``:`` and ``,``, a trailing ``, `` before ``}``, space padding, ``\n``); ints
+# without leading zeros, so the match means what `ast.literal_eval` of the text would.
+_NPY_HEADER: Final[re.Pattern[bytes]] = re.compile(
+    rb"\{'descr': '([<>=|]?[A-Za-z][A-Za-z0-9]{0,15})', 'fortran_order': False, "
+    rb"'shape': \((0|[1-9][0-9]{0,17}), (0|[1-9][0-9]{0,17}), (0|[1-9][0-9]{0,17})\), \} *\n"
+)
+#: Base64 characters decoded for the header on the fast path: 129 bytes, more than the 128 of
+#: the header ``np.save`` writes for a 3-D array (a longer one takes the general parser).
+_HEAD_CHARS: Final[int] = 172
+#: ``descr`` strings already found to name a wire dtype (few: one per engine and dtype).
+_WIRE_DESCR: dict[bytes, np.dtype[Any]] = {}
 
 
 def _parse_npy_header(
     s: str | memoryview, what: str
 ) -> tuple[int, np.dtype[Any], tuple[int, int, int]]:
-    """Read the ``.npy`` header from the head of base64 ``s``: (data offset, dtype, shape)."""
+    """Read the ``.npy`` header from the head of base64 ``s``: (data offset, dtype, shape).
+
+    `_np_save_header` first (one small decode and a match, for the headers ``np.save`` writes);
+    anything else, errors included, takes the general parser `_read_npy_header`.
+    """
+    fast = _np_save_header(s)
+    return _read_npy_header(s, what) if fast is None else fast
+
+
+def _np_save_header(s: str | memoryview) -> tuple[int, np.dtype[Any], tuple[int, int, int]] | None:
+    """`_read_npy_header`'s result for a version 1.0 header as ``np.save`` writes it, of a
+    known wire dtype and a row within `check_row_shape`'s bounds; None for anything else (the
+    general parser then decides, and words any error)."""
+    try:
+        head = b64decode(s[:_HEAD_CHARS], "")
+    except PayloadError:
+        return None
+    if len(head) < 10 or not head.startswith(_NPY_V1):
+        return None
+    offset = 10 + (head[8] | head[9] << 8)  # little-endian uint16 header length
+    m = _NPY_HEADER.fullmatch(head, 10, offset) if offset <= len(head) else None
+    if m is None:
+        return None
+    dt = _WIRE_DESCR.get(m[1])
+    if dt is None:
+        return None
+    rows, layers, topk = int(m[2]), int(m[3]), int(m[4])
+    if layers < 1 or topk < 1 or layers * topk > MAX_ROW_IDS:
+        return None
+    return offset, dt, (rows, layers, topk)
+
+
+def _read_npy_header(
+    s: str | memoryview, what: str
+) -> tuple[int, np.dtype[Any], tuple[int, int, int]]:
+    """The general ``.npy`` header parser (any version 1.0, 2.0 or 3.0 header); raises."""
     head = b64_prefix(s, 12, what)
     if len(head) < 10 or bytes(head[:6]) != _NPY_MAGIC:
         raise PayloadError(
@@ -97,7 +147,10 @@ def _parse_npy_header(
             f"found {descr!r:.100}"
         )
     wire_name(dt, what)
-    return offset, dt, check_shape(header["shape"], what)
+    shape = check_shape(header["shape"], what)
+    if len(_WIRE_DESCR) < 64:  # a valid wire dtype: the fast path may take it from now on
+        _WIRE_DESCR[descr.encode("latin1")] = dt
+    return offset, dt, shape
 
 
 def decode_vllm(
