@@ -6,8 +6,8 @@ layer, drawn uniformly (about 47 of 64 bits of entropy: uniform routing is the h
 compression; real routing is skewed and compresses better).
 
 Cases: ``write_rollouts``/``read_rollouts`` (uncompressed, zstd; reads validate the rows and
-verify page checksums, ``validate=False`` is the "read alone" case of the validation target:
-footer and page checksums only); the naive baseline
+check the row-group digests, ``validate=False`` is the "read alone" case of the validation
+target: footer and digests only, docs/storage.md "Integrity"); the naive baseline
 ``pq.write_table`` of the same table with its nested ``fixed_size_list`` routes as-is and
 ``pq.read_table`` back (uncompressed, zstd, and pyarrow's defaults: snappy + dictionary);
 Arrow IPC ``write_ipc``/``read_rollouts`` (memory-mapped; "+ touch" also reads every route byte);

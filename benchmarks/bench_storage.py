@@ -9,8 +9,9 @@ best of ``--repeat``, with the numba kernels warmed up first:
 * ``memcpy``: numpy copy of the route bytes into a fresh array (page faults included,
   like a restore's output) and into a warm one (the machine's reference);
 * ``raw``: pyarrow alone reading the routes column(s) (``ParquetFile.read_row_group``
-  over every row group), without and with page-checksum verification (r3arrow always
-  verifies them); the baselines of the ``× raw`` ratios;
+  over every row group), without and with page-checksum verification (r3arrow checks
+  its files' row-group digests instead, docs/storage.md "Integrity"); the baselines of
+  the ``× raw`` ratios (raw: the same columns, not verified);
 * ``read_rollouts(validate=False)`` full and for a stage (layers 12-23), per layout;
 * ``iter_rollouts(rollout_files(path), columns=["routes"], validate=False)``, the statistics
   reader:

@@ -68,10 +68,15 @@ def plan_contiguous(
     num_microbatches: int | None = None,
     multiple: int = 1,
     packed: bool = True,
+    group_starts: Sequence[int] | None = None,
 ) -> list[list[np.ndarray]]:
     """A DP plan like `plan_dp_microbatches` whose ranks hold contiguous rows: rank ``r``
     gets the rows whose cost midpoint (cumulated in row order) falls in the ``r``-th
-    ``1/dp_size`` of the total cost. Raises as `plan_dp_microbatches`."""
+    ``1/dp_size`` of the total cost. ``group_starts``: the first rows of the row groups
+    (from the footers); a boundary between ranks moves to the start of a row group where
+    that keeps every rank within one trajectory's cost of an even share, so no row group
+    is read by two ranks there. Raises as `plan_dp_microbatches`, ``TypeError`` /
+    ``ValueError`` for ``group_starts`` not ints in ``[0, len(lengths)]``."""
     dp_size = check_positive_int(dp_size, "dp_size")
     multiple = check_positive_int(multiple, "multiple")
     max_tokens = check_optional_int(max_tokens, "max_tokens", minimum=1)
@@ -91,6 +96,11 @@ def plan_contiguous(
         return plan_dp_microbatches(n, dp_size=dp_size, num_microbatches=bins, **options)
     cum = np.cumsum(cost)
     owner = np.minimum(((cum - cost / 2) * dp_size // int(cum[-1])).astype(np.int64), dp_size - 1)
+    if group_starts is not None:
+        starts = [
+            check_int(g, "group_starts", minimum=0, maximum=int(n.size)) for g in group_starts
+        ]
+        owner = _snap(owner, cost, dp_size, np.unique(np.asarray(starts, dtype=np.int64)))
     plan: list[list[np.ndarray]] = []
     for rank in range(dp_size):  # per DP rank: not a hot loop
         rows = np.flatnonzero(owner == rank)
@@ -102,6 +112,28 @@ def plan_contiguous(
     total = max(max(len(p) for p in plan), bins or 1)
     empty = np.zeros(0, dtype=np.int64)
     return [p + [empty] * (total - len(p)) for p in plan]
+
+
+def _snap(owner: np.ndarray, cost: np.ndarray, dp_size: int, starts: np.ndarray) -> np.ndarray:
+    """``owner`` (each row's rank, non-decreasing) with each rank boundary moved to the
+    row-group start whose preceding cost is nearest the boundary's even share, if within
+    half the largest cost (the midpoint rule's own bound: every rank stays within one
+    trajectory's cost of ``total / dp_size``); unchanged if that would reorder the ranks."""
+    edges = np.searchsorted(owner, np.arange(1, dp_size)).astype(np.int64)
+    before = np.concatenate([np.zeros(1, np.int64), np.cumsum(cost)])  # cost before row i
+    total = float(before[-1])
+    half = float(cost.max()) / 2
+    inner = starts[(starts > 0) & (starts < owner.size)]
+    if inner.size:
+        for r in range(1, dp_size):  # per DP rank boundary: not a hot loop
+            ideal = r * total / dp_size
+            gap = np.abs(before[inner] - ideal)
+            k = int(np.argmin(gap))
+            if gap[k] <= half:
+                edges[r - 1] = inner[k]
+    if np.any(np.diff(edges) < 0):
+        return owner
+    return np.searchsorted(edges, np.arange(owner.size), side="right").astype(np.int64)
 
 
 def plan_steps(
@@ -130,7 +162,6 @@ def plan_steps(
     """
     dp = check_positive_int(dp_size, "dp_size")
     assign = check_choice(dp_assign, "dp_assign", DP_ASSIGNMENTS)
-    planner = plan_contiguous if assign == "contiguous" else plan_dp_microbatches
     options: dict[str, Any] = {
         "max_tokens": check_optional_int(max_tokens, "max_tokens", minimum=1),
         "num_microbatches": check_optional_int(num_microbatches, "num_microbatches", minimum=1),
@@ -166,7 +197,11 @@ def plan_steps(
                 raise SchemaError(
                     f"step {step}: expected trajectories to plan, found none in {where}"
                 )
-            plan = planner(n, dp_size=dp, **options)
+            if assign == "contiguous":  # rank boundaries at row-group starts where balanced
+                starts = [g.start for g in groups]
+                plan = plan_contiguous(n, dp_size=dp, group_starts=starts, **options)
+            else:
+                plan = plan_dp_microbatches(n, dp_size=dp, **options)
             yield StepPlan(step, tuple(groups), n, tuple(tuple(rank) for rank in plan))
 
     return spec, plans()

@@ -44,8 +44,10 @@ from r3arrow.io._stream import (
     shape,
 )
 from r3arrow.io._verify import (
+    DIGEST_KEY,
     check_storage,
     check_table,
+    digest_record,
     footer_spec,
     reading,
     sealed,
@@ -78,6 +80,11 @@ def _check_attempts(table: pa.Table, root: PathLike, step: int) -> None:
             ) from exc
         parts.append((f, keys))
     check_new_keys(table, parts)
+
+
+#: Rows per row group at most (pyarrow before 15 caps a row group there by default): each
+#: bound the writer digests is then exactly one row group.
+_MAX_ROWS = 1 << 20
 
 
 def write_rollouts(
@@ -120,10 +127,14 @@ def write_rollouts(
     if step is not None:
         _check_attempts(table, path, step)
     storage = to_storage(table, portable=portable, layer_group=layer_group)
-    bounds = (
-        [(0, table.num_rows)] if row_group_rows is not None else row_group_bounds(table, target)
-    )
-    storage = storage.replace_schema_metadata(sealed(dict(storage.schema.metadata or {})))
+    if row_group_rows is not None:
+        size = check_int(row_group_rows, "row_group_rows", minimum=1)
+        bounds = [(a, min(a + size, table.num_rows)) for a in range(0, table.num_rows, size)]
+    else:
+        bounds = row_group_bounds(table, target)
+    bounds = [(c, min(c + _MAX_ROWS, b)) for a, b in bounds for c in range(a, b, _MAX_ROWS)]
+    meta = {**(storage.schema.metadata or {}), DIGEST_KEY: digest_record(storage, bounds)}
+    storage = storage.replace_schema_metadata(sealed(meta))
     no_dict = [n for n in storage.schema.names if n != "routes"]
     with (
         atomic_path(dest, new_part=step is not None) as paths,
@@ -141,8 +152,8 @@ def write_rollouts(
     ):
         if not bounds:  # no rows: an empty file with the schema
             writer.write_table(storage)
-        for a, b in bounds:
-            writer.write_table(storage.slice(a, b - a), row_group_size=row_group_rows or b - a)
+        for a, b in bounds:  # one row group each, as `digest_record` digested them
+            writer.write_table(storage.slice(a, b - a), row_group_size=b - a)
     return paths[-1]
 
 

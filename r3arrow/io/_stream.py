@@ -20,10 +20,12 @@ from r3arrow._validated import mark_validated
 from r3arrow.errors import SchemaError
 from r3arrow.io._storage import read_leaves, restore
 from r3arrow.io._verify import (
+    check_digests,
     check_rows,
     check_storage,
     check_table,
     reading,
+    row_digests,
     table_spec,
     unsealed,
 )
@@ -69,13 +71,18 @@ def open_file(path: Path, identity: Identity | None = None) -> Iterator[tuple[An
 
 
 def open_parquet(
-    source: Any, metadata: pq.FileMetaData | None = None, *, streaming: bool = False
+    source: Any,
+    metadata: pq.FileMetaData | None = None,
+    *,
+    streaming: bool = False,
+    verify: bool = True,
 ) -> pq.ParquetFile:
-    """A ParquetFile of an open file verifying page checksums; ``metadata``: the footer,
-    already read and checked from it; ``streaming``: pages read as batches need them."""
+    """A ParquetFile of an open file, verifying page checksums unless ``verify=False`` (the
+    caller checks the decoded columns' digests instead); ``metadata``: the footer, already
+    read and checked from it; ``streaming``: pages read as batches need them."""
     return pq.ParquetFile(
         source,
-        page_checksum_verification=True,
+        page_checksum_verification=verify,
         buffer_size=_BUFFER if streaming else 0,
         pre_buffer=not streaming,
         metadata=metadata,
@@ -105,6 +112,15 @@ def row_group_bounds(table: pa.Table, target: int) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in pairwise(edges)]
 
 
+def advise_random(fh: Any) -> None:
+    """Tell the kernel an open file is read at random (no read-ahead past what is asked):
+    a projected read skips the column chunks between those it reads. A no-op where the
+    platform lacks ``posix_fadvise`` (macOS, Windows)."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):  # advice only: a file system may not take it
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+
+
 def _file_units(
     file: FileRef,
     columns: Sequence[str] | None,
@@ -114,42 +130,87 @@ def _file_units(
     row_groups: Sequence[int] | None,
 ) -> Iterator[tuple[pa.Table, int]]:
     """(storage-form table, footer bytes) of a file's row groups, split to fit ``target``
-    (streamed page by page), each held to the checked footer's row count."""
+    (streamed page by page), each held to the checked footer's row count. A row group read
+    whole is checked against the file's digests (`row_digests`); page checksums are
+    verified instead where a read column has none (older files, columns with nulls) and
+    for row groups streamed page by page (their batches are used before the group ends)."""
     _, path, footer, identity = file
     with (
         reading(path),
         open_file(path, identity) as (fh, _),
-        open_parquet(fh, footer) as pf,
         open_parquet(fh, footer, streaming=True) as streamed,
     ):
-        schema = pf.schema_arrow
+        schema = streamed.schema_arrow
         leaves = read_leaves(schema, columns, layers)
-        md = pf.metadata
-        for g in range(md.num_row_groups) if row_groups is None else row_groups:
-            rg = md.row_group(g)
-            rows = rg.num_rows
-            # Decoded size over all columns (an upper bound for a projection). Column-chunk
-            # metadata is not consulted: Arrow aborts the process on some corrupt ones.
-            nbytes = rg.total_byte_size
-            fits = target is None or nbytes <= target
-            if leaves is not None and not leaves:  # only ``step``: the rows, no file column
-                # Arrow drops the row count of a table without columns: a placeholder keeps it.
-                rows_only = pa.table({ROWS_COLUMN: pa.nulls(rows)})
-                yield rows_only.replace_schema_metadata(cast("Any", schema.metadata)), 0
+        md = streamed.metadata
+        record = row_digests(schema, md.num_row_groups)
+        read = schema.names if columns is None else [c for c in columns if c in schema.names]
+        digested = record is not None and set(read) <= record[0]
+        if leaves is not None:
+            advise_random(fh)
+        with open_parquet(fh, footer, verify=not digested) as pf:
+            yield from _group_units(
+                pf, streamed, leaves, read, target, batch_rows, row_groups, record
+            )
+
+
+def _group_units(
+    pf: pq.ParquetFile,
+    streamed: pq.ParquetFile,
+    leaves: list[str] | None,
+    read: list[str],
+    target: int | None,
+    batch_rows: int | None,
+    row_groups: Sequence[int] | None,
+    record: tuple[frozenset[str], list[dict[str, str]]] | None,
+) -> Iterator[tuple[pa.Table, int]]:
+    """`_file_units` of one open file: the ``leaves`` of the columns ``read``."""
+
+    def check_read(table: pa.Table | pa.RecordBatch, g: int) -> None:
+        # pyarrow skips a column path the file lacks: a footer whose names were changed
+        if missing := [c for c in read if c not in table.schema.names]:
+            raise SchemaError(
+                f"row group {g}: expected columns {missing} in the file's column chunks, "
+                f"found {table.schema.names} (corrupt footer)"
+            )
+
+    schema = pf.schema_arrow
+    md = pf.metadata
+    for g in range(md.num_row_groups) if row_groups is None else row_groups:
+        rg = md.row_group(g)
+        rows = rg.num_rows
+        # Decoded size over all columns (an upper bound for a projection). Column-chunk
+        # metadata is not consulted: Arrow aborts the process on some corrupt ones.
+        nbytes = rg.total_byte_size
+        fits = target is None or nbytes <= target
+        if leaves is not None and not leaves:  # only ``step``: the rows, no file column
+            # Arrow drops the row count of a table without columns: a placeholder keeps it.
+            rows_only = pa.table({ROWS_COLUMN: pa.nulls(rows)})
+            yield rows_only.replace_schema_metadata(cast("Any", schema.metadata)), 0
+            continue
+        if fits and (record is not None or batch_rows is None or rows <= batch_rows):
+            part = pf.read_row_group(g, columns=leaves)
+            check_rows(part.num_rows, rows, f"row group {g}")
+            check_read(part, g)
+            if record is not None:  # verified whole, before any of its rows is used
+                check_digests(part, record[0], record[1][g], f"row group {g}")
+            part = part.replace_schema_metadata(schema.metadata)
+            if batch_rows is None or rows <= batch_rows:
+                yield part, nbytes
                 continue
-            if fits and (batch_rows is None or rows <= batch_rows):
-                part = pf.read_row_group(g, columns=leaves)
-                check_rows(part.num_rows, rows, f"row group {g}")
-                yield part.replace_schema_metadata(schema.metadata), nbytes
-                continue
-            size = rows if fits or target is None else max(1, rows * target // max(nbytes, 1))
-            size = min(size, batch_rows) if batch_rows is not None else size
-            seen = 0
-            for batch in streamed.iter_batches(batch_size=size, row_groups=[g], columns=leaves):
-                seen += batch.num_rows
-                part = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
-                yield part, nbytes * batch.num_rows // max(rows, 1)
-            check_rows(seen, rows, f"row group {g}")
+            for a in range(0, rows, batch_rows):  # zero-copy slices of the checked group
+                size = min(batch_rows, rows - a)
+                yield part.slice(a, size), nbytes * size // rows
+            continue
+        size = rows if fits or target is None else max(1, rows * target // max(nbytes, 1))
+        size = min(size, batch_rows) if batch_rows is not None else size
+        seen = 0
+        for batch in streamed.iter_batches(batch_size=size, row_groups=[g], columns=leaves):
+            seen += batch.num_rows
+            check_read(batch, g)
+            part = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
+            yield part, nbytes * batch.num_rows // max(rows, 1)
+        check_rows(seen, rows, f"row group {g}")
 
 
 def restore_unit(

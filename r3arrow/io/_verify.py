@@ -1,8 +1,10 @@
 """Trust boundary of the rollout readers (``docs/design.md``, "Persistence").
 
-Footer (`footer_spec`, `file_spec`), storage before restoring (`check_storage`: a null
-token in binary storage would come back as zeros) and restored rows (`check_table`); what
-Arrow or the OS raise becomes a `SchemaError` naming the file (`reading`).
+Footer (`footer_spec`, `file_spec`), the decoded column buffers of each row group against
+the digests the writer stored (`column_digests`, `row_digests`, `check_digests`;
+``docs/storage.md``, "Integrity"), storage before restoring (`check_storage`: a null token
+in binary storage would come back as zeros) and restored rows (`check_table`); what Arrow or
+the OS raise becomes a `SchemaError` naming the file (`reading`).
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 from r3arrow._schema import (
     ROLLOUT_COLUMNS,
@@ -37,6 +41,11 @@ KNOWN_VERSIONS: tuple[str, ...] = (SCHEMA_VERSION,)
 #: Schema metadata key of the hex SHA-256 over every other ``r3arrow.*`` metadata value.
 META_SHA_KEY = b"r3arrow.meta_sha256"
 _PREFIX = b"r3arrow."
+#: Schema metadata key of the XXH3-128 digests of each row group's decoded column buffers
+#: and its fields (JSON ``{"algorithm", "fields", "columns", "row_groups": [{stream: hex}]}``,
+#: sealed with the rest of the ``r3arrow.*`` metadata).
+DIGEST_KEY = b"r3arrow.row_group_xxh3"
+_ALGORITHM = "xxh3_128"
 
 #: What Arrow, the OS and metadata decoding raise for a file that is not what it claims.
 READ_ERRORS: tuple[type[BaseException], ...] = (
@@ -93,11 +102,226 @@ def sealed(meta: dict[bytes, bytes]) -> dict[bytes, bytes]:
 
 
 def unsealed(table: pa.Table) -> pa.Table:
-    """``table`` without the ``r3arrow.meta_sha256`` key (a property of the file, not the rows)."""
+    """``table`` without the ``r3arrow.meta_sha256`` and `DIGEST_KEY` keys (properties of the
+    file, not of the rows)."""
     meta = table.schema.metadata
-    if not meta or META_SHA_KEY not in meta:
+    if not meta or not (META_SHA_KEY in meta or DIGEST_KEY in meta):
         return table
-    return table.replace_schema_metadata({k: v for k, v in meta.items() if k != META_SHA_KEY})
+    keep = {k: v for k, v in meta.items() if k not in (META_SHA_KEY, DIGEST_KEY)}
+    return table.replace_schema_metadata(keep)
+
+
+def _fixed_width(typ: pa.DataType) -> int:
+    """Bytes per value of a fixed-width, byte-aligned type; 0 for any other (booleans too)."""
+    if (
+        pa.types.is_boolean(typ)
+        or pa.types.is_dictionary(typ)
+        or pa.types.is_null(typ)
+        or isinstance(typ, pa.ExtensionType)
+    ):
+        return 0
+    try:
+        bits = typ.bit_width
+    except (ValueError, TypeError, NotImplementedError):  # variable width
+        return 0
+    return bits // 8 if bits % 8 == 0 else 0
+
+
+def digestible(typ: pa.DataType) -> bool:
+    """Whether `column_digests` covers a column of ``typ``: fixed-width (not boolean),
+    binary/string, lists, fixed-size lists and structs of these."""
+    if pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ):
+        return digestible(typ.value_type)
+    if pa.types.is_struct(typ):
+        return typ.num_fields > 0 and all(digestible(f.type) for f in typ)
+    if (
+        pa.types.is_binary(typ)
+        or pa.types.is_string(typ)
+        or pa.types.is_large_binary(typ)
+        or pa.types.is_large_string(typ)
+    ):
+        return True
+    return _fixed_width(typ) > 0
+
+
+def _span(buf: pa.Buffer | None, start: int, stop: int) -> memoryview:
+    return memoryview(b"") if buf is None or stop <= start else memoryview(buf)[start:stop]
+
+
+def _feed(arr: pa.Array[Any], path: str, sink: dict[str, Any]) -> None:
+    """Update the stream hashers of ``arr`` (no nulls; a `digestible` type): each list level's
+    lengths (``path#len``) and each leaf's value bytes (``path``), slices honoured."""
+
+    def update(name: str, data: Any) -> None:
+        if (h := sink.get(name)) is None:
+            h = sink[name] = xxhash.xxh3_128()
+        h.update(data)
+
+    if arr.null_count:
+        update(path + "#null", np.int64(arr.null_count).tobytes())  # never written: a mismatch
+        return
+    typ = arr.type
+    n, off = len(arr), arr.offset
+    if (big := pa.types.is_large_list(typ)) or pa.types.is_list(typ):
+        width = 8 if big else 4
+        offs = (
+            np.frombuffer(
+                cast("Any", arr.buffers()[1]),
+                dtype=np.int64 if big else np.int32,
+                count=n + 1,
+                offset=off * width,
+            )
+            if n
+            else np.zeros(1, dtype=np.int64)
+        )
+        update(path + "#len", np.diff(offs).tobytes())
+        _feed(cast("pa.LargeListArray[Any]", arr).flatten(), path + "[]", sink)
+    elif pa.types.is_fixed_size_list(typ):
+        _feed(cast("pa.FixedSizeListArray[Any]", arr).flatten(), path + "[]", sink)
+    elif pa.types.is_struct(typ):
+        for field, child in zip(typ, cast("pa.StructArray", arr).flatten(), strict=True):
+            _feed(child, f"{path}.{field.name}", sink)
+    elif (big := pa.types.is_large_binary(typ) or pa.types.is_large_string(typ)) or (
+        pa.types.is_binary(typ) or pa.types.is_string(typ)
+    ):
+        width = 8 if big else 4
+        bufs = arr.buffers()
+        offs = (
+            np.frombuffer(
+                cast("Any", bufs[1]),
+                dtype=np.int64 if big else np.int32,
+                count=n + 1,
+                offset=off * width,
+            )
+            if n
+            else np.zeros(1, dtype=np.int64)
+        )
+        update(path + "#len", np.diff(offs).tobytes())
+        update(path, _span(bufs[2], int(offs[0]), int(offs[-1])))
+    else:
+        width = _fixed_width(typ)
+        update(path, _span(arr.buffers()[1], off * width, (off + n) * width))
+
+
+def column_digests(table: pa.Table, columns: Sequence[str] | None = None) -> dict[str, str]:
+    """``{stream: hex XXH3-128}`` of ``table``'s ``columns`` (default: all; `digestible`,
+    else ``TypeError``), chunk by chunk: one pass over the buffers, at memory speed. A
+    stream is a column's list lengths at one level or its values at one leaf (a layer-group
+    routes column: one per group), so a projected read verifies what it decoded."""
+    sink: dict[str, Any] = {}
+    for name in table.schema.names if columns is None else columns:
+        col = table.column(name)
+        if not digestible(col.type):
+            raise TypeError(f"column {name!r}: no digest for type {col.type}")
+        for chunk in col.chunks:
+            _feed(chunk, name, sink)
+    return {k: h.hexdigest() for k, h in sink.items()}
+
+
+def _shape(fields: Any, prefix: str = "") -> list[str]:
+    """Each field of ``fields`` as ``path:type[:null]``, nested types by hand (their
+    children follow), leaf types as Arrow prints them: what a footer flip could rename."""
+    out: list[str] = []
+    for f in fields:
+        path, typ = prefix + f.name, f.type
+        null = ":null" if f.nullable else ""
+        if pa.types.is_large_list(typ) or pa.types.is_list(typ):
+            kind = "large_list" if pa.types.is_large_list(typ) else "list"
+            out += [f"{path}:{kind}{null}", *_shape([typ.value_field], path + ".")]
+        elif pa.types.is_fixed_size_list(typ):
+            out += [f"{path}:fixed_size_list[{typ.list_size}]{null}"]
+            out += _shape([typ.value_field], path + ".")
+        elif pa.types.is_struct(typ):
+            out += [f"{path}:struct{null}", *_shape(list(typ), path + ".")]
+        else:
+            out.append(f"{path}:{typ}{null}")
+    return out
+
+
+def row_digests(
+    schema: pa.Schema, num_row_groups: int
+) -> tuple[frozenset[str], list[dict[str, str]]] | None:
+    """(the columns digested, each row group's ``{stream: hex}``) of a checked file schema,
+    ``None`` for a file without `DIGEST_KEY` (written before it: page checksums only);
+    `SchemaError` for a record that is not one digest map per row group or whose fields
+    (names, nesting, types, nullability) are not ``schema``'s (a flipped footer name)."""
+    raw = (schema.metadata or {}).get(DIGEST_KEY)
+    if raw is None:
+        return None
+    try:
+        info = orjson.loads(raw)
+        algorithm = info["algorithm"]
+        columns = frozenset(str(c) for c in info["columns"])
+        groups = [{str(k): str(v) for k, v in g.items()} for g in info["row_groups"]]
+        shape = [str(f) for f in info["fields"]]
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise SchemaError(
+            f"metadata key {DIGEST_KEY.decode()!r}: expected {{algorithm, fields, columns, "
+            f"row_groups}} JSON, found {raw!r:.120}"
+        ) from exc
+    if algorithm != _ALGORITHM or len(groups) != num_row_groups:
+        raise SchemaError(
+            f"metadata key {DIGEST_KEY.decode()!r}: expected {_ALGORITHM!r} digests of "
+            f"{num_row_groups} row groups, found {algorithm!r:.40} digests of {len(groups)}"
+        )
+    if shape != (found := _shape(schema)):
+        diff = sorted(set(shape) ^ set(found))
+        raise SchemaError(
+            f"expected the fields written (metadata key {DIGEST_KEY.decode()!r}), found "
+            f"others: {diff[:4]!r:.200} (corrupt footer)"
+        )
+    return columns, groups
+
+
+def digest_record(storage: pa.Table, bounds: Sequence[tuple[int, int]]) -> bytes:
+    """The `DIGEST_KEY` value of ``storage`` written as row groups ``bounds`` (none: one
+    empty row group): every `digestible` column without nulls, per row group."""
+    columns = [
+        f.name
+        for f in storage.schema
+        if digestible(f.type) and not _has_nulls(storage.column(f.name))
+    ]
+    spans = bounds or [(0, 0)]
+    groups = [column_digests(storage.slice(a, b - a), columns) for a, b in spans]
+    record = {
+        "algorithm": _ALGORITHM,
+        "fields": _shape(storage.schema),
+        "columns": columns,
+        "row_groups": groups,
+    }
+    return orjson.dumps(record)
+
+
+def _has_nulls(col: pa.ChunkedArray[Any]) -> bool:
+    """Nulls at any level of ``col`` (lists, fixed-size lists and struct children)."""
+
+    def walk(arr: pa.Array[Any]) -> bool:
+        if arr.null_count:
+            return True
+        typ = arr.type
+        if pa.types.is_struct(typ):
+            return any(walk(c) for c in cast("pa.StructArray", arr).flatten())
+        if pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ):
+            return walk(cast("pa.LargeListArray[Any]", arr).flatten())
+        return False
+
+    return any(walk(c) for c in col.chunks)
+
+
+def check_digests(
+    table: pa.Table, columns: frozenset[str], want: dict[str, str], what: str
+) -> None:
+    """`SchemaError` (no path: the caller's `reading` adds it) unless every stream of the
+    decoded ``table``'s digested ``columns`` (one row group's, or fewer leaves) has the
+    digest written in ``want``."""
+    names = [n for n in table.schema.names if n in columns]
+    for stream, found in column_digests(table, names).items():
+        expected = want.get(stream)
+        if expected != found:
+            raise SchemaError(
+                f"{what}: stream {stream!r}: expected the XXH3-128 written ({expected}), "
+                f"found {found} (corrupt data)"
+            )
 
 
 def table_spec(table: pa.Table) -> RouteSpec | None:

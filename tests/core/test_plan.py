@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from r3arrow._plan import plan_steps, read_ahead, read_share
+from r3arrow._plan import plan_contiguous, plan_steps, read_ahead, read_share
 from r3arrow.io import read_rollouts, write_rollouts
 from r3arrow.microbatch import is_padding_table
 from r3arrow.spec import RouteSpec
@@ -128,3 +130,39 @@ def test_read_ahead_surfaces_errors_in_order() -> None:
     assert next(it) == 0
     with pytest.raises(ValueError, match="bad wave"):
         next(it)
+
+
+def test_contiguous_boundaries_move_to_row_group_starts_within_the_balance_bound() -> None:
+    # costs 4 1 1 | 4 4 (ideal 7 each): the midpoint rule cuts before row 3, inside the row
+    # group of rows 2..4; its start (5 before it, 2 from 7 = half the largest cost) is taken
+    n = np.asarray([4, 1, 1, 4, 4])
+    plain = plan_contiguous(n, dp_size=2, num_microbatches=1)
+    assert [r[0].tolist() for r in plain] == [[0, 1, 2], [3, 4]]
+    snapped = plan_contiguous(n, dp_size=2, num_microbatches=1, group_starts=[0, 2])
+    assert [r[0].tolist() for r in snapped] == [[0, 1], [2, 3, 4]]
+    # a start too far from the even share (1 before it) is not taken
+    far = plan_contiguous(n, dp_size=2, num_microbatches=1, group_starts=[0, 1])
+    assert [r[0].tolist() for r in far] == [[0, 1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="group_starts"):
+        plan_contiguous(n, dp_size=2, num_microbatches=1, group_starts=[6])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40),
+    dp_size=st.integers(1, 5),
+    cuts=st.lists(st.integers(0, 40), max_size=10),
+)
+def test_snapped_contiguous_plan_stays_balanced_and_contiguous(
+    lengths: list[int], dp_size: int, cuts: list[int]
+) -> None:
+    n = np.asarray(lengths, dtype=np.int64)
+    starts = sorted({0, *(c for c in cuts if c <= n.size)})
+    plan = plan_contiguous(n, dp_size=dp_size, num_microbatches=1, group_starts=starts)
+    ranks = [np.sort(np.concatenate([m for m in rank])) for rank in plan]
+    np.testing.assert_array_equal(np.sort(np.concatenate(ranks)), np.arange(n.size))
+    for rank, rows in enumerate(ranks):
+        if rows.size:
+            np.testing.assert_array_equal(rows, np.arange(rows[0], rows[-1] + 1))
+            assert all(r.size == 0 or r[0] > rows[-1] for r in ranks[rank + 1 :])
+        assert abs(int(n[rows].sum()) - n.sum() / dp_size) <= int(n.max())
