@@ -6,13 +6,20 @@ reference on that piece, so messages, error fields and the "first offender" rule
 reference's. Sections:
 
 * **Expert ids** (`first_duplicate_token`, `scan_top8`, `gather_widen`; caller `r3arrow.ids`):
-  rows of ``K * itemsize`` = 2, 4 or 8 bytes are read as uint64 words of ``64 // (K * bits)``
-  rows; for each rotation ``r = 1 .. K // 2`` lanes within every row, ``x = w ^ rot(w, r)``
-  has a zero lane exactly when two ids at distance ``r`` are equal, and
-  ``(x - 0x01..01) & ~x & 0x80..80`` is nonzero exactly when ``x`` has one; the test is
+  for the checks, rows of ``K * itemsize`` = 2, 4 or 8 bytes are read as uint64 words of
+  ``64 // (K * bits)`` rows; for each rotation ``r = 1 .. K // 2`` lanes within every row,
+  ``x = w ^ rot(w, r)`` has a zero lane exactly when two ids at distance ``r`` are equal,
+  and ``(x - 0x01..01) & ~x & 0x80..80`` is nonzero exactly when ``x`` has one; the test is
   OR-accumulated without branches (vectorised), and a failing range is rescanned row by row.
   Other rows compare the ``K // 2`` rotations per row; strided ids are copied in blocks. The
-  specialisations per top-k and lane width are generated (`_word_kernels`, `_elems_kernel`):
+  fused collation gather (`gather_widen`, `_gather_kernel`) handles each (token, layer) row
+  as one LLVM vector of ``K`` lanes (`_widen_row`, a numba intrinsic): one load, a compare
+  against the bound, ``K // 2`` lane rotations compared with it, one widening and one
+  store, the flags OR-accumulated per block and a failing block rescanned. Numba's loop
+  vectoriser cannot do this itself (8-lane rows are too short for it, and it cannot prove
+  the ids and the output apart); target-independent IR vectors are lowered for the host's
+  SIMD (SSE2 up to AVX-512), so no CPU feature is assumed. The specialisations per top-k
+  and lane width are generated (`_word_kernel`, `_elems_kernel`, `_gather_kernel`):
   closures over constants only, which numba folds (about twice the speed of runtime shift
   amounts) and its disk cache keys on, so every later process loads them.
 * **Statistics** (`count_codes`, `agree`; `r3arrow.stats`): one pass over the
@@ -34,10 +41,17 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir as llvm_ir  # type: ignore[import-untyped]
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 _CHUNK = 1024  # rows per chunk of the elementwise duplicate test
 _BLOCK = 1 << 16  # ids per contiguous copy of a strided input: the copy stays in L2
-_GATHER_BLOCK = 256  # positions per block of the fused gather: the block's words stay in L1
+_GATHER_BLOCK = 256  # positions per block of the fused gather's flags
+# Positions ahead whose id rows the fused gather prefetches: a stage's rows are a strided
+# slice of each token's ids, which the hardware prefetchers follow late (measured: uint16
+# top-8 rows 13 -> 8 ns, uint8 top-8 6 -> 4.5 ns per row; 12 to 64 ahead all alike).
+_PREFETCH = 32
 _WORD: dict[int, np.dtype[Any]] = {
     2: np.dtype(np.uint16),
     4: np.dtype(np.uint32),
@@ -110,19 +124,6 @@ def _first_word_row(words: Any, rows: Any, start: int, stop: int, g: Any) -> int
     return -1
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _bad_word(w: Any, mode: int, c: Any, g: Any) -> Any:
-    """Nonzero: the one row of ``w`` repeats an id or has a lane out of range (`_range_bits`
-    ``mode``/``c``)."""
-    bits, kb, _, half, one_ones, one_highs, one_field, _, _, _ = g
-    t = _row_dup(w, bits, kb, half, one_ones, one_highs, one_field)
-    if mode == 1:  # as `_range_bits` (a nested inline call there returned None)
-        t |= (w | ((w & ~one_highs) + c)) & one_highs
-    elif mode == 2:
-        t |= w & ((w & ~one_highs) + c) & one_highs
-    return t
-
-
 def _geometry(k: int, bits: int) -> tuple[Any, ...]:
     """The constants of rows of ``k`` lanes of ``bits``: ``(bits, kb, per, half, one_ones,
     one_highs, one_field, w_ones, w_highs, lows)`` (`_masks` for one row and a whole word)."""
@@ -139,22 +140,12 @@ def _geometry(k: int, bits: int) -> tuple[Any, ...]:
 
 
 @functools.cache
-def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``(first_token, gather)`` for rows of ``k`` lanes of ``bits`` (``k * bits`` = 16, 32 or
-    64), generated with the row geometry and masks as constants.
-
-    ``first_token(words, rows, n_a, n_b, layers_first)``: the smallest token of C-contiguous
-    ``[A, B]`` rows (``rows``: one unsigned word each; ``words``: the same bytes as whole uint64
-    words) whose row repeats an id, -1 for none. ``gather(rows, n_layers, layer_index, pos_row,
-    out, span, dummy, mode, c, check)`` (``rows`` as for ``first_token``): the fused gather of
-    `gather_widen`; each position's local-layer words are tested (range ``mode``/``c`` of
-    `_range_bits`, and duplicates) in registers, still compact, and widened straight into
-    ``out`` ``[n_local, P * C * K]`` (no staging buffer); per block of positions the tests are
-    OR-accumulated, and a failing block returns its first failing position ``p * C + col``
-    before the next block is written, -1 if none fails.
-    """
+def _word_kernel(k: int, bits: int) -> Callable[..., Any]:
+    """``first_token(words, rows, n_a, n_b, layers_first)`` for rows of ``k`` lanes of ``bits``
+    (``k * bits`` = 16, 32 or 64), generated with the row geometry and masks as constants: the
+    smallest token of C-contiguous ``[A, B]`` rows (``rows``: one unsigned word each;
+    ``words``: the same bytes as whole uint64 words) whose row repeats an id, -1 for none."""
     g = _geometry(k, bits)
-    lane = np.uint64((1 << bits) - 1)
 
     @numba.njit(cache=True, nogil=True)
     def first_token(words: Any, rows: Any, n_a: int, n_b: int, layers_first: bool) -> int:
@@ -168,54 +159,13 @@ def _word_kernels(k: int, bits: int) -> tuple[Callable[..., Any], Callable[..., 
                 limit = j - a * n_b
         return limit if limit < n_b else -1
 
-    @numba.njit(cache=True, nogil=True)
-    def gather(
-        rows: Any,
-        n_layers: int,
-        layer_index: Any,
-        pos_row: Any,
-        out: Any,
-        span: Any,
-        dummy: Any,
-        mode: int,
-        c: Any,
-        check: bool,
-    ) -> int:
-        n_c = pos_row.shape[1]
-        p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
-        n_local = layer_index.shape[0]
-        for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
-            p1 = min(p_hi, p0 + _GATHER_BLOCK)
-            acc = np.uint64(0)
-            for p in range(p0, p1):
-                for col in range(c_lo, c_hi):
-                    r = pos_row[p, col]
-                    base = r * n_layers
-                    o = (p * n_c + col) * k
-                    for li in range(n_local):
-                        w = dummy if r < 0 else np.uint64(rows[base + layer_index[li]])
-                        if check:
-                            acc |= _bad_word(w, mode, c, g)
-                        d = out[li]
-                        for q in range(k):
-                            d[o + q] = (w >> np.uint64(bits * q)) & lane
-            if acc != 0:
-                for p in range(p0, p1):
-                    for col in range(c_lo, c_hi):
-                        r = pos_row[p, col]
-                        for li in range(n_local):
-                            w = dummy if r < 0 else np.uint64(rows[r * n_layers + layer_index[li]])
-                            if _bad_word(w, mode, c, g) != 0:
-                                return int(p * n_c + col)
-        return -1
-
-    return first_token, gather
+    return first_token
 
 
 @functools.cache
 def _scan_kernel(k: int, bits: int, mode: int) -> Callable[..., Any]:
     """``scan(words, c) -> (OR of all words, some row fails)`` for one row per uint64 word:
-    range (`_range_bits` ``mode``, one kernel per mode: a branch in the loop would stop
+    range (`range_constant` ``mode``, one kernel per mode: a branch in the loop would stop
     vectorisation) and duplicates in one branch-free pass (`scan_top8`)."""
     ones, highs, _ = (np.uint64(v) for v in _masks(k, bits, 1))
     half = k // 2
@@ -324,7 +274,7 @@ def first_duplicate_token(x: np.ndarray, layers_first: bool) -> int:
     if views is None:
         return int(_elems_kernel(k)(x.reshape(-1), n_a, n_b, layers_first))
     words, rows = views
-    first_token, _ = _word_kernels(k, 8 * x.dtype.itemsize)
+    first_token = _word_kernel(k, 8 * x.dtype.itemsize)
     return int(first_token(words, rows, n_a, n_b, layers_first))
 
 
@@ -356,81 +306,12 @@ def scan_top8(x: np.ndarray, bound: int | None) -> int | None:
 _LANE8: dict[int | None, tuple[Any, Any]] = {}  # bound -> (scan kernel, lane constant)
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _range_bits(w: Any, mode: int, c: Any, highs: Any) -> Any:
-    """Top bits of the lanes of ``w`` out of range (``mode`` 0: no bound; 1: lane ``>= b`` for
-    a bound ``b <= 2**(bits-1)``, negative signed lanes included; 2: lane ``>= b`` for a bound
-    above that), ``c`` the bound's lane constant (`range_constant`)."""
-    if mode == 0:
-        return np.uint64(0)
-    low = (w & ~highs) + c  # lanes of at most bits-1 bits plus c: no carry between lanes
-    if mode == 1:
-        return (w | low) & highs
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _elems_bad(src: Any, r: int, layer: int, k: int, bound: Any, bounded: bool) -> bool:
-    """Whether row ``src[r, layer]`` (``r < 0``: the dummy row ``[0 .. k-1]``) has an id
-    ``>= bound`` (when ``bounded``) or repeats one; branch-free, ``k`` folded by the caller."""
-    bad = False
-    for q in range(k):
-        v = np.uint64(q) if r < 0 else np.uint64(src[r, layer, q])
-        bad |= bounded and v >= bound
-        if r >= 0:
-            for q2 in range(q + 1, k):
-                bad |= v == np.uint64(src[r, layer, q2])
-    return bad
-
-
-@functools.cache
-def _elems_gather(k: int) -> Callable[..., Any]:
-    """`gather_widen` for rows that are not one machine word (``K * itemsize`` not 2, 4 or 8),
-    generated with ``K`` constant (the comparisons unroll): ``gather(src, layer_index, pos_row,
-    out, span, bound, bounded, check)``, ``src`` ``[T, L, K]`` unsigned (bit patterns)."""
-
-    @numba.njit(cache=True, nogil=True)
-    def gather(
-        src: Any,
-        layer_index: Any,
-        pos_row: Any,
-        out: Any,
-        span: Any,
-        bound: Any,
-        bounded: bool,
-        check: bool,
-    ) -> int:
-        n_c = pos_row.shape[1]
-        p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
-        n_local = layer_index.shape[0]
-        for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
-            p1 = min(p_hi, p0 + _GATHER_BLOCK)
-            acc = False
-            for p in range(p0, p1):
-                for col in range(c_lo, c_hi):
-                    r = pos_row[p, col]
-                    o = (p * n_c + col) * k
-                    for li in range(n_local):
-                        layer = layer_index[li]
-                        if check:
-                            acc |= _elems_bad(src, r, layer, k, bound, bounded)
-                        d = out[li]
-                        for q in range(k):
-                            d[o + q] = q if r < 0 else src[r, layer, q]
-            if acc:
-                for p in range(p0, p1):
-                    for col in range(c_lo, c_hi):
-                        r = pos_row[p, col]
-                        for li in range(n_local):
-                            if _elems_bad(src, r, layer_index[li], k, bound, bounded):
-                                return int(p * n_c + col)
-        return -1
-
-    return gather
-
-
 def range_constant(bits: int, bound: int | None, signed: bool) -> tuple[int, int]:
-    """``(mode, lane constant)`` of `_range_bits` for ids of ``bits`` bits and an exclusive
-    ``bound`` (None: only signed ids need a test, ``>= 0``)."""
+    """``(mode, lane constant)`` of the per-lane range test of `_scan_kernel` for ids of
+    ``bits`` bits and an exclusive ``bound`` (None: only signed ids need a test, ``>= 0``):
+    mode 0 no test; 1 a lane ``>= bound`` for a bound ``<= 2**(bits-1)`` (negative signed
+    lanes included) sets its top bit in ``(w | ((w & ~highs) + c)) & highs``; 2 (a bound
+    above that) in ``w & ((w & ~highs) + c) & highs``."""
     half = 1 << (bits - 1)
     if signed:  # negative ids have the top bit set: a bound of at most half catches them
         bound = half if bound is None else min(bound, half)
@@ -439,6 +320,153 @@ def range_constant(bits: int, bound: int | None, signed: bool) -> tuple[int, int
     per = half - bound if bound <= half else (1 << bits) - bound
     lanes = 64 // bits
     return (1 if bound <= half else 2), sum(per << (q * bits) for q in range(lanes))
+
+
+def _widen_row_typing(
+    typingctx: Any, out: Any, li: Any, o: Any, src: Any, s: Any, top: Any, k: Any
+) -> Any:
+    """``_widen_row(out, li, o, src, s, top, K)``: widen the ``K`` ids ``src[s : s + K]`` into
+    ``out[li, o : o + K]`` (zero- or sign-extended as ``src``'s dtype, truncated to a narrower
+    ``out``) and return 1 when some id, as an unsigned lane, is above ``top`` or two ids are
+    equal, else 0 (``K`` a literal). One vector of ``K`` lanes in LLVM IR: an unaligned load,
+    ``K // 2`` lane rotations (shuffles) compared with it, one conversion and one store;
+    LLVM lowers it for whatever SIMD the host has (SSE2 up), no CPU feature assumed."""
+    if not isinstance(k, types.IntegerLiteral):
+        return None
+    n = int(k.literal_value)
+    sig = types.int64(out, li, o, src, s, top, k)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        out_ty, src_ty = signature.args[0], signature.args[3]
+        dst = context.make_array(out_ty)(context, builder, args[0])
+        dptr = _CG.get_item_pointer(
+            context, builder, out_ty, dst, [args[1], args[2]], wraparound=False
+        )
+        ids = context.make_array(src_ty)(context, builder, args[3])
+        sptr = _CG.get_item_pointer(context, builder, src_ty, ids, [args[4]], wraparound=False)
+        lane = llvm_ir.IntType(src_ty.dtype.bitwidth)
+        vec = llvm_ir.VectorType(lane, n)
+        v = builder.load(builder.bitcast(sptr, vec.as_pointer()), align=1)
+        limit = args[5] if lane.width == 64 else builder.trunc(args[5], lane)
+        splat = llvm_ir.Constant(vec, llvm_ir.Undefined)
+        for q in range(n):
+            splat = builder.insert_element(splat, limit, llvm_ir.IntType(32)(q))
+        bad = builder.icmp_unsigned(">", v, splat)
+        for r in range(1, n // 2 + 1):
+            turn = llvm_ir.Constant(
+                llvm_ir.VectorType(llvm_ir.IntType(32), n), [(q + r) % n for q in range(n)]
+            )
+            bad = builder.or_(
+                bad, builder.icmp_unsigned("==", v, builder.shuffle_vector(v, v, turn))
+            )
+        mask = builder.bitcast(bad, llvm_ir.IntType(n))
+        flag = builder.icmp_unsigned("!=", mask, llvm_ir.IntType(n)(0))
+        wide = llvm_ir.VectorType(llvm_ir.IntType(out_ty.dtype.bitwidth), n)
+        if wide.element.width > lane.width:
+            w = builder.sext(v, wide) if src_ty.dtype.signed else builder.zext(v, wide)
+        elif wide.element.width < lane.width:
+            w = builder.trunc(v, wide)
+        else:
+            w = v
+        builder.store(w, builder.bitcast(dptr, wide.as_pointer()), align=1)
+        return builder.zext(flag, llvm_ir.IntType(64))
+
+    return sig, codegen
+
+
+def _prefetch_typing(typingctx: Any, src: Any, s: Any) -> Any:
+    """``_prefetch(src, s)``: a read hint for the cache line of ``src[s]`` (``llvm.prefetch``:
+    ``prefetcht0`` on x86, nothing where a target has none; never faults)."""
+    sig = types.void(src, s)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ids = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = _CG.get_item_pointer(
+            context, builder, signature.args[0], ids, [args[1]], wraparound=False
+        )
+        byte = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [byte, i32, i32, i32])
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [byte], fnty)
+        builder.call(fn, [builder.bitcast(ptr, byte), i32(0), i32(3), i32(1)])  # read, keep
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_widen_row: Any = intrinsic(_widen_row_typing)  # Any: called only inside numba kernels
+_prefetch: Any = intrinsic(_prefetch_typing)
+_CG: Any = cgutils  # numba's codegen helpers (untyped)
+
+
+@functools.cache
+def _gather_kernel(k: int) -> Callable[..., Any]:
+    """The fused gather of `gather_widen` for rows of ``k`` ids, generated with ``K`` constant
+    (`_widen_row`'s vector width): ``gather(src, n_layers, layer_index, pos_row, out, span,
+    dummy, top, check, pf_first, pf_lines)``, ``src`` the ids flat (``[T * L * K]``, any
+    integer dtype), ``dummy`` the dummy row ``[0 .. K-1]`` in that dtype, ``out``
+    ``[n_local, P * C * K]``; the ``pf_lines`` cache lines from id ``pf_first`` of a token's
+    ids are prefetched `_PREFETCH` positions ahead. Every row is
+    tested and widened in registers (`_widen_row`); per block of positions the flags are
+    OR-accumulated, and a failing block is rescanned position by position and returns its
+    first failing position ``p * C + col`` (``out`` written up to that block's end); -1 if
+    none fails."""
+
+    @numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+    def gather(
+        src: Any,
+        n_layers: int,
+        layer_index: Any,
+        pos_row: Any,
+        out: Any,
+        span: Any,
+        dummy: Any,
+        top: Any,
+        check: bool,
+        pf_first: int,
+        pf_lines: int,
+    ) -> int:  # pragma: no cover - numba-compiled
+        n_c = pos_row.shape[1]
+        p_lo, p_hi, c_lo, c_hi = span[0], span[1], span[2], span[3]
+        n_local = layer_index.shape[0]
+        line = max(1, 64 // src.itemsize)  # ids per cache line
+        for p0 in range(p_lo, p_hi, _GATHER_BLOCK):
+            p1 = min(p_hi, p0 + _GATHER_BLOCK)
+            acc = 0
+            for p in range(p0, p1):
+                for col in range(c_lo, c_hi):
+                    r = pos_row[p, col]
+                    o = (p * n_c + col) * k
+                    if r < 0:
+                        for li in range(n_local):
+                            acc |= _widen_row(out, li, o, dummy, 0, top, k)
+                    else:
+                        b = r * n_layers
+                        for li in range(n_local):
+                            acc |= _widen_row(out, li, o, src, (b + layer_index[li]) * k, top, k)
+                    if p + _PREFETCH < p_hi:
+                        ahead = pos_row[p + _PREFETCH, col]
+                        if ahead >= 0:
+                            a = ahead * n_layers * k + pf_first
+                            for i in range(pf_lines):
+                                _prefetch(src, a + i * line)
+            if check and acc != 0:
+                for p in range(p0, p1):
+                    for col in range(c_lo, c_hi):
+                        r = pos_row[p, col]
+                        o = (p * n_c + col) * k
+                        bad = 0
+                        for li in range(n_local):
+                            if r < 0:
+                                bad |= _widen_row(out, li, o, dummy, 0, top, k)
+                            else:
+                                s = (r * n_layers + layer_index[li]) * k
+                                bad |= _widen_row(out, li, o, src, s, top, k)
+                        if bad != 0:
+                            return int(p * n_c + col)
+        return -1
+
+    return gather
 
 
 def gather_widen(
@@ -457,42 +485,32 @@ def gather_widen(
     for the dummy row ``[0 .. K-1]``; ``out`` int32 (or ``src``'s dtype) ``[n_local, P, C,
     K]``, C-contiguous; only positions ``[p_lo, p_hi)`` x columns ``[c_lo, c_hi)`` of ``span``
     are read and written. With ``check``, every block is tested (ids below ``bound``,
-    ``>= 0`` when signed, no id twice in a row) before it is widened; the return value is the
-    flat index ``p * C + c`` of the first failing position of the first failing block
-    (``out`` then partly written), -1 if none. Rows of 2, 4 or 8 bytes run the generated
-    `_word_kernels` gather, any other row size the generated `_elems_gather`.
+    ``>= 0`` when signed, no id twice in a row); the return value is the flat index
+    ``p * C + c`` of the first failing position (``out`` then partly written), -1 if none.
+    Unchecked ids are widened as numpy casts them (sign-extended when signed). One generated
+    kernel per top-k (`_gather_kernel`), any id dtype.
     """
-    signed = src.dtype.kind == "i"
     bits = 8 * src.dtype.itemsize
-    u = src.view(np.dtype(f"u{src.dtype.itemsize}"))
-    k = int(src.shape[2])
-    flat = out.reshape(out.shape[0], -1)
-    where = np.asarray(span, dtype=np.int64)
-    row = _WORD.get(k * src.dtype.itemsize)
-    if row is not None and sys.byteorder == "little":
-        mode, c = range_constant(bits, bound, signed)
-        dummy = sum(q << (q * bits) for q in range(k))
-        _, gather = _word_kernels(k, bits)
-        return int(
-            gather(
-                u.reshape(-1).view(row),
-                int(src.shape[1]),
-                layer_index,
-                pos_row,
-                flat,
-                where,
-                np.uint64(dummy),
-                mode,
-                np.uint64(c),
-                check,
-            )
-        )
     half = 1 << (bits - 1)
-    lim = (half if bound is None else min(bound, half)) if signed else bound
-    gather_elems = _elems_gather(k)
+    lim = (half if bound is None else min(bound, half)) if src.dtype.kind == "i" else bound
+    top = (1 << bits) - 1 if lim is None or lim >= 1 << bits else lim - 1
+    k = int(src.shape[2])
+    gather = _gather_kernel(k)
+    first, last = (int(layer_index.min()), int(layer_index.max())) if layer_index.size else (0, 0)
+    span_bytes = (last - first + 1) * k * src.dtype.itemsize  # the local layers' ids per token
     return int(
-        gather_elems(
-            u, layer_index, pos_row, flat, where, np.uint64(lim or 0), lim is not None, check
+        gather(
+            src.reshape(-1),
+            int(src.shape[1]),
+            layer_index,
+            pos_row,
+            out.reshape(out.shape[0], -1),
+            np.asarray(span, dtype=np.int64),
+            np.arange(k, dtype=src.dtype),
+            np.uint64(top),
+            check,
+            first * k,
+            span_bytes // 64 + 2,  # lines the span can touch, unaligned
         )
     )
 

@@ -96,18 +96,18 @@ def test_gather_matches_reference(
 
 
 _GATHER_SHAPES = [
-    (np.uint8, 8, 128),  # one uint64 word per row, bound <= half
+    (np.uint8, 8, 128),  # the rows: 8 lanes of 8 bits, bound <= half the range
     (np.uint8, 8, 200),  # bound above half
     (np.uint8, 8, 256),  # no bound needed
     (np.uint16, 4, 1000),
-    (np.int32, 2, 50),  # signed words
+    (np.int32, 2, 50),  # signed
     (np.uint8, 2, 8),  # rows of 16 bits
     (np.uint8, 4, 60),  # rows of 32 bits
     (np.uint16, 2, 512),
     (np.int8, 4, 100),  # signed, 32-bit rows
     (np.int16, 2, 300),
-    (np.uint8, 6, 64),  # element path
-    (np.uint16, 8, 512),  # element path, 128-bit rows
+    (np.uint8, 6, 64),  # 6 lanes: not a power of two
+    (np.uint16, 8, 512),  # 128-bit rows
     (np.uint16, 3, 3),
 ]
 
