@@ -446,7 +446,13 @@ def _lean_check(arr: Any, spec: RouteSpec, *, exact: bool = True) -> int | None:
         entry = _BOUNDS[id(spec)] = (spec, spec.storage_cap, -1 if e is None else int(e))
     bounds = entry[1:]
     if not exact and arr.dtype.itemsize == 1 and arr.shape[2] == 8 and bounds[1] >= 0:
-        bound: int | None = kernels.scan_top8(arr, bounds[1])  # uint8: always <= the cap
+        experts = bounds[1]  # uint8: always <= the cap
+        if experts & (experts - 1) == 0:
+            # ids < experts, a power of two (128, 256), iff their OR is: the OR the kernel
+            # returns decides the range, and its loop runs the duplicate test alone.
+            top: int | None = kernels.scan_top8(arr, None)
+            return top if top is not None and top < experts else None
+        bound: int | None = kernels.scan_top8(arr, experts)
         return bound
     hi = int(arr.max())
     if hi > bounds[0] or 0 <= bounds[1] <= hi:
