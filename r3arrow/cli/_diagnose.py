@@ -139,8 +139,8 @@ def load_mismatch(
     ``train_vs_rollout``), else none. [] for a file or a directory without mismatch
     diagnostics.
     """
-    from r3arrow.io import read_diagnostics
     from r3arrow._schema import ROUTING_SUFFIX
+    from r3arrow.io import read_diagnostics
 
     if not path.is_dir():
         return []

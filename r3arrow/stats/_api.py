@@ -223,7 +223,8 @@ def expert_counts(
     (``executor=None`` only, else ``ValueError``): ``max_memory``, the budget in bytes of
     a streamed path (default 1 GiB; the counts do not depend on it); ``validate=True``
     adds the row checks of `r3arrow.io.read_rollouts` (footers, row-group digests or
-    page checksums, and the ``num_experts`` range, `ExpertRangeError`, are always checked); ``layers``: the
+    page checksums, and the ``num_experts`` range, `ExpertRangeError`, are always
+    checked); ``layers``: the
     global layer ids to count (None: every router layer; a path reads only those, a
     table is projected in memory; dense ones are skipped). ``column``: the routes column
     counted (e.g. ``"train_routes"``, ``docs/train-routes.md``); the token subsets still

@@ -196,8 +196,9 @@ def iter_source(
 
     A path or `Files` is streamed (module docstring) with only ``columns``: ``steps`` must exist,
     ``max_memory`` is the budget in bytes (default 1 GiB), ``layers`` global layer ids to
-    read, ``validate`` adds the row checks of `r3arrow.io.read_rollouts` (footers and row-group
-    digests, or page checksums, are always verified); ``step`` is None for a file outside a root. A table
+    read, ``validate`` adds the row checks of `r3arrow.io.read_rollouts` (footers and
+    row-group digests, or page checksums, are always verified); ``step`` is None for a
+    file outside a root. A table
     must hold ``columns`` (and ``layers`` must be None: ``TypeError``). Raises
     ``TypeError`` for another source, `SchemaError` for missing columns or steps, and
     what `r3arrow.io.rollout_files` / `r3arrow.io.iter_rollouts` raise.

@@ -250,7 +250,7 @@ def test_executor_and_argument_misuse_raise_builtins(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="executor: expected None or an Executor"):
         stats.expert_load(table, executor="ray")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="executor: expected None or an Executor"):
-        stats.route_agreement(table, "routes", executor="ray")  # type: ignore[arg-type]
+        stats.route_agreement(table, "routes", executor="ray")  # type: ignore[call-overload]
     from r3arrow.ray import RayExecutor  # constructing it needs no ray
 
     with pytest.raises(ValueError, match="reduce: expected one of"):

@@ -242,8 +242,8 @@ def trainer_mismatch(
     ``_routing`` (what ``r3arrow diagnose`` pairs). ``table``: rollouts of ``engine`` with
     ``rollout_logprobs`` (`SchemaError` without them)."""
     from r3arrow import stats
-    from r3arrow.io import write_diagnostics
     from r3arrow._schema import ROUTING_SUFFIX
+    from r3arrow.io import write_diagnostics
     from r3arrow.table import with_columns
 
     agreements: dict[str, Any] = {}
