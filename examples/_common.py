@@ -106,7 +106,7 @@ def parquet_stage(table: pa.Table, out: Path, stage: str) -> tuple[pa.Table, boo
 
 
 def stats_stage(table: pa.Table, stage: str) -> None:
-    from r3arrow.stats import expert_load, load_summary, r3_metrics
+    from r3arrow.stats import expert_load, load_summary, r3_metrics, route_fallback
     from r3arrow.table import captured_lengths
 
     summary = load_summary(expert_load(table, tokens="loss"))
@@ -117,7 +117,10 @@ def stats_stage(table: pa.Table, stage: str) -> None:
     )
     # what a training loop hands its logger each step (wandb.log, SummaryWriter, mlflow)
     captured = max(1, int(captured_lengths(table).sum()))
-    metrics = r3_metrics(route_bytes_per_token=table.column("routes").nbytes / captured)
+    metrics = r3_metrics(
+        route_bytes_per_token=table.column("routes").nbytes / captured,
+        fallback_token_route_fraction=route_fallback(table).fraction,
+    )
     say(f"  logged metrics: {orjson.dumps(metrics).decode()}")
 
 

@@ -27,12 +27,23 @@ def _fraction(value: object, name: str) -> float:
     return out
 
 
+def _nonnegative(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name}: expected a float, found {type(value).__name__}")
+    out = float(value)
+    if not (math.isfinite(out) and out >= 0):
+        raise ValueError(f"{name}: expected a finite value >= 0, found {out}")
+    return out
+
+
 def r3_metrics(
     *,
     agreement: RouteAgreement | None = None,
     mismatch: Mapping[str, float] | None = None,
     route_bytes_per_token: float | None = None,
     fallback_token_route_fraction: float | None = None,
+    capture_seconds: float | None = None,
+    collation_seconds: float | None = None,
 ) -> dict[str, float]:
     """R3 metrics of one step as a flat ``{"r3/...": float}`` dict for a logger.
 
@@ -41,7 +52,9 @@ def r3_metrics(
     one router layer), ``r3/routing/identical`` (layer mean of identical fractions) and
     ``r3/routing/layer/{L}/disagreement`` (1 − identical fraction of global layer L);
     ``mismatch`` (a `logprob_mismatch` dict) gives ``r3/mismatch/{key}`` for each of its
-    keys; ``route_bytes_per_token`` gives ``r3/route_bytes_per_token``.
+    keys; ``route_bytes_per_token`` gives ``r3/route_bytes_per_token``; ``capture_seconds`` /
+    ``collation_seconds`` (the step's wall time in route capture and in collation, finite
+    ``>= 0``) give ``r3/time/capture_s`` / ``r3/time/collation_s``.
     ``r3/fallback_token_route_fraction`` is always present: ``fallback_token_route_fraction``
     (`RouteFallback.fraction` of the step's rollouts, or the ``fraction`` of its stored
     ``read_diagnostics(kind="fallback")`` row; ``docs/fallback.md``), 0.0 when None (no route
@@ -71,20 +84,13 @@ def r3_metrics(
                 raise TypeError(f"mismatch[{key!r}]: expected a float, found {value!r:.40}")
             if math.isfinite(value):
                 out[f"r3/mismatch/{key}"] = float(value)
-    if route_bytes_per_token is not None:
-        if isinstance(route_bytes_per_token, bool) or not isinstance(
-            route_bytes_per_token, int | float
-        ):
-            raise TypeError(
-                f"route_bytes_per_token: expected a float, found "
-                f"{type(route_bytes_per_token).__name__}"
-            )
-        if not (math.isfinite(route_bytes_per_token) and route_bytes_per_token >= 0):
-            raise ValueError(
-                f"route_bytes_per_token: expected a finite value >= 0, found "
-                f"{route_bytes_per_token}"
-            )
-        out["r3/route_bytes_per_token"] = float(route_bytes_per_token)
+    for key, value, name in (
+        ("r3/route_bytes_per_token", route_bytes_per_token, "route_bytes_per_token"),
+        ("r3/time/capture_s", capture_seconds, "capture_seconds"),
+        ("r3/time/collation_s", collation_seconds, "collation_seconds"),
+    ):
+        if value is not None:
+            out[key] = _nonnegative(value, name)
     fallback = fallback_token_route_fraction
     out[FALLBACK_KEY] = 0.0 if fallback is None else _fraction(fallback, "fallback")
     return out

@@ -39,6 +39,8 @@ def test_the_keys_are_pinned_and_the_values_computed_by_hand() -> None:
         mismatch=MISMATCH,
         route_bytes_per_token=12.5,
         fallback_token_route_fraction=0.25,
+        capture_seconds=0.5,
+        collation_seconds=2,
     )
     assert got == {
         "r3/routing/disagreement": 0.5,  # 1 - 2/4
@@ -56,6 +58,8 @@ def test_the_keys_are_pinned_and_the_values_computed_by_hand() -> None:
         "r3/mismatch/js_divergence": 0.05,
         "r3/route_bytes_per_token": 12.5,
         "r3/fallback_token_route_fraction": 0.25,
+        "r3/time/capture_s": 0.5,
+        "r3/time/collation_s": 2.0,
     }
     assert all(type(k) is str and type(v) is float for k, v in got.items())
 
@@ -78,3 +82,7 @@ def test_misuse() -> None:
         r3_metrics(fallback_token_route_fraction=1.5)
     with pytest.raises(ValueError, match="route_bytes_per_token"):
         r3_metrics(route_bytes_per_token=-1.0)
+    with pytest.raises(ValueError, match="capture_seconds"):
+        r3_metrics(capture_seconds=math.inf)
+    with pytest.raises(TypeError, match="collation_seconds"):
+        r3_metrics(collation_seconds="1s")  # type: ignore[arg-type]
