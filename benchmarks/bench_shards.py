@@ -58,7 +58,12 @@ MB = 1 << 20
 CASES: dict[str, dict[str, Any]] = {
     "dp1": {"dp_size": 1, "max_tokens": 64 * 1024, "max_memory": 128 * MB},
     "dp1-nmb4-tight": {"dp_size": 1, "num_microbatches": 4, "max_memory": "step"},
-    "dp2-balanced": {"dp_size": 2, "max_tokens": 64 * 1024, "max_memory": 128 * MB},
+    "dp2-balanced": {
+        "dp_size": 2,
+        "max_tokens": 64 * 1024,
+        "max_memory": 128 * MB,
+        "dp_assign": "balanced",
+    },
     "dp2-contiguous": {
         "dp_size": 2,
         "max_tokens": 64 * 1024,

@@ -10,7 +10,7 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import pyarrow as pa
@@ -27,9 +27,13 @@ from r3arrow.table import sequence_lengths, take_rows
 
 #: Columns a share is read with: the rollout columns, ``routes`` last.
 _COLUMNS = (*(c for c in ROLLOUT_COLUMNS if c != "routes"), "routes")
-#: DP assignments of `plan_steps`: "balanced" (`plan_dp_microbatches`, the plan of
-#: `split_microbatches`) or "contiguous" (`plan_contiguous`, each rank a row range).
-DP_ASSIGNMENTS = ("balanced", "contiguous")
+#: DP assignments of `plan_steps` (``docs/scale.md``, "Per-rank reads"): "contiguous" (the
+#: default, `plan_contiguous`: each rank a row range snapped to row groups, balanced to within
+#: one trajectory's cost, reading only its own row groups) or "balanced"
+#: (`plan_dp_microbatches`, exactly the in-memory plan of `split_microbatches`, whose ranks
+#: read the stage's layers of nearly every row group).
+DpAssign = Literal["contiguous", "balanced"]
+DP_ASSIGNMENTS: tuple[str, ...] = get_args(DpAssign)
 T = TypeVar("T")
 #: Bytes per token of the non-route columns in the memory estimate (ids, mask, offsets).
 _TOKEN_BYTES = 16
@@ -145,15 +149,16 @@ def plan_steps(
     num_microbatches: int | None = None,
     multiple: int = 1,
     packed: bool = True,
-    dp_assign: str = "balanced",
+    dp_assign: DpAssign = "contiguous",
     validate: bool = True,
 ) -> tuple[RouteSpec, Iterator[StepPlan]]:
     """The spec of ``path`` (a rollout file or step root) and a lazy `StepPlan` per step.
 
     Footers are read (one spec for every file) before returning; each plan is made from
     the step's token columns (validated unless ``validate=False``) when the iterator
-    reaches it, by `plan_dp_microbatches` with these arguments or, with
-    ``dp_assign="contiguous"``, `plan_contiguous`. A file outside a root is step ``None``.
+    reaches it, by `plan_contiguous` with these arguments and the row groups' first rows
+    (``dp_assign="contiguous"``, the default) or by `plan_dp_microbatches`
+    (``dp_assign="balanced"``). A file outside a root is step ``None``.
 
     Raises ``TypeError``/``ValueError`` for argument misuse (checked here), `SchemaError`
     (``path`` set) for a missing, foreign or corrupt file or mixed specs and, while

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from r3arrow._checks import check_int, check_positive_int
-from r3arrow._plan import _wave_loaders, plan_steps, read_ahead
+from r3arrow._plan import DpAssign, _wave_loaders, plan_steps, read_ahead
 from r3arrow._typing import PathLike
 from r3arrow.collate._collator import MegatronCollator
 from r3arrow.collate._microbatch import Microbatch
@@ -26,19 +26,22 @@ def collate_directory(
     max_tokens: int | None = None,
     num_microbatches: int | None = None,
     max_memory: int = DEFAULT_MAX_MEMORY,
-    dp_assign: str = "balanced",
+    dp_assign: DpAssign = "contiguous",
     validate: bool = True,
 ) -> Iterator[tuple[int | None, Microbatch]]:
     """Yield ``(step, microbatch)`` of DP rank ``dp_rank`` over a rollout file or step root.
 
-    Steps in numeric order (``steps`` selects; each must exist). Equal to collating
-    `r3arrow.microbatch.split_microbatches` (these ``dp_size``, ``max_tokens``,
-    ``num_microbatches``; the collator's ``multiple``/``packed``) of each step read whole:
-    the same count on every DP rank, padding microbatches last. Only this rank's rows and
-    ``collator.layers`` are read, with at most ``max_memory`` bytes (default 1 GiB) of
-    taken rows plus one row group resident; the next wave is read while this one is
-    collated when both fit. ``dp_assign="contiguous"`` gives each DP rank a contiguous row
-    range instead, so it reads only its row groups (not the plan of ``split_microbatches``).
+    Steps in numeric order (``steps`` selects; each must exist); the same microbatch count
+    on every DP rank, padding microbatches last. ``dp_assign="contiguous"`` (default): each
+    DP rank a contiguous row range whose boundaries snap to row-group starts, balanced to
+    within one trajectory's cost, so a rank reads only its own row groups
+    (`r3arrow._plan.plan_contiguous`; ``docs/scale.md``, "Per-rank reads").
+    ``dp_assign="balanced"``: equal to collating `r3arrow.microbatch.split_microbatches`
+    (these ``dp_size``, ``max_tokens``, ``num_microbatches``; the collator's
+    ``multiple``/``packed``) of each step read whole, at the cost of each rank reading the
+    stage's layers of nearly every row group. Only this rank's rows and ``collator.layers``
+    are kept, with at most ``max_memory`` bytes (default 1 GiB) of taken rows plus one row
+    group resident; the next wave is read while this one is collated when both fit.
 
     Raises ``TypeError``/``ValueError`` at call time for argument misuse (a collator
     without a spec or of a ``column`` other than ``"routes"``: the reader reads the

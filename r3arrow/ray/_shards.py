@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from r3arrow._checks import check_int, check_optional_int, check_positive_int
 from r3arrow._extras import require
-from r3arrow._plan import StepPlan, plan_steps, read_share
+from r3arrow._plan import DpAssign, StepPlan, plan_steps, read_share
 from r3arrow._typing import PathLike
 from r3arrow._validated import mark_validated
 from r3arrow.errors import SchemaError
@@ -151,16 +151,18 @@ def shard_microbatches(
     max_memory: int | None = None,
     read_tasks: int = 1,
     object_store_memory: int | None = None,
-    dp_assign: str = "balanced",
+    dp_assign: DpAssign = "contiguous",
     validate: bool = True,
 ) -> dict[tuple[int, int], Shard]:
     """One `Shard` per ``(dp_rank, pp_stage)`` of a rollout file or step root.
 
-    Shard ``(d, p)`` holds the microbatches of ``split_microbatches(step, dp_size=...,
-    dp_rank=d)`` (planned by `r3arrow.microbatch.plan_dp_microbatches` with ``max_tokens``,
+    Shard ``(d, p)`` holds DP rank ``d``'s microbatches (``max_tokens``,
     ``num_microbatches``, the collator's ``multiple`` and ``packed``; padding microbatches
     last, the same count on every rank) with the layers ``pp_layers[p]`` (global ids).
-    ``dp_assign="contiguous"``: each rank a contiguous row range (its own row groups only).
+    ``dp_assign="contiguous"`` (default): each rank a contiguous row range snapped to
+    row-group starts, balanced to within one trajectory's cost (its own row groups only);
+    ``"balanced"``: the microbatches of ``split_microbatches(step, dp_size=..., dp_rank=d)``
+    (`r3arrow.microbatch.plan_dp_microbatches`), each rank reading nearly every row group.
     A read task holds at most ``max_memory`` bytes of rows (default 1 GiB) plus one row
     group; at most ``read_tasks`` run per shard; ``object_store_memory`` caps each shard
     dataset's object store use. Needs the ``ray`` extra. Raises ``TypeError`` /

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3arrow._plan import plan_contiguous, plan_steps, read_ahead, read_share
+from r3arrow._plan import DpAssign, plan_contiguous, plan_steps, read_ahead, read_share
 from r3arrow.io import read_rollouts, write_rollouts
 from r3arrow.microbatch import is_padding_table
 from r3arrow.spec import RouteSpec
@@ -56,7 +56,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("assign", ["balanced", "contiguous"])
 @pytest.mark.parametrize("budget", [1, 1 << 30])
-def test_share_is_the_planned_rows_of_the_stage(root: Path, assign: str, budget: int) -> None:
+def test_share_is_the_planned_rows_of_the_stage(root: Path, assign: DpAssign, budget: int) -> None:
     spec, plans = plan_steps(root, dp_size=2, max_tokens=64, multiple=4, dp_assign=assign)
     assert spec == SPEC
     for plan in plans:

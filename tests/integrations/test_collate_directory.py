@@ -100,7 +100,8 @@ def _assert_same(got: list[tuple[int | None, Microbatch]], want: list[tuple[int,
 def test_equals_in_memory_split_and_collate(
     root: Path, packed: bool, dp_size: int, max_memory: int
 ) -> None:
-    """Every rank's microbatches == collator(split_microbatches(step)), tiny budgets too."""
+    """dp_assign="balanced": every rank's microbatches == collator(split_microbatches(step)),
+    tiny budgets too."""
     collator = MegatronCollator(SPEC, layers=STAGE, packed=packed, align=4)
     for rank in range(dp_size):
         got = list(
@@ -111,6 +112,7 @@ def test_equals_in_memory_split_and_collate(
                 dp_rank=rank,
                 max_tokens=96,
                 max_memory=max_memory,
+                dp_assign="balanced",
             )
         )
         _assert_same(got, _expected(root, collator, dp_size, rank, max_tokens=96))
@@ -228,6 +230,7 @@ def test_property_equals_in_memory(
                     dp_rank=rank,
                     num_microbatches=n,
                     max_memory=budget,
+                    dp_assign="balanced",
                 )
             )
             _assert_same(got, _expected(path, collator, dp_size, rank, num_microbatches=n))
@@ -285,8 +288,7 @@ def test_contiguous_ranks_read_only_their_row_groups(
                 dp_size=2,
                 dp_rank=rank,
                 max_tokens=96,
-                dp_assign="contiguous",
-            )
+            )  # the default: dp_assign="contiguous"
         )
         assert len(set(reads)) < groups  # not every row group: only the rank's range
         table = read_rollouts(root, steps=[0])
@@ -299,13 +301,13 @@ def test_contiguous_ranks_read_only_their_row_groups(
             want = collator(take_rows(table, rows) if rows.size else padding_table(table))
             _assert_same([(0, mb)], [(0, want)])
     with pytest.raises(ValueError, match="dp_assign"):
-        collate_directory(root, collator, max_tokens=96, dp_assign="random")
+        collate_directory(root, collator, max_tokens=96, dp_assign="random")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("budget", [1, 3000, 1 << 30])
 def test_waves_hold_at_most_the_budget(root: Path, budget: int) -> None:
     """A wave of several microbatches holds at most ``budget`` bytes of taken rows."""
-    spec, plans = plan_steps(root, dp_size=2, max_tokens=40, multiple=4)
+    spec, plans = plan_steps(root, dp_size=2, max_tokens=40, multiple=4, dp_assign="balanced")
     shared = 0  # waves of several microbatches seen
     for plan in plans:
         for rank in range(2):

@@ -95,7 +95,13 @@ class Rank:
 def test_every_rank_gets_exactly_its_share(cluster: None, root: Path) -> None:
     dp = 2
     shards = r3ray.shard_microbatches(
-        root, dp_size=dp, pp_layers=STAGES, max_tokens=64, multiple=4, max_memory=2000
+        root,
+        dp_size=dp,
+        pp_layers=STAGES,
+        max_tokens=64,
+        multiple=4,
+        max_memory=2000,
+        dp_assign="balanced",
     )
     assert sorted(shards) == [(d, p) for d in range(dp) for p in range(len(STAGES))]
     actors = {key: Rank.remote() for key in shards}  # type: ignore[attr-defined]
