@@ -122,7 +122,7 @@ def _cmd_diagnose(args: argparse.Namespace) -> int:
     check_input(path)
     source, per_step = diag.load_agreements(path, args.source)
     mismatch = diag.load_mismatch(path, source, per_step)
-    info = diag.report(source, per_step, mismatch)
+    info = diag.report(source, per_step, mismatch, diag.load_fallback(path))
     png = None
     if args.png:
         png = diag.plot(Path(args.png), path.name, per_step, mismatch)

@@ -165,6 +165,22 @@ def load_mismatch(
     return out
 
 
+def load_fallback(path: Path) -> list[dict[str, Any]]:
+    """Every route fallback stored under ``path`` (`r3arrow.io.read_diagnostics` with
+    ``kind="fallback"``, ``docs/fallback.md``): one dict per step and source (``step``,
+    ``source``, the `r3arrow.stats.RouteFallback` counts, ``fraction``), by step then
+    source; [] for a file or a directory without them."""
+    from r3arrow.io import read_diagnostics
+
+    if not path.is_dir():
+        return []
+    rows = read_diagnostics(path, kind="fallback").to_pylist()
+    return [
+        {k: (float(v) if k == "fraction" else v) for k, v in r.items()}
+        for r in sorted(rows, key=lambda r: (r["step"], r["source"]))
+    ]
+
+
 def _step_pick(source: str, rows: list[MismatchRow]) -> str | None:
     """The mismatch source shown under each step of ``source``'s report: the same name, else
     ``train_vs_rollout``, else the only one; None when several fit none of these."""
@@ -192,13 +208,15 @@ def report(
     source: str,
     per_step: Mapping[int, RouteAgreement],
     mismatch: list[MismatchRow] | None = None,
+    fallback: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """JSON-ready report: totals, per step, per layer (fractions as floats). With
     ``mismatch`` (`load_mismatch`'s rows, non-empty): ``"logprob_mismatch"`` lists them
     (``step``, ``source``, ``routing``: ``{source, tokens, tokens_differ_any_layer}`` or
     None, then the metrics, NaN as None), and each step has under ``"mismatch"`` the
     metrics of one source (`_step_pick`: the name of ``source``, else
-    ``train_vs_rollout``, else the only one), None for a step without it."""
+    ``train_vs_rollout``, else the only one), None for a step without it. With
+    ``fallback`` (`load_fallback`'s rows, non-empty): ``"fallback"`` lists them."""
     total = functools.reduce(operator.add, (per_step[s] for s in sorted(per_step)))
     with np.errstate(all="ignore"):
         decisions = 1.0 - total.mean_overlap
@@ -229,6 +247,8 @@ def report(
     }
     if rows:
         out["logprob_mismatch"] = [_json_row(r) for r in rows]
+    if fallback:
+        out["fallback"] = list(fallback)
     return out
 
 
@@ -264,6 +284,17 @@ def print_report(path: Path, info: Mapping[str, Any]) -> None:
             f"  {row['layer']:>5}   {row['decisions_differ']:>16.2%}"
             f"   {row['top_k_set_differs']:>17.2%}"
         )
+    fallback = info.get("fallback")
+    if fallback:
+        print("route fallback (token routes the engine did not deliver; the trainer's router")
+        print("computes them under install_replay(missing='native'))")
+        print("  step  source            trajectories   route rows   missing   fraction")
+        for f in fallback:
+            print(
+                f"  {f['step']:>4}  {f['source']:<16}  {f['fallback_trajectories']:>5} of "
+                f"{f['trajectories']:<4}  {f['route_rows']:>10}  {f['missing_rows']:>8}"
+                f"  {f['fraction']:>9.2%}"
+            )
     rows = info.get("logprob_mismatch")
     if not rows:
         return
@@ -315,6 +346,7 @@ __all__ = [
     "MismatchRow",
     "agreements_from_table",
     "load_agreements",
+    "load_fallback",
     "load_mismatch",
     "plot",
     "print_report",

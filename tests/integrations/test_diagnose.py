@@ -239,6 +239,26 @@ def test_diagnose_prints_the_r3_quantities_from_diagnostics(
     assert "tokens differing on at least one layer:  40.00%" in text
 
 
+def test_diagnose_shows_the_stored_route_fallback_per_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from r3arrow.stats import RouteFallback
+
+    write_diagnostics(tmp_path, 0, agreement())
+    write_diagnostics(tmp_path, 2, RouteFallback(4, 1, 200, 10))  # 10 / 200 = 5%
+    write_diagnostics(tmp_path, 0, RouteFallback(3, 0, 90, 0))
+    assert main(["diagnose", str(tmp_path), "--json"]) == EXIT_OK
+    rows = orjson.loads(capsys.readouterr().out)["fallback"]
+    assert [(r["step"], r["source"], r["missing_rows"], r["fraction"]) for r in rows] == [
+        (0, "rollout_routes", 0, 0.0),
+        (2, "rollout_routes", 10, 0.05),
+    ]
+    assert main(["diagnose", str(tmp_path)]) == EXIT_OK
+    text = capsys.readouterr().out.splitlines()
+    assert "     2  rollout_routes        1 of 4            200        10      5.00%" in text
+    assert "     0  rollout_routes        0 of 3             90         0      0.00%" in text
+
+
 def test_diagnose_over_steps_writes_a_png(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
