@@ -464,3 +464,69 @@ def test_scan_top8_literal() -> None:
     dup[1, 7] = 64  # lanes 0 and 7: distance 1 the other way round
     assert kernels.scan_top8(dup, 256) is None
     assert kernels.scan_top8(rows.astype(np.uint16), 128) is None  # not top-8 uint8
+
+
+def test_scan_top8_every_lane_pair() -> None:
+    """A repeat at each of the 28 lane pairs, in a row of the 64-byte vector loop and in the
+    remainder row, is caught; the rows without one pass (their OR's largest lane: 15)."""
+    kernels = _numba_kernels()
+    clean = np.tile(np.arange(8, dtype=np.uint8), (9, 1))
+    clean[1::2] += 8  # rows 8..15 and 0..7 alternate: the OR is 15 in every lane
+    assert kernels.scan_top8(clean, None) == 15
+    for row in (3, 8):  # 8: the remainder after the 8-row vector
+        for a in range(8):
+            for b in range(a + 1, 8):
+                rows = clean.copy()
+                rows[row, b] = rows[row, a]
+                assert kernels.scan_top8(rows, None) is None, (row, a, b)
+                assert kernels.scan_top8(rows, 100) is None, (row, a, b)
+
+
+def _scan_top8_reference(rows: np.ndarray, bound: int | None) -> int | None:
+    """`scan_top8`'s contract in numpy: None when an id is ``>= bound`` or a row repeats an id,
+    else the largest lane of the OR of all rows, capped at ``bound - 1``."""
+    flat = rows.reshape(-1, 8)
+    s = np.sort(flat, axis=1)
+    if (bound is not None and (flat >= bound).any()) or (s[:, 1:] == s[:, :-1]).any():
+        return None
+    top = int(np.bitwise_or.reduce(flat, axis=0).max()) if flat.size else 0
+    return top if bound is None else min(top, bound - 1)
+
+
+@FAST
+@given(
+    n_rows=st.integers(0, 70),
+    lead=st.sampled_from([(), (1,), (3,)]),
+    bound=st.sampled_from([None, 1, 9, 66, 100, 128, 200, 255, 256, 300]),
+    dup=st.none() | st.tuples(st.integers(0, 10**6), st.integers(0, 7), st.integers(1, 7)),
+    highs=st.lists(
+        st.tuples(st.integers(0, 10**6), st.integers(0, 7), st.integers(0, 255)), max_size=2
+    ),
+    seed=st.integers(0, 2**32 - 1),
+    readonly=st.booleans(),
+)
+def test_scan_top8_matches_numpy(
+    n_rows: int,
+    lead: tuple[int, ...],
+    bound: int | None,
+    dup: tuple[int, int, int] | None,
+    highs: list[tuple[int, int, int]],
+    seed: int,
+    readonly: bool,
+) -> None:
+    """The vector scan against numpy on random distinct rows (row counts on both sides of the
+    8-row vectors, so main loop and remainder), with a duplicate planted at any lane pair
+    in any row and ids set anywhere in 0..255 (in or out of range)."""
+    kernels = _numba_kernels()
+    rng = np.random.default_rng(seed)
+    rows = np.argsort(rng.random((max((1, *lead)) * n_rows, 256)), axis=1)[:, :8]
+    rows = rows.astype(np.uint8)
+    if rows.shape[0]:
+        if dup is not None:  # lanes a and a + d (mod 8): every distance the rotations cover
+            row, a, d = dup
+            rows[row % rows.shape[0], (a + d) % 8] = rows[row % rows.shape[0], a]
+        for row, lane, value in highs:
+            rows[row % rows.shape[0], lane] = value
+    x = rows.reshape(*lead, -1, 8) if lead else rows
+    x.setflags(write=not readonly)
+    assert kernels.scan_top8(x, bound) == _scan_top8_reference(x, bound)
