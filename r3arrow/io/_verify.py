@@ -148,6 +148,14 @@ def _span(buf: pa.Buffer | None, start: int, stop: int) -> memoryview:
     return memoryview(b"") if buf is None or stop <= start else memoryview(buf)[start:stop]
 
 
+def _offsets(buf: Any, big: bool, n: int, off: int) -> np.ndarray:
+    """The ``n + 1`` offsets of a (large) list or binary array sliced at ``off``."""
+    if not n:
+        return np.zeros(1, dtype=np.int64)
+    dtype = np.int64 if big else np.int32
+    return np.frombuffer(cast("Any", buf), dtype=dtype, count=n + 1, offset=off * (8 if big else 4))
+
+
 def _feed(arr: pa.Array[Any], path: str, sink: dict[str, Any]) -> None:
     """Update the stream hashers of ``arr`` (no nulls; a `digestible` type): each list level's
     lengths (``path#len``) and each leaf's value bytes (``path``), slices honoured."""
@@ -163,17 +171,7 @@ def _feed(arr: pa.Array[Any], path: str, sink: dict[str, Any]) -> None:
     typ = arr.type
     n, off = len(arr), arr.offset
     if (big := pa.types.is_large_list(typ)) or pa.types.is_list(typ):
-        width = 8 if big else 4
-        offs = (
-            np.frombuffer(
-                cast("Any", arr.buffers()[1]),
-                dtype=np.int64 if big else np.int32,
-                count=n + 1,
-                offset=off * width,
-            )
-            if n
-            else np.zeros(1, dtype=np.int64)
-        )
+        offs = _offsets(arr.buffers()[1], big, n, off)
         update(path + "#len", np.diff(offs).tobytes())
         _feed(cast("pa.LargeListArray[Any]", arr).flatten(), path + "[]", sink)
     elif pa.types.is_fixed_size_list(typ):
@@ -184,18 +182,8 @@ def _feed(arr: pa.Array[Any], path: str, sink: dict[str, Any]) -> None:
     elif (big := pa.types.is_large_binary(typ) or pa.types.is_large_string(typ)) or (
         pa.types.is_binary(typ) or pa.types.is_string(typ)
     ):
-        width = 8 if big else 4
         bufs = arr.buffers()
-        offs = (
-            np.frombuffer(
-                cast("Any", bufs[1]),
-                dtype=np.int64 if big else np.int32,
-                count=n + 1,
-                offset=off * width,
-            )
-            if n
-            else np.zeros(1, dtype=np.int64)
-        )
+        offs = _offsets(bufs[1], big, n, off)
         update(path + "#len", np.diff(offs).tobytes())
         update(path, _span(bufs[2], int(offs[0]), int(offs[-1])))
     else:
